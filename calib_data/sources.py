@@ -1,0 +1,87 @@
+"""Where calibration and evaluation text comes from.
+
+Sources: a local text file (read exactly as stored: UTF-8, no newline conversion), a JSONL
+file (one document per line, field `text`), a Hugging Face `datasets` name when that package
+and the network are available, or samples the model generates itself (the data-free default;
+the caller supplies the generator, since this package must not import models).
+A source is named by a spec string, which goes into the manifest as provenance:
+    file:PATH  |  jsonl:PATH[#field]  |  hf:NAME[/CONFIG]:SPLIT[#field]  |  self:NUM_SAMPLES
+A bare existing path means file: (or jsonl: for *.jsonl).
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from qkiln.errors import CalibrationDataError
+
+# (num_samples, seed) -> generated documents; provided by compile/ with the model loaded.
+SelfGenerator = Callable[[int, int], list[str]]
+
+
+@dataclass(frozen=True)
+class TextSource:
+    spec: str
+    documents: list[str]
+
+
+def read_text_exact(path: Path) -> str:
+    """The file's text exactly as stored: bytes decoded as UTF-8, CRLF kept."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise CalibrationDataError(f"data file {path} does not exist; check the path") from None
+    except UnicodeDecodeError as e:
+        raise CalibrationDataError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
+
+
+def _read_jsonl(path: Path, field: str) -> list[str]:
+    docs = []
+    for i, line in enumerate(read_text_exact(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            docs.append(json.loads(line)[field])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CalibrationDataError(f"{path}:{i}: expected a JSON object with a {field!r} string ({e})") from e
+    return docs
+
+
+def _read_hf_dataset(name: str, split: str, field: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise CalibrationDataError("hf: sources need `pip install datasets`; or pass a local file") from None
+    repo, _, config = name.partition("/") if name.count("/") > 1 else (name, "", "")
+    try:
+        ds = datasets.load_dataset(repo, config or None, split=split)
+    except Exception as e:  # offline, unknown name, ...: the message says which
+        raise CalibrationDataError(f"could not load dataset {name!r} ({e}); pass a local file instead") from e
+    return [row[field] for row in ds if row[field].strip()]
+
+
+def load_text_source(spec: str, self_generator: SelfGenerator | None = None, seed: int = 0) -> TextSource:
+    kind, sep, rest = spec.partition(":")
+    if not sep or Path(spec).exists():
+        kind, rest = ("jsonl" if spec.endswith(".jsonl") else "file"), spec
+    if kind == "file":
+        return TextSource(spec, [read_text_exact(Path(rest))])
+    if kind == "jsonl":
+        path, _, field = rest.partition("#")
+        return TextSource(spec, _read_jsonl(Path(path), field or "text"))
+    if kind == "hf":
+        name_split, _, field = rest.partition("#")
+        name, _, split = name_split.rpartition(":")
+        return TextSource(spec, _read_hf_dataset(name or name_split, split or "train", field or "text"))
+    if kind == "self":
+        if self_generator is None:
+            raise CalibrationDataError("self: calibration needs a model to generate samples; use `qkiln build`")
+        try:
+            num = int(rest)
+        except ValueError:
+            raise CalibrationDataError(f"self:NUM_SAMPLES expects an integer, got {rest!r}") from None
+        return TextSource(spec, self_generator(num, seed))
+    raise CalibrationDataError(
+        f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT or self:N"
+    )

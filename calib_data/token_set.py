@@ -1,0 +1,64 @@
+"""Seeded, fixed-length token batches for calibration, with a content hash for provenance.
+
+`TokenSet.input_ids` is [num_samples, seq_len] int64. Sampling is deterministic in
+(documents, tokenizer, num_samples, seq_len, seed); `sha256` covers the token ids exactly
+(little-endian int64 bytes, row-major), so two builds that calibrated on the same tokens
+record the same hash.
+"""
+
+import hashlib
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from qkiln.errors import CalibrationDataError
+
+from .sources import TextSource
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    input_ids: torch.Tensor  # [num_samples, seq_len] int64
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def sha256(self) -> str:
+        return token_sha256(self.input_ids)
+
+
+def token_sha256(ids: torch.Tensor) -> str:
+    array = np.ascontiguousarray(ids.to(torch.int64).cpu().numpy()).astype("<i8")
+    return hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> TokenSet:
+    """Tokenize the documents as one stream and cut `num_samples` windows at seeded offsets.
+
+    Windows never straddle the stream's end. When the stream is shorter than
+    num_samples * seq_len, windows overlap (still seeded); shorter than one window is an error.
+    """
+    if num_samples <= 0 or seq_len <= 1:
+        raise CalibrationDataError(f"need num_samples > 0 and seq_len > 1, got {num_samples} and {seq_len}")
+    stream: list[int] = []
+    for doc in source.documents:
+        stream.extend(tokenizer.encode(doc, add_special_tokens=False))
+        if tokenizer.eos_token_id is not None and len(source.documents) > 1:
+            stream.append(tokenizer.eos_token_id)  # document boundary, as pretraining packs them
+    if len(stream) < seq_len:
+        raise CalibrationDataError(
+            f"{source.spec} has {len(stream)} tokens, fewer than one window of {seq_len}; use more text"
+        )
+    rng = random.Random(seed)
+    starts = [rng.randrange(0, len(stream) - seq_len + 1) for _ in range(num_samples)]
+    ids = torch.tensor([stream[s : s + seq_len] for s in starts], dtype=torch.int64)
+    provenance = {
+        "source": source.spec,
+        "num_samples": num_samples,
+        "seq_len": seq_len,
+        "seed": seed,
+        "num_source_tokens": len(stream),
+        "token_sha256": token_sha256(ids),
+    }
+    return TokenSet(ids, provenance)

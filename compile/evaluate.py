@@ -1,0 +1,107 @@
+"""Accuracy evaluation on a pinned protocol: perplexity, bits per byte, KL and top-1 vs a reference.
+
+Protocol (recorded verbatim in every report so numbers are comparable):
+  text = the file's bytes as UTF-8, unchanged; ids = tokenize(text) without special tokens;
+  keep the first `max_tokens`; cut into consecutive windows of `seq_len` (the last may be
+  shorter); score every token of a window but its first. A tokenizer whose policy adds BOS
+  gets BOS prepended to each window instead, and then every window token is scored.
+Bits per byte divide the scored tokens' total NLL (in bits) by those tokens' UTF-8 bytes.
+KL is KL(reference || model) per scored token, averaged; top-1 agreement is how often both
+argmaxes agree. Scoring is fp32 and deterministic.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from qkiln.calib_data import read_text_exact
+from qkiln.errors import CalibrationDataError
+
+Scorer = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> logits [B, T, V] (fp32)
+
+
+@dataclass
+class EvalProtocol:
+    data: str
+    seq_len: int
+    max_tokens: int
+    add_bos: bool
+
+    def to_dict(self) -> dict:
+        return {
+            "data": self.data, "seq_len": self.seq_len, "max_tokens": self.max_tokens,
+            "bos_per_window": self.add_bos, "special_tokens": False, "stride": self.seq_len,
+            "scored": "all window tokens" if self.add_bos else "all window tokens but the first",
+        }
+
+
+def make_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[int]]:
+    windows = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
+    if bos_id is not None:
+        windows = [[bos_id] + w for w in windows]
+    return [w for w in windows if len(w) > 1]
+
+
+def token_byte_lengths(tokenizer, ids: list[int]) -> dict[int, int]:
+    """UTF-8 bytes each token stands for. Byte-level BPE tokens are one byte per character."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = set(ByteLevel.alphabet())
+    lengths = {}
+    for i in set(ids):
+        piece = tokenizer.backend.id_to_token(i) or ""
+        lengths[i] = len(piece) if piece and set(piece) <= alphabet else len(tokenizer.decode([i]).encode())
+    return lengths
+
+
+def evaluate(
+    model: Scorer, tokenizer, data_path: str, seq_len: int, max_tokens: int,
+    reference: Scorer | None = None, batch_size: int = 4, progress: bool = True,
+) -> dict:
+    if seq_len < 2 or max_tokens < 2:
+        raise CalibrationDataError("--seq-len and --max-tokens must be at least 2")
+    text = read_text_exact(data_path)
+    ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    if len(ids) < 2:
+        raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens; need at least 2 to score")
+    protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos)
+    windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
+    byte_len = token_byte_lengths(tokenizer, ids)
+    totals = dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0)
+    # equal-length windows batch together; the shorter last one runs alone
+    batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
+    batches = [[w for w in b if len(w) == len(b[0])] for b in batches] + [
+        [w] for b in batches for w in b if len(w) != len(b[0])
+    ]
+    for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
+        _score_batch(torch.tensor(batch), model, reference, byte_len, totals)
+    n = totals["tokens"]
+    report = {
+        "perplexity": math.exp(totals["nll"] / n),
+        "bits_per_byte": totals["nll"] / math.log(2) / totals["bytes"],
+        "num_tokens": n,
+        "num_windows": len(windows),
+        "protocol": protocol.to_dict(),
+    }
+    if reference is not None:
+        report["kl_divergence"] = totals["kl"] / n
+        report["top1_agreement"] = totals["agree"] / n
+    return report
+
+
+@torch.no_grad()
+def _score_batch(ids: torch.Tensor, model: Scorer, reference, byte_len: dict, totals: dict) -> None:
+    logits = model(ids)[:, :-1].float()  # [B, T-1, V] predicts ids[:, 1:]
+    targets = ids[:, 1:]
+    logp = F.log_softmax(logits, dim=-1)
+    totals["nll"] += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+    totals["tokens"] += targets.numel()
+    totals["bytes"] += sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
+    if reference is not None:
+        ref_logp = F.log_softmax(reference(ids)[:, :-1].float(), dim=-1)
+        totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+        totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()

@@ -1,0 +1,34 @@
+"""Open whatever a command names as a model: a source model now, an artifact once built.
+
+`open_model(name)` returns a `LoadedModel` with the tokenizer and a dense fp32 scorer used by
+evaluation. An artifact directory is recognised by its manifest.json.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qkiln.runtime.source import load_source
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    tokenizer: object
+    model: torch.nn.Module
+    description: dict
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(ids).float()
+
+
+def open_model(name: str) -> LoadedModel:
+    path = Path(name)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        from .artifact_model import load_artifact_model  # an artifact: quantized layers from its manifest
+
+        return load_artifact_model(path)
+    src = load_source(name)
+    return LoadedModel(name, src.tokenizer, src.build_model(torch.float32), {"kind": src.kind, "sha256": src.sha256})

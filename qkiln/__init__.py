@@ -1,0 +1,1 @@
+"""qkiln: quantization-first model compilation pipeline for LLMs."""

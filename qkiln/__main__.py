@@ -1,0 +1,3 @@
+from qkiln.cli import main
+
+main()

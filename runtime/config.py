@@ -1,0 +1,108 @@
+"""`ModelConfig`: the architecture description the lean model is built from.
+
+Read from a Hugging Face `config.json`, from GGUF metadata, or from an artifact's manifest.
+It must not hold weights or anything device-specific. Unknown architectures are refused
+here, at the edge, with `UnsupportedArchitectureError`.
+"""
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from qkiln.errors import SourceModelError, UnsupportedArchitectureError
+
+# HF `architectures[0]` -> our family name. Qwen2 adds q/k/v bias, Qwen3 adds q/k RMSNorm.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+HF_ARCHITECTURE_NAME = {family: hf for hf, family in SUPPORTED_ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # family: llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise SourceModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; the config is inconsistent"
+            )
+
+    @property
+    def hf_architecture(self) -> str:
+        return HF_ARCHITECTURE_NAME[self.architecture]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        family = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else None
+        if family is None:
+            raise UnsupportedArchitectureError(
+                f"architecture {archs or hf.get('model_type')!r} is not supported; qkiln supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (convert the model or open an issue)"
+            )
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        # transformers 5 moves theta into `rope_parameters`; accept both spellings.
+        params = hf.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = params.get("rope_theta", 10000.0)
+        if rope_scaling is None and params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            architecture=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

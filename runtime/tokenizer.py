@@ -1,0 +1,131 @@
+"""`Tokenizer`: the HF `tokenizers` library plus the few policies around it that models need.
+
+Owns: encode/decode, the BOS policy (`add_bos`), special token ids, and the chat template
+(rendered with jinja2, as transformers does). Built from a `tokenizer.json` directory or from
+GGUF metadata (byte-level BPE, llama.cpp's `tokenizer.ggml.*` keys). Must not import
+`transformers`: the runtime serves without it.
+"""
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from qkiln.errors import SourceModelError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# llama.cpp pre-tokenizer names -> the split rules their merges were learned with.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class Tokenizer:
+    def __init__(self, backend: HFTokenizer, config: dict):
+        self.backend = backend
+        self.config = config
+        self.bos_token_id = self._token_id(config.get("bos_token"))
+        self.eos_token_id = self._token_id(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.chat_template = config.get("chat_template")
+
+    def _token_id(self, token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain tokenization; BOS is prepended only when the tokenizer's policy says so."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise SourceModelError("this model's tokenizer has no chat template; use /v1/completions instead")
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.config.get("bos_token") or "",
+            eos_token=self.config.get("eos_token") or "",
+        )
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(directory / "tokenizer.json"))
+        (directory / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True))
+
+    @classmethod
+    def from_dir(cls, directory: Path) -> "Tokenizer":
+        path = Path(directory) / "tokenizer.json"
+        if not path.is_file():
+            raise SourceModelError(f"{directory} has no tokenizer.json; copy the model's tokenizer files there")
+        try:
+            backend = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise SourceModelError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from e
+        config_path = Path(directory) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
+        return cls(backend, config)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise SourceModelError(
+                f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+                "use the model's Hugging Face directory instead"
+            )
+        tokens = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
+        backend.add_special_tokens(control)
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        config = {
+            "bos_token": tokens[bos] if bos is not None else None,
+            "eos_token": tokens[eos] if eos is not None else None,
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            "chat_template": meta.get("tokenizer.chat_template"),
+        }
+        return cls(backend, config)
+
+
+_KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "chat_template", "pad_token")
+
+
+def _gguf_pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre == "smollm":
+        # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level split.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if pre in ("default", "gpt-2", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raise SourceModelError(f"GGUF pre-tokenizer {pre!r} is not supported; use the model's Hugging Face directory")
+
+
+def _raise_template_error(message: str):
+    raise SourceModelError(f"chat template error: {message}")

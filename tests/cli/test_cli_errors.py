@@ -1,0 +1,60 @@
+"""Bad input gives a one-line `error:` naming the problem and what to do, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import write_tiny_hf_model
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "qkiln", *args], capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_help_on_every_subcommand():
+    out = run_cli("--help")
+    assert out.returncode == 0 and "eval" in out.stdout
+    assert run_cli("eval", "--help").returncode == 0
+
+
+def test_missing_model(tmp_path):
+    assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", "x.txt"), "not found")
+
+
+def test_missing_data_file(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "x.txt")), "does not exist")
+
+
+def test_unsupported_architecture(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", "x"), "not supported")
+
+
+def test_corrupt_safetensors(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    f = tmp_path / "m/model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    (tmp_path / "t.txt").write_text("hello")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "safetensors")
+
+
+@pytest.mark.parametrize("cut", [100, 5_000_000])
+def test_corrupt_gguf(tmp_path, smollm2, cut):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(smollm2.path.read_bytes()[:cut])
+    assert_one_line_error(run_cli("eval", str(bad), "--data", "x"), "GGUF")

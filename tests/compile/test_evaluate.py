@@ -1,0 +1,68 @@
+"""The evaluation protocol: windows, BOS policy, bits per byte, KL; parity with transformers."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkiln.compile.evaluate import evaluate, make_windows
+from qkiln.compile.model_ref import open_model
+from tiny_models import write_tiny_hf_model
+
+
+def test_windows_cover_tokens_and_last_is_shorter():
+    ids = list(range(10))
+    assert make_windows(ids, 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert make_windows(ids, 4, 99)[2] == [99, 8, 9]
+
+
+def test_perplexity_matches_a_direct_computation(tmp_path):
+    write_tiny_hf_model(tmp_path / "m", "llama")
+    m = open_model(str(tmp_path / "m"))
+    text = "Hello world, this is a tiny test of the evaluation protocol.\r\nSecond line é ü."
+    (tmp_path / "t.txt").write_bytes(text.encode())
+    report = evaluate(m, m.tokenizer, str(tmp_path / "t.txt"), seq_len=16, max_tokens=60, progress=False)
+    ids = m.tokenizer.encode(text, add_special_tokens=False)[:60]
+    nll, n = 0.0, 0
+    for i in range(0, len(ids), 16):
+        w = torch.tensor([ids[i : i + 16]])
+        if w.shape[1] < 2:
+            continue
+        logp = F.log_softmax(m(w)[0, :-1], -1)
+        nll -= logp.gather(-1, w[0, 1:, None]).sum().item()
+        n += w.shape[1] - 1
+    assert report["num_tokens"] == n
+    assert report["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    # a byte-level tokenizer with no merges: one scored token per byte, except each window's first
+    scored_bytes = len(text.encode()[:60]) - len(range(0, 60, 16))
+    assert report["bits_per_byte"] == pytest.approx(nll / math.log(2) / scored_bytes, rel=1e-5)
+
+
+def test_reference_against_itself_has_zero_kl(tmp_path):
+    write_tiny_hf_model(tmp_path / "m", "qwen2")
+    m = open_model(str(tmp_path / "m"))
+    (tmp_path / "t.txt").write_text("abc def ghi jkl mno pqr stu vwx yz " * 4)
+    r = evaluate(m, m.tokenizer, str(tmp_path / "t.txt"), 32, 100, reference=m, progress=False)
+    assert r["kl_divergence"] == pytest.approx(0.0, abs=1e-6)
+    assert r["top1_agreement"] == 1.0
+
+
+def test_smollm2_perplexity_agrees_with_transformers(smollm2, wiki_test_path):
+    """Same protocol, transformers' own model as the scorer: within 0.1% (first 2048 tokens)."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2.path.parent, gguf_file=smollm2.path.name, torch_dtype=torch.float32
+    ).eval()
+    ours = open_model(str(smollm2.path))
+
+    def hf_scorer(ids):
+        with torch.no_grad():
+            return ref(ids).logits
+
+    kw = dict(seq_len=512, max_tokens=2048, progress=False)
+    a = evaluate(ours, ours.tokenizer, str(wiki_test_path), **kw)
+    b = evaluate(hf_scorer, ours.tokenizer, str(wiki_test_path), **kw)
+    assert a["num_tokens"] == b["num_tokens"] == 2044
+    assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-3)

