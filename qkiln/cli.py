@@ -56,5 +56,51 @@ def eval_cmd(
     print(text)
 
 
+@app.command("build")
+def build_cmd(
+    source: Annotated[str, typer.Argument(help="source model: alias (smollm2-135m), HF dir or .gguf")],
+    recipe: Annotated[str, typer.Option(help="preset (w4a16-gptq, fp8-w8a8+kv-fp8, ...) or YAML/TOML file")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
+    calib: Annotated[Optional[str], typer.Option(help="calibration data: file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="calibration samples")] = None,
+    target: Annotated[Optional[str], typer.Option(help="cpu or cuda")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report")] = None,
+    eval_tokens: Annotated[Optional[int], typer.Option(help="tokens scored in the accuracy report")] = None,
+    archive: Annotated[Optional[Path], typer.Option(help="also write the artifact as one .tar/.tar.gz")] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="ignore the per-layer build cache")] = False,
+):
+    """Calibrate, quantize, evaluate and write a verified artifact."""
+    import dataclasses
+
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import load_recipe
+
+    try:
+        r = load_recipe(recipe)
+        cal = {k: v for k, v in (("source", calib), ("num_samples", num_samples)) if v is not None}
+        ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens)) if v is not None}
+        r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, **cal),
+                                evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
+        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log)
+        if archive:
+            from qkiln.compile.artifact_writer import write_archive
+
+            write_archive(result.path, archive)
+    except QkilnError as e:
+        _fail(e)
+    acc = result.manifest.accuracy
+    ppl = f"perplexity {acc['perplexity']:.3f} ({acc['perplexity_change']:+.2%} vs unquantized)" if "perplexity" in acc else "no accuracy report"
+    print(f"built {result.path} in {result.seconds:.1f} s: {result.num_cached_layers}/{result.num_layers} "
+          f"layers from cache, {ppl}")
+
+
+from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # noqa: E402  (registered below)
+
+app.command("verify")(verify_cmd)
+app.command("inspect")(inspect_cmd)
+
+
 def main():
     app()

@@ -38,14 +38,22 @@ class SourceModel:
         return build_model(self.config, self.state_dict, dtype)
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32, **kw) -> CausalLM:
-    """Instantiate on the meta device, then assign the weights: no double allocation."""
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
+                make_linear=None, strict_quantized: set[str] = frozenset()) -> CausalLM:
+    """Instantiate on the meta device, then assign the weights: no double allocation.
+
+    `make_linear` builds (already materialised) quantized linears; their names are in
+    `strict_quantized` and their parameters are not expected in `state_dict`.
+    """
     with torch.device("meta"):
-        model = CausalLM(config, **kw)
-    weights = {k: v.to(dtype) for k, v in state_dict.items()}
+        model = CausalLM(config) if make_linear is None else None
+    if model is None:  # quantized linears hold real tensors: build them off the meta device
+        model = CausalLM(config, make_linear=make_linear)
+    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    missing = [k for k in missing if k.rsplit(".", 1)[0] not in strict_quantized]
     if missing or unexpected:
         raise SourceModelError(
             f"weights do not fit a {config.architecture} model: missing {missing[:4]}, unexpected "

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 TINY = dict(
-    vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
+    vocab_size=260, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257,
 )
 
 

@@ -1,0 +1,337 @@
+"""The qkiln artifact format: the manifest schema, reading and verification.
+
+Owns `Manifest` (what manifest.json holds), `read_manifest`, `verify_artifact`,
+`read_tensor_index` (tensor -> shard, dtype, shape from safetensors headers; no weights read),
+`load_tensors` and `toolchain_versions`. Writing lives in `artifact_writer.py`.
+
+This is the leaf the runtime imports: only the stdlib and qkiln.errors at module level; torch
+and safetensors are imported inside the functions that need them. Nothing is ever unpickled.
+
+An artifact directory:
+    manifest.json                               written last; hashes every other file
+    weights/model-00001-of-0000N.safetensors    packed tensors, names sorted across shards
+    tokenizer/   reports/   engines/<target>/   (engines optional)
+
+Invariants: a directory is an artifact iff manifest.json parses, its MAJOR version is ours and
+`files` lists every other file with its size and sha256 (no more, no less, no symlinks).
+A newer MINOR only adds fields: they are kept in `Manifest.extra` and written back unchanged.
+"""
+
+import hashlib
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from qkiln.errors import ArtifactError
+
+FORMAT_VERSION = "1.0"
+_MAJOR, _MINOR = (int(p) for p in FORMAT_VERSION.split("."))
+MANIFEST_NAME = "manifest.json"
+WEIGHTS_DIR = "weights"
+# sibling dirs a writer uses while building or replacing; never an artifact
+UNFINISHED_RE = re.compile(r"\..+\.(partial|trash)-\d+")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class Manifest:
+    """manifest.json. Dicts are free-form JSON owned by the build (see DESIGN.md "The artifact")."""
+
+    name: str
+    architecture: dict  # the model config
+    target: dict  # {"device": "cpu" | "cuda", "min_compute_capability": "8.9" | None}
+    recipe: dict = field(default_factory=dict)  # as applied, with per-layer results/fallbacks/errors
+    quantization: dict = field(default_factory=dict)  # per-linear layout the runtime builds from
+    kv_cache: dict | None = None
+    calibration: dict | None = None  # source, num_samples, seq_len, seed, token_sha256
+    source: dict = field(default_factory=dict)  # path, kind, sha256
+    toolchain: dict = field(default_factory=dict)  # see toolchain_versions()
+    accuracy: dict = field(default_factory=dict)
+    files: dict = field(default_factory=dict)  # relpath -> {"sha256", "size"}; not manifest.json
+    num_parameters: int | None = None
+    source_bytes_bf16: int | None = None
+    created: int | None = None  # only a fixed epoch (SOURCE_DATE_EPOCH), never "now"
+    format_version: str = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # fields from a newer minor version, kept verbatim
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        clash = set(self.extra) & set(d)
+        assert not clash, f"Manifest.extra shadows fields {clash}"
+        return {**self.extra, **d}
+
+    def to_json(self) -> str:
+        """Deterministic text: sorted keys, indent 2, trailing newline. Validates first."""
+        d = self.to_dict()
+        is_newer = _is_newer_minor(d, "manifest")
+        _validate(d, "manifest", allow_unknown=is_newer or bool(self.extra))
+        try:
+            return json.dumps(d, sort_keys=True, indent=2, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"manifest: not plain JSON ({e}); store numbers, strings, lists, dicts, "
+                                "and NaN/inf as null") from None
+
+    @classmethod
+    def from_json(cls, text: str, where: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{where}: not valid JSON ({e}); the artifact is corrupt, rebuild it") from None
+        if not isinstance(d, dict):
+            raise ArtifactError(f"{where}: expected a JSON object; the artifact is corrupt, rebuild it")
+        newer = _is_newer_minor(d, where)
+        _validate(d, where, allow_unknown=newer)
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in d.items() if k in known},
+                   extra={k: v for k, v in d.items() if k not in known})
+
+
+# field -> (allowed types, required when reading)
+_SCHEMA = {
+    "format_version": ((str,), True), "name": ((str,), True), "architecture": ((dict,), True),
+    "recipe": ((dict,), True), "quantization": ((dict,), True), "kv_cache": ((dict, type(None)), False),
+    "calibration": ((dict, type(None)), True), "source": ((dict,), True), "toolchain": ((dict,), True),
+    "target": ((dict,), True), "accuracy": ((dict,), True), "files": ((dict,), True),
+    "num_parameters": ((int, type(None)), False), "source_bytes_bf16": ((int, type(None)), False),
+    "created": ((int, type(None)), False),
+}
+
+
+def _is_newer_minor(d: dict, where: str) -> bool:
+    """Refuse another MAJOR (before reading anything else: its fields may mean other things)."""
+    v = d.get("format_version")
+    m = re.fullmatch(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    if m is None:
+        raise ArtifactError(f"{where}: format_version {v!r} is not MAJOR.MINOR; the artifact is corrupt, rebuild it")
+    if int(m[1]) != _MAJOR:
+        raise ArtifactError(f"{where}: unknown major format version {v} (this qkiln reads {_MAJOR}.x); "
+                            "use a qkiln release that reads it, or rebuild the artifact")
+    return int(m[2]) > _MINOR
+
+
+def _validate(d: dict, where: str, allow_unknown: bool) -> None:
+    for key, (types, required) in _SCHEMA.items():
+        if key not in d:
+            if required:
+                raise ArtifactError(f"{where}: missing field '{key}'; the artifact is corrupt, rebuild it")
+            continue
+        v = d[key]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise ArtifactError(f"{where}: field '{key}' must be {names}, got {type(v).__name__}")
+    unknown = sorted(set(d) - set(_SCHEMA))
+    if unknown and not allow_unknown:
+        raise ArtifactError(f"{where}: unknown field(s) {unknown} in format {d['format_version']}; "
+                            "the manifest was edited or is corrupt, rebuild the artifact")
+    if not d["name"]:
+        raise ArtifactError(f"{where}: field 'name' is empty")
+    if d["target"].get("device") not in _DEVICES:
+        raise ArtifactError(f"{where}: target.device must be one of {list(_DEVICES)}, "
+                            f"got {d['target'].get('device')!r}")
+    for rel, entry in d["files"].items():
+        _check_file_entry(rel, entry, where)
+
+
+def _check_file_entry(rel, entry, where: str) -> None:
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if (not parts or rel.startswith("/") or "\\" in rel or rel == MANIFEST_NAME
+            or any(p in ("", ".", "..") for p in parts)):
+        raise ArtifactError(f"{where}: files entry {rel!r} is not a plain relative path inside the artifact")
+    ok = (isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and _HEX64.fullmatch(entry["sha256"])
+          and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool) and entry["size"] >= 0)
+    if not ok:
+        raise ArtifactError(f"{where}: files[{rel!r}] must be {{'sha256': 64 hex chars, 'size': int >= 0}}")
+
+
+def read_manifest(path) -> Manifest:
+    """The manifest of the artifact at `path`, validated; no weights are read."""
+    root = Path(path)
+    mpath = root / MANIFEST_NAME
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: not a directory; pass the directory that qkiln build wrote")
+    if not mpath.is_file():
+        raise ArtifactError(f"{root}: not a finished artifact (no {MANIFEST_NAME}); "
+                            "the build did not complete or this is the wrong directory, rerun qkiln build")
+    try:
+        text = mpath.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{mpath}: not UTF-8 text; the artifact is corrupt, rebuild it") from None
+    return Manifest.from_json(text, where=str(mpath))
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):  # 1 MiB: shards are GBs, never read whole
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_artifact_files(root: Path) -> set[str]:
+    """Every file under `root` as a posix relpath, manifest.json excepted; refuses links."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                raise ArtifactError(f"{p}: symbolic link inside an artifact; artifacts hold plain files only")
+            if name in filenames and not p.is_file():
+                raise ArtifactError(f"{p}: not a regular file; artifacts hold plain files only")
+            if name in filenames and rel != MANIFEST_NAME:
+                out.add(rel)
+    return out
+
+
+def check_target_available(manifest: Manifest, where="artifact") -> None:
+    """Refuse a cuda artifact without CUDA or on a GPU older than its min compute capability."""
+    if manifest.target["device"] == "cpu":
+        return
+    try:
+        import torch  # lazy: the artifact module stays importable without torch
+
+        is_available = torch.cuda.is_available()
+    except ImportError:
+        is_available = False
+    if not is_available:
+        raise ArtifactError(f"{where}: built for target cuda but CUDA is not available on this machine; "
+                            "run it on a CUDA machine or rebuild with --target cpu")
+    need = manifest.target.get("min_compute_capability")
+    if need is not None:
+        need_cc = tuple(int(x) for x in (need if isinstance(need, list) else str(need).split(".")))
+        have_cc = tuple(torch.cuda.get_device_capability())
+        if have_cc < need_cc:
+            raise ArtifactError(f"{where}: needs compute capability {need}, this GPU has "
+                                f"{'.'.join(map(str, have_cc))}; serve on a newer GPU or rebuild for this one")
+
+
+def verify_artifact(path, check_target: bool = True) -> list[str]:
+    """Check schema, version, target and every file's size and sha256; returns the verified relpaths.
+
+    Raises ArtifactError whose message starts with the offending path, then what is wrong.
+    """
+    root = Path(path)
+    if UNFINISHED_RE.fullmatch(root.name):
+        raise ArtifactError(f"{root}: leftover of an unfinished build, not an artifact; rerun qkiln build")
+    return verify_contents(root, check_target)
+
+
+def verify_contents(root: Path, check_target: bool = True) -> list[str]:
+    """verify_artifact without the directory-name check (the writer verifies its own temp dirs)."""
+    manifest = read_manifest(root)
+    if check_target:
+        check_target_available(manifest, where=str(root))
+    present = list_artifact_files(root)
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        raise ArtifactError(f"{root / missing[0]}: listed in the manifest but missing"
+                            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-fetch or rebuild")
+    unlisted = sorted(present - set(manifest.files))
+    if unlisted:
+        raise ArtifactError(f"{root / unlisted[0]}: not listed in the manifest"
+                            f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}; "
+                            "remove it or rebuild the artifact")
+    for rel in sorted(manifest.files):
+        expected = manifest.files[rel]
+        size = (root / rel).stat().st_size
+        if size != expected["size"]:
+            raise ArtifactError(f"{root / rel}: size mismatch: manifest says {expected['size']} bytes, "
+                                f"file has {size}; the file was changed, re-fetch or rebuild")
+        actual = sha256_file(root / rel)
+        if actual != expected["sha256"]:
+            raise ArtifactError(f"{root / rel}: sha256 mismatch: manifest says {expected['sha256'][:16]}..., "
+                                f"file has {actual[:16]}...; the file was changed, re-fetch or rebuild")
+    return sorted(manifest.files)
+
+
+def weight_shards(manifest: Manifest) -> list[str]:
+    return sorted(r for r in manifest.files if r.startswith(WEIGHTS_DIR + "/") and r.endswith(".safetensors"))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shard: str  # relpath of the safetensors file
+    dtype: str  # safetensors name: "BF16", "U8", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _read_safetensors_header(path: Path) -> dict:
+    """The JSON header (u64 little-endian length, then JSON) without reading tensor bytes."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        (length,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
+        if not 0 < length <= 100 << 20 or length + 8 > path.stat().st_size:
+            raise ArtifactError(f"{path}: not a safetensors file (bad header length); rebuild the artifact")
+        try:
+            return json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ArtifactError(f"{path}: unreadable safetensors header; rebuild the artifact") from None
+
+
+def read_tensor_index(path, manifest: Manifest | None = None) -> dict[str, TensorInfo]:
+    """Tensor name -> where it lives, its dtype and shape, from the shard headers alone."""
+    root = Path(path)
+    manifest = manifest or read_manifest(root)
+    index = {}
+    for rel in weight_shards(manifest):
+        header = _read_safetensors_header(root / rel)
+        for name, info in sorted(header.items()):
+            if name == "__metadata__":
+                continue
+            if name in index:
+                raise ArtifactError(f"{root / rel}: tensor {name!r} also in {index[name].shard}; rebuild the artifact")
+            begin, end = info["data_offsets"]
+            index[name] = TensorInfo(rel, info["dtype"], tuple(info["shape"]), end - begin)
+    return index
+
+
+def load_tensors(path, manifest: Manifest | None = None, *, verify: bool = True, device: str = "cpu") -> dict:
+    """Every tensor of the artifact (safetensors, never pickle), after `verify_artifact` unless told not to.
+
+    The target check is left to the caller (the runtime verifies before it serves); loading to
+    CPU memory is fine for inspection of an artifact built for cuda.
+    """
+    from safetensors.torch import load_file  # lazy: imports torch
+
+    root = Path(path)
+    if verify:
+        verify_artifact(root, check_target=False)
+        on_disk = read_manifest(root)
+        if manifest is not None and manifest.files != on_disk.files:
+            raise ArtifactError(f"{root}: the manifest passed in differs from {MANIFEST_NAME} on disk; reread it")
+        manifest = on_disk
+    manifest = manifest or read_manifest(root)
+    tensors = {}
+    for rel in weight_shards(manifest):
+        shard = load_file(root / rel, device=device)
+        for name in shard.keys() & tensors.keys():
+            raise ArtifactError(f"{root / rel}: tensor {name!r} appears in two shards; rebuild the artifact")
+        tensors.update(shard)
+    return tensors
+
+
+def toolchain_versions() -> dict:
+    """Versions that decide the bytes of a build: recorded so a mismatch can be explained later."""
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version(), "platform": f"{platform.system()}-{platform.machine()}"}
+    for pkg in ("qkiln", "torch", "safetensors", "numpy", "tokenizers", "triton", "gguf"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            continue
+    try:
+        import torch
+
+        out["torch"] = torch.__version__  # keeps the local tag (+cpu / +cu128) that metadata drops
+        if torch.version.cuda:
+            out["cuda"] = torch.version.cuda
+    except ImportError:
+        pass
+    return out

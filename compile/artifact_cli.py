@@ -1,0 +1,143 @@
+"""`qkiln verify` and `qkiln inspect`: artifact checks a deploy script or registry can call.
+
+Owns the two typer command functions (registered by qkiln/cli.py) and `summarize_artifact`,
+the dict `inspect` prints. Neither loads weights: verify hashes files, inspect reads the
+manifest and the safetensors headers. Failures are one `error: <file>: <what>` line, exit 2.
+"""
+
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qkiln.errors import QkilnError
+
+from .artifact import read_manifest, read_tensor_index, verify_artifact, weight_shards
+
+_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
+def _fail(e: QkilnError):
+    print(f"error: {e}", file=sys.stderr)
+    raise typer.Exit(e.exit_code)
+
+
+def verify_cmd(
+    path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
+    check_target: Annotated[bool, typer.Option(help="also refuse an artifact this machine cannot run")] = True,
+):
+    """Check the manifest version, target and every file's size and sha256 (no weights loaded)."""
+    try:
+        if path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES):
+            from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
+
+            with tempfile.TemporaryDirectory(prefix="qkiln-verify-") as tmp:
+                extracted = extract_archive(path, Path(tmp) / "artifact", check_target=check_target)
+                num_files = len(read_manifest(extracted).files)
+        else:
+            num_files = len(verify_artifact(path, check_target=check_target))
+    except QkilnError as e:
+        _fail(e)
+    print(f"ok: {num_files} files verified")
+
+
+def inspect_cmd(
+    path: Annotated[Path, typer.Argument(help="artifact directory")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+):
+    """Name, recipe, sizes, compression ratio, accuracy, provenance and toolchain (no weights loaded)."""
+    try:
+        summary = summarize_artifact(path)
+    except QkilnError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    for line in _format_summary(summary):
+        print(line)
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _short(d: dict | None, max_chars: int = 100) -> dict | None:
+    """Scalars and small containers as they are; long ones (per-layer tables) as a count."""
+    if d is None:
+        return None
+    return {k: v if len(json.dumps(v)) <= max_chars else f"<{len(v)} entries>" for k, v in sorted(d.items())}
+
+
+def summarize_artifact(path) -> dict:
+    """What `inspect` shows. Sizes come from the manifest and the shard headers; the bf16 size of
+    the source is read from whichever of these the build recorded: `source_bytes_bf16`,
+    `source.bytes_bf16` / `source.source_bytes_bf16`, or 2 x `num_parameters`."""
+    root = Path(path)
+    m = read_manifest(root)
+    index = read_tensor_index(root, m)
+    by_dtype = Counter()
+    for info in index.values():
+        by_dtype[info.dtype] += info.nbytes
+    weights_bytes = sum(m.files[rel]["size"] for rel in weight_shards(m))
+    num_parameters = _first(m.num_parameters, m.source.get("num_parameters"), m.architecture.get("num_parameters"))
+    source_bf16 = _first(m.source_bytes_bf16, m.source.get("bytes_bf16"), m.source.get("source_bytes_bf16"),
+                         2 * num_parameters if isinstance(num_parameters, int) else None)
+    schemes = Counter(str(v.get("scheme")) for v in m.quantization.values() if isinstance(v, dict) and "scheme" in v)
+    return {
+        "name": m.name,
+        "format_version": m.format_version,
+        "target": m.target,
+        "recipe": _short(m.recipe),
+        "quantization": {"num_entries": len(m.quantization), "schemes": dict(sorted(schemes.items()))},
+        "kv_cache": _short(m.kv_cache),
+        "sizes": {
+            "weights_bytes": weights_bytes,
+            "num_shards": len(weight_shards(m)),
+            "num_tensors": len(index),
+            "tensor_bytes_by_dtype": dict(sorted(by_dtype.items())),
+            "total_bytes": sum(e["size"] for e in m.files.values()),
+            "num_parameters": num_parameters,
+            "source_bytes_bf16": source_bf16,
+            "compression_ratio": round(source_bf16 / weights_bytes, 3) if source_bf16 and weights_bytes else None,
+        },
+        "accuracy": m.accuracy,
+        "calibration": m.calibration,
+        "source": m.source,
+        "toolchain": m.toolchain,
+        "created": m.created,
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def _format_summary(s: dict) -> list[str]:
+    sizes = s["sizes"]
+    dtypes = ", ".join(f"{k} {_size(v)}" for k, v in sizes["tensor_bytes_by_dtype"].items()) or "none"
+    ratio = f"{sizes['compression_ratio']}x vs bf16 source ({_size(sizes['source_bytes_bf16'])})" \
+        if sizes["compression_ratio"] else "unknown (manifest records no source size)"
+    lines = [
+        f"name:         {s['name']} (format {s['format_version']})",
+        f"target:       {json.dumps(s['target'], sort_keys=True)}",
+        f"recipe:       {json.dumps(s['recipe'], sort_keys=True)}",
+        f"quantization: {s['quantization']['num_entries']} entries {json.dumps(s['quantization']['schemes'])}",
+        f"kv cache:     {json.dumps(s['kv_cache'], sort_keys=True)}",
+        f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
+        f"{sizes['num_tensors']} tensors ({dtypes})",
+        f"compression:  {ratio}",
+        f"accuracy:     {json.dumps(s['accuracy'], sort_keys=True)}",
+        f"calibration:  {json.dumps(s['calibration'], sort_keys=True)}",
+        f"source:       {json.dumps(s['source'], sort_keys=True)}",
+        f"toolchain:    {json.dumps(s['toolchain'], sort_keys=True)}",
+    ]
+    return lines

@@ -1,0 +1,306 @@
+"""Writing a qkiln artifact: atomically, reproducibly, and as one archive file for registries.
+
+Owns `write_artifact`, `write_archive` and `extract_archive`. The format itself (schema, verify,
+read) is `artifact.py`; this module only produces what that one accepts.
+
+Invariants:
+- Atomic: everything goes into a sibling `.{name}.partial-{pid}` directory, manifest.json last,
+  fsynced, then renamed to its name. A build killed at any point leaves only a partial dir that
+  `verify_artifact` refuses; the next write to the same name deletes partials of dead processes.
+- Reproducible: same inputs give byte-identical files. Tensors are sorted by name, made
+  contiguous and written with fixed safetensors metadata; JSON has sorted keys; archives have
+  sorted entries and a fixed mtime/uid/gid/mode (and a gzip header without name or time).
+- Never pickle: weights are safetensors, reports JSON or bytes given by the caller.
+"""
+
+import gzip
+import json
+import os
+import re
+import shutil
+import tarfile
+from dataclasses import replace
+from pathlib import Path, PurePosixPath
+
+from qkiln.errors import ArtifactError
+
+from .artifact import (MANIFEST_NAME, WEIGHTS_DIR, Manifest, list_artifact_files, sha256_file,
+                       verify_artifact, verify_contents)
+
+GiB = 1 << 30
+# one key only: safetensors keeps metadata in a hash map, so more keys could be written in any order
+_SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: dict[str, bytes],
+                   reports: dict[str, bytes | dict], engines: dict[str, bytes] | None = None,
+                   shard_bytes: int = 2 * GiB, overwrite: bool = False) -> Path:
+    """Write a complete artifact at `out_dir` or nothing there; `manifest.files` is filled in here.
+
+    `engines` maps paths relative to engines/ ("onnx/model.onnx") to bytes. Returns the path.
+    """
+    out = Path(out_dir).absolute()
+    _check_destination(out, overwrite)
+    replace(manifest, files={}).to_json()  # schema errors before any work
+    blobs = _collect_blobs(tokenizer_files, reports, engines or {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write_weights(tmp / WEIGHTS_DIR, tensors, shard_bytes)
+        for rel, data in sorted(blobs.items()):
+            _write_file(tmp / rel, data)
+        files = {rel: {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+                 for rel in sorted(list_artifact_files(tmp))}  # hashed from disk: what verify will see
+        _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
+        _fsync_dirs(tmp)
+        _move_into_place(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it
+        raise
+    return out
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not out.is_dir() or out.is_symlink():
+        raise ArtifactError(f"{out}: exists and is not a directory; choose another output path")
+    if not overwrite:
+        raise ArtifactError(f"{out}: already exists; pass --force (overwrite=True) to replace it")
+    if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise ArtifactError(f"{out}: exists and is not a qkiln artifact, refusing to replace it; "
+                            "choose another output path")
+
+
+def remove_stale_partials(out: Path) -> list[Path]:
+    """Delete `.{name}.partial-PID` / `.{name}.trash-PID` siblings whose process is gone."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(partial|trash)-(\d+)")
+    removed = []
+    for p in sorted(out.parent.iterdir()):
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and (int(m[2]) == os.getpid() or not _pid_alive(int(m[2]))):
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _collect_blobs(tokenizer_files, reports, engines) -> dict[str, bytes]:
+    """relpath -> bytes for everything but weights; reports given as dicts become sorted JSON."""
+    blobs = {}
+    for folder, items in (("tokenizer", tokenizer_files), ("reports", reports), ("engines", engines)):
+        for name, data in items.items():
+            rel = _safe_relpath(folder, name)
+            if isinstance(data, dict) and folder == "reports":
+                data = (json.dumps(data, sort_keys=True, indent=2, allow_nan=False) + "\n").encode()
+            if not isinstance(data, (bytes, bytearray)):
+                raise ArtifactError(f"{rel}: expected bytes{' or a dict' if folder == 'reports' else ''}, "
+                                    f"got {type(data).__name__}")
+            blobs[rel] = bytes(data)
+    return blobs
+
+
+def _safe_relpath(folder: str, name: str) -> str:
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or name.startswith("/") or "\\" in name or any(p in (".", "..") for p in parts):
+        raise ArtifactError(f"{folder}/{name}: not a plain relative file name; use names like 'tokenizer.json'")
+    return f"{folder}/{'/'.join(parts)}"
+
+
+def plan_shards(sizes: dict[str, int], shard_bytes: int) -> list[list[str]]:
+    """Greedy over sorted names: a shard closes before it would pass `shard_bytes` (a larger
+    tensor gets a shard of its own). Sorted order makes the plan a function of the inputs."""
+    shards, current, current_bytes = [], [], 0
+    for name in sorted(sizes):
+        if current and current_bytes + sizes[name] > shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += sizes[name]
+    return shards + ([current] if current else [])
+
+
+def write_weights(weights_dir: Path, tensors: dict, shard_bytes: int) -> list[Path]:
+    """weights/model-0000i-of-0000N.safetensors; N is known before the first shard is written."""
+    import torch  # lazy like the rest: only a build writes weights
+
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or not isinstance(t, torch.Tensor):
+            raise ArtifactError(f"tensor {name!r}: expected a non-empty name and a torch.Tensor")
+        if t.layout != torch.strided or t.is_meta:
+            raise ArtifactError(f"tensor {name!r}: only dense tensors with data can be stored")
+    plan = plan_shards({n: t.numel() * t.element_size() for n, t in tensors.items()}, shard_bytes)
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, names in enumerate(plan, 1):
+        path = weights_dir / f"model-{i:05d}-of-{len(plan):05d}.safetensors"
+        write_shard(path, {n: tensors[n] for n in names})
+        paths.append(path)
+    return paths
+
+
+def write_shard(path: Path, tensors: dict) -> None:
+    """One safetensors file: CPU, contiguous, no shared storage (safetensors refuses aliases)."""
+    from safetensors.torch import save_file
+
+    prepared, seen = {}, set()
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if storage.nbytes() != t.nbytes or storage.data_ptr() in seen:  # a view or a tied tensor
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        prepared[name] = t
+    save_file(prepared, str(path), metadata=dict(_SAFETENSORS_METADATA))
+    os.chmod(path, 0o644)  # safetensors creates 0600; a server running as another user must read it
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dirs(root: Path) -> None:
+    """Directory entries are durable only once their directory is fsynced (files were already)."""
+    for dirpath, _, _ in os.walk(root, topdown=False):
+        _fsync_dir(Path(dirpath))
+
+
+def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    """rename(2) is atomic; replacing takes two renames (old away, new in), then the old is deleted.
+    A kill between the two leaves no artifact under the name and the rerun cleans both siblings."""
+    if out.exists() or out.is_symlink():
+        _check_destination(out, overwrite)  # again: it may have appeared while we were building
+        trash = out.parent / f".{out.name}.trash-{os.getpid()}"
+        os.rename(out, trash)
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, out)
+        _fsync_dir(out.parent)
+
+
+# ---------------------------------------------------------------------------------------------
+# Archive: the same content as one file. Entries are relative to the artifact root.
+
+
+def _archive_mode(path: Path) -> str:
+    name = path.name
+    if name.endswith((".tar.gz", ".tgz")):
+        return "gz"
+    if name.endswith(".tar"):
+        return "tar"
+    raise ArtifactError(f"{path}: archive name must end in .tar, .tar.gz or .tgz")
+
+
+def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
+    """Verify, then pack manifest.json first (a registry can read it without scanning) and the
+    rest sorted, with fixed metadata. `mtime` defaults to $SOURCE_DATE_EPOCH, else 0."""
+    root, archive = Path(artifact_dir), Path(archive_path).absolute()
+    mode = _archive_mode(archive)
+    rels = verify_artifact(root, check_target=False)
+    if mtime is None:
+        epoch = os.environ.get("SOURCE_DATE_EPOCH", "0")
+        if not epoch.isdigit():
+            raise ArtifactError(f"SOURCE_DATE_EPOCH={epoch!r} is not a whole number of seconds; fix or unset it")
+        mtime = int(epoch)
+    tmp = archive.parent / f".{archive.name}.partial-{os.getpid()}"
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(tmp, "wb") as raw:
+            # gzip header: no file name, fixed mtime, fixed level -> same bytes for the same tar
+            stream = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=mtime, compresslevel=6) \
+                if mode == "gz" else raw
+            with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for rel in [MANIFEST_NAME, *rels]:
+                    info = tarfile.TarInfo(rel)
+                    info.size, info.mtime, info.mode = (root / rel).stat().st_size, mtime, 0o644
+                    info.uid = info.gid = 0
+                    info.uname = info.gname = ""
+                    with open(root / rel, "rb") as f:
+                        tar.addfile(info, f)
+            if mode == "gz":
+                stream.close()
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, archive)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return archive
+
+
+def extract_archive(archive_path, dest, overwrite: bool = False, check_target: bool = False) -> Path:
+    """Unpack into `dest` (atomically, like write_artifact) and verify. Only regular files with
+    plain relative names are accepted: absolute paths, '..', links and devices are refused."""
+    archive, out = Path(archive_path), Path(dest).absolute()
+    _archive_mode(archive)
+    if not archive.is_file():
+        raise ArtifactError(f"{archive}: archive not found")
+    _check_destination(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _extract_members(archive, tmp)
+        try:
+            verify_contents(tmp, check_target=check_target)
+        except ArtifactError as e:  # name the entry inside the archive, not our temp dir
+            raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '')}") from None
+        _fsync_dirs(tmp)
+        _move_into_place(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _extract_members(archive: Path, into: Path) -> None:
+    try:
+        with tarfile.open(archive, mode="r:*") as tar:
+            seen = set()
+            for m in tar:
+                parts = PurePosixPath(m.name).parts
+                bad_name = (not parts or m.name.startswith("/") or "\\" in m.name
+                            or any(p in ("", ".", "..") for p in parts))
+                if m.isdir() and (m.name in (".", "./") or not bad_name):
+                    continue  # archives made with `tar -C DIR .` list directories; files create their own
+                if bad_name or not m.isfile() or "/".join(parts) in seen:
+                    raise ArtifactError(f"{archive}: refusing entry {m.name!r} (only regular files with plain "
+                                        "relative paths, each once); the archive is corrupt or malicious")
+                seen.add("/".join(parts))
+                target = into.joinpath(*parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tar.extractfile(m) as src, open(target, "xb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
+        raise ArtifactError(f"{archive}: cannot read archive ({e}); re-fetch it") from None
+

@@ -1,0 +1,152 @@
+"""`qkiln build`: the whole offline stage, from a source model and a recipe to a verified artifact.
+
+    validate recipe against the model            (milliseconds; nothing else has run yet)
+    calibration tokens (seeded, hashed)          calib_data/
+    weights, layer by layer (cached per layer)    calibrate.py + layer_cache.py
+    KV-cache scales                               kv_calibrate.py
+    accuracy vs the unquantized model            evaluate.py (reference results cached)
+    write the artifact atomically                 artifact_tensors.py + artifact_writer.py
+"""
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qkiln.calib_data import load_text_source, sample_token_set
+from qkiln.errors import RecipeError
+from qkiln.runtime.source import load_source
+
+from .artifact import Manifest, toolchain_versions
+from .artifact_tensors import to_tensors
+from .artifact_writer import write_artifact
+from .calibrate import linear_shapes, quantize_model
+from .evaluate import evaluate
+from .kv_calibrate import calibrate_kv
+from .layer_cache import LayerCache, default_cache_dir, layer_key
+from .recipe import Recipe
+from .self_generate import make_self_generator
+from .simulate import simulated_kv_backend
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    manifest: Manifest
+    seconds: float
+    num_cached_layers: int
+    num_layers: int
+
+
+def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, use_cache: bool = True,
+          progress: bool = True, log=print) -> BuildResult:
+    start = time.perf_counter()
+    source = load_source(source_name)
+    model = source.build_model(torch.float32)
+    recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
+    _check_lengths(recipe, source.config.max_position_embeddings)
+    tokens = None
+    if recipe.needs_calibration:
+        spec = recipe.calibration
+        text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress), spec.seed)
+        tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
+        log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
+    weight_scheme = dataclasses.replace(recipe.scheme, kv_cache=None)
+    needs_tokens_for_weights = weight_scheme.algorithm != "rtn" or (
+        weight_scheme.activations is not None and not weight_scheme.activations.dynamic)
+    token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
+    scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
+    cache = LayerCache(default_cache_dir() if use_cache else None)
+    qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
+                        cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
+    log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
+    qm.scheme = recipe.scheme
+    if recipe.scheme.kv_cache is not None:
+        calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids, progress=progress)
+    accuracy = _accuracy(source, model, qm, recipe, progress)
+    tensors, quantization = to_tensors(qm)
+    manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
+    reports = {"accuracy.json": accuracy, "layers.json": qm.report}
+    tokenizer_files = _tokenizer_files(source)
+    path = write_artifact(out, manifest, tensors, tokenizer_files, reports, overwrite=overwrite)
+    seconds = time.perf_counter() - start
+    return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers))
+
+
+def _check_lengths(recipe: Recipe, max_len: int) -> None:
+    for what, n in (("calibration.seq_len", recipe.calibration.seq_len), ("evaluation.seq_len", recipe.evaluation.seq_len)):
+        if n > max_len:
+            raise RecipeError(f"{what} = {n} exceeds the model's context of {max_len} tokens: lower it")
+
+
+def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
+    ev = recipe.evaluation
+    if ev.data is None or not Path(ev.data).is_file():
+        return {"skipped": "no evaluation data (set evaluation.data or --eval-data)"}
+    reference = _cached_reference(source, ev, progress)
+    backend = simulated_kv_backend(qm)
+
+    def quantized(ids):
+        with torch.no_grad():
+            return model(ids, backend=backend)
+
+    def ref_logits(ids):
+        with torch.no_grad():
+            return reference(ids)
+
+    report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=ref_logits,
+                      progress=progress)
+    base = _reference_report(source, ev, reference, progress)
+    report["reference_perplexity"] = base["perplexity"]
+    report["perplexity_change"] = report["perplexity"] / base["perplexity"] - 1
+    return report
+
+
+
+def _cached_reference(source, ev, progress):
+    model = source.build_model(torch.float32)  # a fresh copy: `model` in build() is quantized in place
+    return lambda ids: model(ids)
+
+
+def _reference_report(source, ev, reference, progress) -> dict:
+    """Unquantized perplexity on the same protocol, cached on disk by (source, protocol)."""
+    key = hashlib.sha256(json.dumps([source.sha256, str(ev.data), ev.seq_len, ev.max_tokens]).encode()).hexdigest()
+    path = default_cache_dir().parent / "reference" / f"{key}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    report = evaluate(reference, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report))
+    return report
+
+
+def _tokenizer_files(source) -> dict[str, bytes]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source.tokenizer.save(Path(tmp))
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
+
+
+def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: Path) -> Manifest:
+    num_params = sum(v.numel() for k, v in source.state_dict.items()
+                     if not (source.config.tie_word_embeddings and k == "lm_head.weight"))
+    kv = recipe.scheme.kv_cache
+    return Manifest(
+        name=Path(out).name,
+        architecture=source.config.to_dict(),
+        target={"device": recipe.target, "min_compute_capability": "8.0" if recipe.target == "cuda" else None},
+        recipe=recipe.to_dict() | {"fallbacks": qm.fallbacks},
+        quantization=quantization,
+        kv_cache=None if kv is None else dataclasses.asdict(kv),
+        calibration=None if tokens is None else tokens.provenance,
+        source={"name": source.path.name, "kind": source.kind, "sha256": source.sha256},
+        toolchain=toolchain_versions(),
+        accuracy=accuracy,
+        num_parameters=num_params,
+        source_bytes_bf16=2 * num_params,
+    )

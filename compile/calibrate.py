@@ -1,0 +1,220 @@
+"""Sequential, layer-by-layer calibration and quantization (the algorithms live in quant/).
+
+    hidden = embed(calibration tokens)                  # [num_samples, seq_len, hidden]
+    for each decoder layer (one resident at a time):
+        1. run it on `hidden`, hooks capture what the scheme needs: GPTQ Hessians, AWQ inputs,
+           static FP8 input amax
+        2. weights: AWQ scale search + fold + clip, then RTN; or GPTQ from the Hessians; or RTN/FP8
+        3. simulate the quantized layer (dequantized weights, fake-quant activations)
+           and run it on `hidden`: its outputs are the next layer's inputs
+KV-cache scales are calibrated afterwards (kv_calibrate.py) on the weight-quantized model, so
+changing only the KV scheme reuses every cached layer (layer_cache.py).
+Deterministic: fixed order, no sampling, CPU fp32 math. Progress shows one step per layer.
+Owns hooks and layer order; must not implement quantization math itself.
+"""
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from qkiln.quant import Fp8Weight, QuantizedWeight, awq, fp8, gptq
+from qkiln.quant.rtn import quantize_rtn
+from qkiln.runtime.attention import DenseAttention
+from qkiln.runtime.model import CausalLM
+
+from .layer_cache import LayerCache
+from .quantized_model import QuantizedModel
+from .simulate import install_layer_simulation
+
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# AWQ groups of linears that read one input, and what produced that input (Lin et al. 2023, Sec. 3.2).
+_AWQ_GROUPS = (
+    (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    (("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+    (("mlp.down_proj",), "mlp.up_proj"),
+)
+_AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors are amplified by q.k (AutoAWQ)
+
+
+def linear_shapes(model: CausalLM) -> dict[str, tuple[int, int]]:
+    return {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batch_size: int = 8,
+                   progress: bool = True, cache: LayerCache | None = None,
+                   cache_key: Callable[[int], str] | None = None) -> QuantizedModel:
+    """Quantize `model` (fp32, modified in place into its simulated form) with `scheme`.
+
+    `scheme.kv_cache` is ignored here (see kv_calibrate.py). With a `cache`, layers whose key
+    is present are loaded instead of calibrated; the rest are calibrated and stored.
+    """
+    qm = QuantizedModel(model.config, scheme, fp_tensors={})
+    layers = model.model.layers
+    hidden = positions = None
+    if input_ids is not None:
+        with torch.no_grad():
+            hidden = model.model.embed_tokens(input_ids)  # [num_samples, seq_len, hidden]
+        positions = torch.arange(input_ids.shape[1]).expand(input_ids.shape[0], -1)
+    keys = [cache_key(i) if cache is not None and cache_key else None for i in range(len(layers))]
+    cached = [cache.get(k) if k else None for k in keys]
+    # inputs are only needed up to the last layer that must be calibrated
+    last_needed = max((i for i, c in enumerate(cached) if c is None), default=-1)
+    for i, layer in enumerate(tqdm(layers, desc="quantize", unit="layer", disable=not progress)):
+        start = time.perf_counter()
+        prefix = f"model.layers.{i}."
+        if cached[i] is not None:
+            _restore_layer(layer, prefix, *cached[i], qm)
+        else:
+            stats = _capture(layer, hidden, positions, model.rope, scheme, batch_size) if hidden is not None else {}
+            _quantize_layer(i, layer, model.config, scheme, stats, qm)
+            if keys[i]:
+                cache.put(keys[i], *_layer_entry(layer, prefix, qm))
+        install_layer_simulation(layer, i, qm)
+        if hidden is not None and i < last_needed:
+            hidden = _run_layer(layer, hidden, positions, model.rope, DenseAttention(), batch_size)
+        qm.timings[prefix.rstrip(".")] = {"seconds": time.perf_counter() - start, "cached": cached[i] is not None}
+    if model.lm_head is not None and not scheme.is_ignored("lm_head") and scheme.weights is not None:
+        _quantize_plain(model.lm_head, "lm_head", scheme, qm)
+        model.lm_head.weight.data = qm.weights["lm_head"].dequantize()
+    qm.fp_tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
+                     if k.removesuffix(".weight") not in qm.weights}
+    return qm
+
+
+def _layer_entry(layer, prefix: str, qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
+    """One layer's results as flat tensors + a JSON report (the cache entry)."""
+    tensors = {f"fp|{prefix}{k}": v for k, v in layer.state_dict().items()
+               if not any(f"{prefix}{k}".removesuffix(".weight") == n for n in qm.weights)}
+    report = {}
+    for name, w in qm.weights.items():
+        if not name.startswith(prefix):
+            continue
+        if isinstance(w, Fp8Weight):
+            tensors |= {f"fp8|{name}|weight": w.weight, f"fp8|{name}|scales": w.scales}
+        else:
+            tensors |= {f"int|{name}|qweight": w.qweight, f"int|{name}|scales": w.scales}
+            if w.zeros is not None:
+                tensors[f"int|{name}|zeros"] = w.zeros
+        report[name] = qm.report.get(name, {}) | {"group_size": w.group_size,
+                                                  "num_bits": getattr(w, "num_bits", 8)}
+        if name in qm.act_scales:
+            tensors[f"act|{name}"] = qm.act_scales[name]
+    return tensors, report
+
+
+def _restore_layer(layer, prefix: str, tensors: dict, report: dict, qm: QuantizedModel) -> None:
+    fp = {k.split("|", 1)[1].removeprefix(prefix): v for k, v in tensors.items() if k.startswith("fp|")}
+    layer.load_state_dict(fp, strict=False)
+    for name, info in report.items():
+        gs = info.pop("group_size")
+        bits = info.pop("num_bits")
+        if f"fp8|{name}|weight" in tensors:
+            qm.weights[name] = Fp8Weight(tensors[f"fp8|{name}|weight"], tensors[f"fp8|{name}|scales"], gs)
+        else:
+            qm.weights[name] = QuantizedWeight(tensors[f"int|{name}|qweight"], tensors[f"int|{name}|scales"],
+                                               tensors.get(f"int|{name}|zeros"), gs, bits)
+        if f"act|{name}" in tensors:
+            qm.act_scales[name] = tensors[f"act|{name}"]
+        qm.report[name] = info
+
+
+@torch.no_grad()
+def _run_layer(layer, hidden, positions, rope, backend, batch_size):
+    out = [layer(hidden[s : s + batch_size], positions[s : s + batch_size], rope, backend)
+           for s in range(0, hidden.shape[0], batch_size)]
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
+    """One pass of the full-precision layer; returns Hessians / inputs / amax keyed by linear."""
+    needs_h = scheme.algorithm == "gptq"
+    needs_x = scheme.algorithm == "awq"
+    needs_amax = scheme.activations is not None and not scheme.activations.dynamic
+    stats: dict = {"H": {}, "n": {}, "x": {}, "amax": {}}
+    modules = {name: layer.get_submodule(name) for name in _LINEARS}
+    hooks = []
+    for name, module in modules.items():
+        def hook(mod, args, name=name):
+            x = args[0]
+            if needs_h:
+                H = stats["H"].get(name)
+                if H is None:
+                    H = gptq.make_empty_hessian(x.shape[-1])
+                stats["H"][name], stats["n"][name] = gptq.accumulate_hessian(H, x, stats["n"].get(name, 0))
+            if needs_x:
+                stats["x"].setdefault(name, []).append(x.reshape(-1, x.shape[-1]).clone())
+            if needs_amax:
+                stats["amax"][name] = fp8.update_amax(stats["amax"].get(name), x)
+        hooks.append(module.register_forward_pre_hook(hook))
+
+    try:
+        _run_layer(layer, hidden, positions, rope, DenseAttention(), batch_size)
+    finally:
+        for h in hooks:
+            h.remove()
+    stats["x"] = {k: torch.cat(v) for k, v in stats["x"].items()}
+    return stats
+
+
+def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel) -> None:
+    prefix = f"model.layers.{i}."
+    if scheme.weights is None:
+        return
+    if scheme.algorithm == "awq":
+        _apply_awq(layer, prefix, scheme, stats)
+    for name in _LINEARS:
+        full = prefix + name
+        if scheme.is_ignored(full):
+            continue
+        module = layer.get_submodule(name)
+        if scheme.algorithm == "gptq":
+            qw, info = gptq.quantize_weight(module.weight.data, stats["H"][name], scheme.weights, scheme.gptq)
+            qm.weights[full] = qw
+            qm.report[full] = {"algorithm": "gptq", "loss": info.loss, "fallback": info.fallback,
+                               "dampening_frac": info.dampening_frac, "dead_columns": info.num_dead_columns}
+        else:
+            _quantize_plain(module, full, scheme, qm)
+        if name in stats.get("amax", {}):
+            qm.act_scales[full] = fp8.static_scale(stats["amax"][name])
+
+
+def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) -> None:
+    W = module.weight.data
+    if scheme.weights.type == "float":
+        qm.weights[full] = fp8.quantize_weight_scheme(W, scheme.weights)
+    else:
+        qm.weights[full] = quantize_rtn(W, scheme.weights)
+    qm.report.setdefault(full, {"algorithm": scheme.algorithm if scheme.algorithm == "awq" else "rtn"})
+
+
+def _apply_awq(layer, prefix, scheme, stats) -> None:
+    """Scale search per input-sharing group, fold 1/s into the producer, then clip search."""
+    opts = scheme.awq
+    for names, producer_name in _AWQ_GROUPS:
+        if any(scheme.is_ignored(prefix + n) for n in names):
+            continue
+        x = stats["x"][names[0]]  # [N, in]
+        linears = [layer.get_submodule(n) for n in names]
+        result = awq.search_scales(x, [m.weight.data for m in linears], scheme.weights,
+                                   grid_size=opts.grid_size, duo_scaling=opts.duo_scaling)
+        s = result.scales
+        producer = layer.get_submodule(producer_name)
+        if isinstance(producer, nn.Linear):
+            producer.weight.data, _ = awq.fold_scales_into_linear(producer.weight.data, s)
+        else:
+            producer.weight.data = awq.fold_scales_into_norm(producer.weight.data, s)
+        for m, W in zip(linears, awq.scale_weights([m.weight.data for m in linears], s)):
+            m.weight.data = W
+        if opts.clip:
+            xs = x / s
+            for n, m in zip(names, linears):
+                if n in _AWQ_NO_CLIP:
+                    continue
+                clip = awq.search_clip(xs, m.weight.data, scheme.weights, grid_size=opts.clip_grid_size,
+                                       max_shrink=opts.clip_max_shrink)
+                m.weight.data = awq.apply_clip(m.weight.data, clip.max_val, scheme.weights.group_size)

@@ -1,0 +1,144 @@
+"""Recipes: what a build does, from a YAML/TOML file or a named preset, validated up front.
+
+A recipe = a `QuantScheme` (quant/) + calibration data spec + evaluation protocol + target.
+Presets: w4a16-rtn, w4a16-gptq, w4a16-awq (INT4 group 128), w8a16 (INT8 per channel),
+fp8-w8a8 (FP8 per-channel weights, dynamic per-token activations), fp8-w8a8-static, each
+combinable with "+kv-int4" / "+kv-fp8" (e.g. `w4a16-gptq+kv-int4`), or kv-int4 / kv-fp8 alone.
+Nothing here touches a model: `Recipe.validate(model_config, linear_shapes)` runs before any
+calibration so a bad recipe fails in milliseconds with the offending layers named.
+"""
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qkiln.errors import RecipeError
+from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
+
+DEFAULT_CALIBRATION_SOURCE = "self:128"
+TARGETS = ("cpu", "cuda")
+
+# Embeddings are gathers, not GEMMs; SmolLM2 ties lm_head to them, and the issue's measurements
+# show the tied head is the most sensitive matrix: both stay in high precision by default.
+DEFAULT_IGNORE = ("lm_head",)
+
+_INT4 = WeightScheme(num_bits=4, type="int", symmetric=False, group_size=128)
+_WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
+    "w4a16-rtn": dict(weights=_INT4, algorithm="rtn"),
+    "w4a16-gptq": dict(weights=_INT4, algorithm="gptq"),
+    "w4a16-awq": dict(weights=_INT4, algorithm="awq"),
+    "w8a16": dict(weights=WeightScheme(num_bits=8, type="int", symmetric=True, group_size=None), algorithm="rtn"),
+    "fp8-w8a8": dict(weights=WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None),
+                     activations=ActivationScheme(dynamic=True), algorithm="rtn"),
+    "fp8-w8a8-static": dict(weights=WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None),
+                            activations=ActivationScheme(dynamic=False), algorithm="rtn"),
+}
+_KV_PRESETS = {"kv-int4": KVCacheScheme(dtype="int4"), "kv-fp8": KVCacheScheme(dtype="fp8")}
+PRESETS = sorted(_WEIGHT_PRESETS) + sorted(_KV_PRESETS)
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    source: str = DEFAULT_CALIBRATION_SOURCE
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_samples < 1 or self.seq_len < 2:
+            raise RecipeError(f"calibration needs num_samples >= 1 and seq_len >= 2, got {self}")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    data: str | None = None  # None: skip the accuracy report
+    seq_len: int = 512
+    max_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    scheme: QuantScheme
+    calibration: CalibrationSpec = field(default_factory=CalibrationSpec)
+    evaluation: EvalSpec = field(default_factory=EvalSpec)
+    target: str = "cpu"
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise RecipeError(f"target must be one of {TARGETS}, got {self.target!r}")
+
+    def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int) -> None:
+        self.scheme.validate(linear_shapes, head_dim)
+
+    @property
+    def needs_calibration(self) -> bool:
+        s = self.scheme
+        return s.algorithm in ("gptq", "awq") or s.kv_cache is not None or (
+            s.activations is not None and not s.activations.dynamic)
+
+    def with_overrides(self, **changes) -> "Recipe":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "scheme": self.scheme.to_dict(), "target": self.target,
+                "calibration": dataclasses.asdict(self.calibration), "evaluation": dataclasses.asdict(self.evaluation)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "Recipe":
+        if not isinstance(d, dict):
+            raise RecipeError(f"a recipe must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset"}
+        if unknown:
+            raise RecipeError(f"unknown recipe keys {sorted(unknown)}; use scheme/calibration/evaluation/target")
+        base = preset(d["preset"]) if "preset" in d else None
+        scheme_dict = d.get("scheme", d.get("quantization"))
+        if scheme_dict is None and base is None:
+            raise RecipeError("a recipe needs a `scheme:` section or a `preset:` name")
+        scheme = QuantScheme.from_dict(scheme_dict) if scheme_dict is not None else base.scheme
+        try:
+            calibration = CalibrationSpec(**d.get("calibration", {}))
+            evaluation = EvalSpec(**d.get("evaluation", {}))
+        except TypeError as e:
+            raise RecipeError(f"bad calibration/evaluation section: {e}") from None
+        return cls(d.get("name", name), scheme, calibration, evaluation, d.get("target", "cpu"))
+
+
+def preset(name: str) -> Recipe:
+    """`w4a16-gptq`, `fp8-w8a8+kv-fp8`, `kv-int4`, ... -> Recipe."""
+    parts = name.split("+")
+    kwargs: dict[str, Any] = {"ignore": DEFAULT_IGNORE}
+    for part in parts:
+        if part in _WEIGHT_PRESETS and "weights" not in kwargs:
+            kwargs.update(_WEIGHT_PRESETS[part])
+        elif part in _KV_PRESETS and "kv_cache" not in kwargs:
+            kwargs["kv_cache"] = _KV_PRESETS[part]
+        else:
+            raise RecipeError(f"unknown preset {name!r}: combine one of {sorted(_WEIGHT_PRESETS)} "
+                              f"with +kv-int4 or +kv-fp8 (or use kv-int4 / kv-fp8 alone)")
+    return Recipe(name, QuantScheme(**kwargs))
+
+
+def load_recipe(spec: str) -> Recipe:
+    """A preset name or a .yaml/.yml/.toml/.json file."""
+    path = Path(spec)
+    if not path.suffix or not path.exists():
+        if path.suffix in (".yaml", ".yml", ".toml", ".json"):
+            raise RecipeError(f"recipe file {spec} does not exist")
+        return preset(spec)
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise RecipeError(f"{spec} is not valid {path.suffix[1:].upper()}: {e}") from None
+    return Recipe.from_dict(data, name=path.stem)

@@ -1,0 +1,59 @@
+"""Simulated (fake-quant) execution: the lean model computing exactly what the quantized one would.
+
+Weights are replaced by their dequantized values, FP8 activations are quantize-dequantized on the
+way into each linear (forward pre-hook), and K/V pass through the cache's quantizer before
+attention. This lets `qkiln eval` score any scheme before a kernel exists, and is what
+calibration propagates through so each layer is calibrated on its quantized predecessors.
+"""
+
+import torch
+from torch import nn
+
+from qkiln.quant import fake_quant_kv, fake_quantize_activation
+from qkiln.runtime.attention import DenseAttention
+from qkiln.runtime.model import CausalLM
+from qkiln.runtime.source import build_model
+
+from .quantized_model import QuantizedModel
+
+
+def simulated_kv_backend(qm: QuantizedModel) -> DenseAttention:
+    scheme = qm.scheme.kv_cache
+    if scheme is None:
+        return DenseAttention()
+
+    def transform(layer_id, k, v):
+        k_cal, v_cal = qm.kv[layer_id]
+        return fake_quant_kv(k, scheme, k_cal), fake_quant_kv(v, scheme, v_cal)
+
+    return DenseAttention(kv_transform=transform)
+
+
+def _act_hook(name: str, qm: QuantizedModel):
+    scheme, scale = qm.scheme.activations, qm.act_scales.get(name)
+
+    def hook(module, args):
+        return (fake_quantize_activation(args[0], scheme, scale),)
+
+    return hook
+
+
+def install_layer_simulation(layer: nn.Module, layer_id: int, qm: QuantizedModel) -> None:
+    """Make decoder layer `layer_id`'s linears compute as quantized (weights and activations)."""
+    prefix = f"model.layers.{layer_id}."
+    for name, module in layer.named_modules():
+        full = prefix + name
+        if full in qm.weights:
+            module.weight.data = qm.weights[full].dequantize().to(module.weight.dtype)
+            if qm.scheme.activations is not None:
+                module.register_forward_pre_hook(_act_hook(full, qm))
+
+
+def simulated_model(qm: QuantizedModel) -> tuple[CausalLM, DenseAttention]:
+    """A whole fp32 model that computes as `qm` would; pass the backend to its forward."""
+    model = build_model(qm.config, qm.dequantized_state_dict(), torch.float32)
+    if qm.scheme.activations is not None:
+        for name, module in model.named_modules():
+            if name in qm.weights:
+                module.register_forward_pre_hook(_act_hook(name, qm))
+    return model, simulated_kv_backend(qm)

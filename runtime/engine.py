@@ -1,0 +1,173 @@
+"""`LLMEngine`: the serving loop, one `step()` = schedule -> run -> postprocess (nano-vllm's shape).
+
+Owns requests (ids, detokenizers, per-request generators) and turns sampled tokens into
+`RequestOutput`s. Scheduling lives in scheduler.py, KV blocks in block_manager.py, tensors in
+runner.py, sampling in sampler.py. Not thread-safe: the async engine drives it from one thread.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from qkiln.errors import RequestError
+from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
+
+from .block_manager import KVCacheManager
+from .detokenizer import IncrementalDetokenizer
+from .model import CausalLM
+from .runner import ModelRunner
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: size the pool from kv_cache_bytes
+    kv_cache_bytes: int = 512 << 20
+    enable_prefix_caching: bool = True
+    kv_dtype: str = "auto"  # auto: the model's dtype, or what the artifact's KV scheme says
+    kv_group_size: int = 32
+    max_model_len: int | None = None
+    device: str = "cpu"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict] = field(default_factory=list)  # for new tokens, when asked
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival: float
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig = EngineConfig(), kv_scales=None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        mc = model.config
+        kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // kv_bytes_per_block(
+            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype,
+            config.kv_group_size))
+        self.caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
+                                        mc.head_dim, kv_dtype, config.kv_group_size, config.device,
+                                        has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")))
+        _install_kv_scales(self.caches, kv_scales)
+        self.kv_dtype = kv_dtype
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len=self.max_model_len),
+            self.kv_manager, eos_token_ids=tuple(mc.eos_token_ids))
+        self.runner = ModelRunner(model, self.caches, config.block_size, config.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_steps": 0, "num_finished": 0}
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = (params or SamplingParams()).validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len and len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it")
+        seq = Sequence(request_id, ids, params)
+        self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
+        generator = make_generator(params.seed, self.config.device) if params.seed is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens)
+        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter())
+        self.stats["num_prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        if self.requests.pop(request_id, None) is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        logits = self.runner.execute(plan)
+        sampling = plan.sampling
+        out = self.sampler.sample(
+            logits, [s.seq.sampling_params for s in sampling],
+            [self.requests[s.seq_id].generator for s in sampling],
+            [s.banned_token_ids for s in sampling])
+        sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
+        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
+        self.stats["num_steps"] += 1
+        return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
+
+    def _postprocess(self, s, token_id, out, row, finished) -> RequestOutput:
+        req = self.requests[s.seq_id]
+        now = time.perf_counter()
+        req.first_token_time = req.first_token_time or now
+        is_done = s.seq_id in finished
+        stop_str = req.detok.update([token_id], is_final=is_done)
+        if stop_str is not None and not is_done:
+            self.scheduler.finish(s.seq_id, "stop")
+            is_done = True
+        self.stats["num_generated_tokens"] += 1
+        logprobs = []
+        if s.seq.sampling_params.logprobs is not None and out.logprobs is not None:
+            n = s.seq.sampling_params.logprobs
+            logprobs = [{"token_id": token_id, "logprob": float(out.logprobs[row]),
+                         "top": dict(zip(out.top_token_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))}]
+        result = RequestOutput(
+            s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
+            s.seq.output_token_ids, req.detok.output_text, is_done,
+            s.seq.finish_reason if is_done else None, logprobs)
+        if is_done:
+            self.requests.pop(s.seq_id, None)
+            self.stats["num_finished"] += 1
+            result.metrics = {"ttft": req.first_token_time - req.arrival, "e2e": now - req.arrival,
+                              "num_output_tokens": s.seq.num_output_tokens}
+        return result
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()
+        self.scheduler.check_integrity()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def _install_kv_scales(caches, kv_scales: dict | None) -> None:
+    """Static per-layer scales from the artifact: {"k_scale": [t...], "v_scale": [...], "k_channel_scale": [...]}."""
+    if not kv_scales:
+        return
+    for name in ("k_scale", "v_scale", "k_channel_scale"):
+        for cache, value in zip(caches, kv_scales.get(name) or []):
+            getattr(cache, name).copy_(value)

@@ -1,0 +1,89 @@
+"""Load a model for serving: an artifact (verified, quantized layers per its manifest) or a
+source model (unquantized, so the runtime is useful before a build).
+
+The artifact path imports only `compile.artifact` (the schema leaf), never `transformers`.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
+from qkiln.errors import ArtifactError
+
+from .config import ModelConfig
+from .model import CausalLM
+from .quantized_linear import make_quantized_linear
+from .source import build_model, load_source
+from .tokenizer import Tokenizer
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+@dataclass
+class ServingModel:
+    name: str
+    model: CausalLM
+    tokenizer: Tokenizer
+    kv_dtype: str = "auto"
+    kv_group_size: int = 32
+    kv_scales: dict | None = None  # per-layer static scales for the KV cache
+    manifest: object = None
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16  # quantized CPU kernels want bf16 activations; GPUs too
+    if dtype not in _DTYPES:
+        raise ArtifactError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu") -> ServingModel:
+    torch_dtype = resolve_dtype(dtype, device)
+    path = Path(name)
+    if path.is_dir() and (path / "manifest.json").exists():
+        return load_artifact(path, torch_dtype, device)
+    src = load_source(name)
+    return ServingModel(str(name), build_model(src.config, src.state_dict, torch_dtype).to(device), src.tokenizer)
+
+
+def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu") -> ServingModel:
+    verify_artifact(path)  # hashes, version, target: refuse before loading anything
+    manifest = read_manifest(path)
+    config = ModelConfig.from_dict(manifest.architecture)
+    tensors = load_tensors(path, manifest, verify=False)
+    linears = manifest.quantization.get("linears", {})
+    target = "cuda" if str(device).startswith("cuda") else "cpu"
+
+    def make_linear(name, in_features, out_features, bias):
+        if name not in linears:
+            return torch.nn.Linear(in_features, out_features, bias=bias)
+        b = tensors.get(name + ".bias")
+        return make_quantized_linear(name, linears[name], tensors, target, dtype,
+                                     None if b is None else b.to(dtype))
+
+    plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
+    model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears))
+    model = model.to(device)
+    kv = manifest.kv_cache
+    kv_scales = _kv_scales(tensors, config, kv) if kv else None
+    tokenizer = Tokenizer.from_dir(path / "tokenizer")
+    return ServingModel(manifest.name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
+                        kv_group_size=kv.get("group_size", 32) if kv else 32, kv_scales=kv_scales,
+                        manifest=manifest)
+
+
+def _is_kv_tensor(name: str) -> bool:
+    return name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_channel_scale"))
+
+
+def _kv_scales(tensors, config: ModelConfig, kv: dict) -> dict:
+    out = {}
+    for key in ("k_scale", "v_scale", "k_channel_scale"):
+        names = [f"model.layers.{i}.self_attn.{key}" for i in range(config.num_hidden_layers)]
+        if all(n in tensors for n in names):
+            out[key] = [tensors[n].float() for n in names]
+    return out

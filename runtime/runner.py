@@ -1,0 +1,63 @@
+"""`ModelRunner`: turns a `StepPlan` into flat tensors, runs the model, returns sampling logits.
+
+Input layout of one step (in-flight batching: prefill chunks and decodes side by side):
+
+    seq A (prefill chunk, 3 tokens)   seq B (decode)   seq C (prefill chunk, 2 tokens)
+    input_ids  [a5 a6 a7 | b9 | c0 c1]            positions [5 6 7 | 9 | 0 1]
+    query_start_loc [0, 3, 4, 6]   seq_lens [8, 10, 2]
+    slot_mapping[i] = block_table[pos // block_size] * block_size + pos % block_size
+
+Only rows that end a sequence's known tokens are turned into logits (`sample_rows`), so a
+prefill chunk pays for the lm_head once, not once per token. Owns no scheduling decisions.
+"""
+
+import torch
+
+from qkiln.plugins import KVCache
+
+from .model import CausalLM
+from .paged_attention import AttentionMetadata, PagedAttention
+from .scheduler import StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, caches: list[KVCache], block_size: int, device="cpu"):
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.backend = PagedAttention(caches, model.config.head_dim)
+
+    def prepare(self, plan: StepPlan):
+        ids, positions, slots, seq_lens, starts, sample_rows = [], [], [], [], [0], []
+        max_blocks = max(len(s.block_table) for s in plan.scheduled)
+        tables = torch.zeros(len(plan.scheduled), max_blocks, dtype=torch.int32)  # [S, max_blocks]
+        bs = self.block_size
+        for row, s in enumerate(plan.scheduled):
+            start, n = s.num_computed_tokens, s.num_scheduled_tokens
+            ids.extend(s.seq.token_ids[start : start + n])
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
+            seq_lens.append(start + n)
+            starts.append(starts[-1] + n)
+            tables[row, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+            if s.is_sampling:
+                sample_rows.append(starts[-1] - 1)
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [N]
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [N]
+        return input_ids, positions_t, metadata, torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step; returns fp32 logits [num_sampling_seqs, vocab] in `plan.sampling` order."""
+        input_ids, positions, metadata, sample_rows = self.prepare(plan)
+        self.backend.metadata = metadata
+        hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
+        return self.model.compute_logits(hidden[sample_rows]).float()

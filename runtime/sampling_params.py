@@ -1,0 +1,82 @@
+"""`SamplingParams`: how one request wants its tokens chosen and when it wants to stop.
+
+Owns the parameter set and its validation at the request edge (`validate()` raises
+`RequestError` with a message saying what to change). Must not know about sequences, blocks
+or tensors. Invariant after `validate()`: every field is in its documented range, so the
+sampler and the scheduler never re-check.
+"""
+
+from dataclasses import dataclass
+
+from qkiln.errors import RequestError
+
+# Above this the sampler would have to sort and gather a very wide top-n per step; OpenAI caps at 20.
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping options (vLLM / OpenAI semantics).
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 switch those filters off.
+    `stop` strings are matched by the engine on detokenized text; `stop_token_ids` and EOS by
+    the scheduler. `min_tokens` suppresses every stop condition except `max_tokens` until that
+    many tokens have been generated.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop or ())
+        self.stop_token_ids = tuple(self.stop_token_ids or ())
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        """Raise `RequestError` naming the bad field and its allowed range; return self."""
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0.0,
+               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+        _check(self.seed is None or _is_int(self.seed),
+               f"seed must be an integer or null, got {self.seed!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be non-empty strings, got {list(self.stop)!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        return self
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RequestError(message)

@@ -1,0 +1,338 @@
+"""The artifact on real files: round trip, reproducibility, tamper detection, atomic writes, archives."""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from qkiln.compile import artifact_writer
+from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, read_manifest, read_tensor_index,
+                                    toolchain_versions, verify_artifact)
+from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd
+from qkiln.compile.artifact_writer import extract_archive, write_archive, write_artifact
+from qkiln.errors import ArtifactError
+
+SHARD_BYTES = 512  # small so the tensors below need several shards
+
+
+def make_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(16, 24, generator=g)  # [out_features, in_features]
+    tied = torch.randn(8, 8, generator=g)
+    return {
+        "layers.0.q.qweight": torch.randint(0, 256, (16, 12), dtype=torch.uint8, generator=g),
+        "layers.0.q.scales": base[:, :3].to(torch.bfloat16),  # a non-contiguous view
+        "layers.0.k.weight": torch.randn(16, 16, generator=g).to(torch.float8_e4m3fn),
+        "layers.0.k.weight_scale": torch.tensor(0.02),
+        "layers.0.v.qweight": torch.randint(-128, 128, (8, 40), dtype=torch.int8, generator=g),
+        "embed.weight": tied,
+        "lm_head.weight": tied,  # tied: the same storage under two names
+        "norm.weight": base.t()[0].clone(),  # a transposed row, fp32
+    }
+
+
+def make_manifest(device="cpu", **kw):
+    return Manifest(
+        name="tiny-w4a16", architecture={"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
+        target={"device": device, "min_compute_capability": None}, recipe={"preset": "w4a16-rtn", "fallbacks": {}},
+        quantization={"layers.0.q": {"scheme": "w4a16", "group_size": 8, "tensors": ["qweight", "scales"]}},
+        calibration={"source": "wikitext", "num_samples": 4, "seq_len": 32, "seed": 0, "token_sha256": "ab" * 32},
+        source={"path": "tiny", "kind": "hf", "sha256": "cd" * 32}, toolchain={"python": "3.x"},
+        accuracy={"ppl": 12.5, "kl": 0.01}, source_bytes_bf16=4096, **kw)
+
+
+TOKENIZER = {"tokenizer.json": b'{"model": {}}', "tokenizer_config.json": b"{}"}
+REPORTS = {"accuracy.json": {"ppl": 12.5, "kl": 0.01}, "build_log.json": b'{"steps": []}\n'}
+
+
+def build(path, tensors=None, manifest=None, **kw):
+    return write_artifact(path, manifest or make_manifest(), make_tensors() if tensors is None else tensors,
+                          TOKENIZER, REPORTS, shard_bytes=SHARD_BYTES, **kw)
+
+
+def as_bytes(t):
+    return t.reshape(-1).contiguous().view(torch.uint8)  # bitwise comparison works for every dtype, fp8 included
+
+
+def siblings(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+
+
+def test_round_trip(tmp_path):
+    out = build(tmp_path / "a", engines={"onnx/model.onnx": b"onnx-bytes"})
+    verified = verify_artifact(out)
+    m = read_manifest(out)
+    assert verified == sorted(m.files) and "engines/onnx/model.onnx" in verified
+    assert len([r for r in verified if r.startswith("weights/")]) >= 3
+    assert m.quantization == make_manifest().quantization and m.format_version == FORMAT_VERSION
+    assert json.loads((out / "reports/accuracy.json").read_text()) == REPORTS["accuracy.json"]
+    loaded, expected = load_tensors(out, m), make_tensors()
+    assert sorted(loaded) == sorted(expected)
+    for name, t in expected.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
+        assert torch.equal(as_bytes(loaded[name]), as_bytes(t)), name
+    index = read_tensor_index(out)
+    assert index["layers.0.k.weight"].dtype == "F8_E4M3" and index["layers.0.q.scales"].shape == (16, 3)
+    assert Manifest.from_json(m.to_json()) == m
+
+
+def test_identical_inputs_give_identical_bytes(tmp_path):
+    a = build(tmp_path / "a")
+    reversed_tensors = dict(reversed(list(make_tensors().items())))  # insertion order must not matter
+    b = build(tmp_path / "b", tensors=reversed_tensors)
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+    script = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
+             f"from test_artifact import build; build({str(tmp_path / 'p')!r})"
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)  # another process, hash seed
+    for rel in files:
+        assert (a / rel).read_bytes() == (tmp_path / "p" / rel).read_bytes(), rel
+    c = build(tmp_path / "c", tensors=make_tensors(seed=1))
+    assert (a / "manifest.json").read_bytes() != (c / "manifest.json").read_bytes()
+
+
+def test_one_flipped_byte_in_any_file_fails_verify_naming_it(tmp_path):
+    out = build(tmp_path / "a")
+    for rel in read_manifest(out).files:
+        path = out / rel
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01  # last byte: tensor data for shards, content for the rest
+        path.write_bytes(bytes(data))
+        with pytest.raises(ArtifactError, match="sha256 mismatch") as e:
+            verify_artifact(out)
+        assert str(e.value).startswith(f"{path}:")
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    verify_artifact(out)
+
+
+def test_missing_file_and_extra_file(tmp_path):
+    out = build(tmp_path / "a")
+    shard = sorted((out / "weights").iterdir())[1]
+    moved = shard.rename(tmp_path / "moved")
+    with pytest.raises(ArtifactError, match=f"{shard}: listed in the manifest but missing"):
+        verify_artifact(out)
+    moved.rename(shard)
+    (out / "weights/model-00099-of-00099.safetensors").write_bytes(b"x")
+    with pytest.raises(ArtifactError, match="model-00099-of-00099.safetensors: not listed"):
+        verify_artifact(out)
+    (out / "weights/model-00099-of-00099.safetensors").unlink()
+    (out / "tokenizer/extra.json").symlink_to(out / "tokenizer/tokenizer.json")
+    with pytest.raises(ArtifactError, match="symbolic link"):
+        verify_artifact(out)
+
+
+def edit_manifest(out, **changes):
+    d = json.loads((out / "manifest.json").read_text())
+    d.update(changes)
+    (out / "manifest.json").write_text(json.dumps(d))
+
+
+def test_unknown_major_refused_newer_minor_accepted(tmp_path):
+    out = build(tmp_path / "a")
+    edit_manifest(out, format_version="2.0")
+    with pytest.raises(ArtifactError, match="unknown major format version 2.0"):
+        verify_artifact(out)
+    edit_manifest(out, format_version="1.7", adapters={"lora": []})  # a field a newer minor added
+    assert verify_artifact(out)
+    m = read_manifest(out)
+    assert m.extra == {"adapters": {"lora": []}} and '"adapters"' in m.to_json()
+    edit_manifest(out, format_version="1.0")  # same minor with an unknown field: edited by hand
+    with pytest.raises(ArtifactError, match=r"unknown field\(s\) \['adapters'\]"):
+        read_manifest(out)
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"format_version": "one"}, "not MAJOR.MINOR"),
+    ({"target": {"device": "tpu"}}, "target.device"),
+    ({"files": {"weights/x": {"sha256": "00", "size": 1}}}, "64 hex"),
+    ({"files": {"../x": {"sha256": "0" * 64, "size": 1}}}, "plain relative path"),
+    ({"name": 3}, "field 'name' must be str"),
+])
+def test_manifest_validation_names_the_problem(change, needle):
+    d = json.loads(make_manifest().to_json())
+    d.update(change)
+    with pytest.raises(ArtifactError, match=needle):
+        Manifest.from_json(json.dumps(d))
+    d = json.loads(make_manifest().to_json())
+    del d["recipe"]
+    with pytest.raises(ArtifactError, match="missing field 'recipe'"):
+        Manifest.from_json(json.dumps(d))
+
+
+def test_failure_mid_write_leaves_nothing_and_rerun_succeeds(tmp_path, monkeypatch):
+    real_write_shard, calls = artifact_writer.write_shard, []
+
+    def write_then_fail(path, tensors):  # a real write, then a real failure (disk full, say)
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_write_shard(path, tensors)
+
+    monkeypatch.setattr(artifact_writer, "write_shard", write_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        build(tmp_path / "a")
+    assert not (tmp_path / "a").exists() and siblings(tmp_path / "a") == []
+    monkeypatch.setattr(artifact_writer, "write_shard", real_write_shard)
+    verify_artifact(build(tmp_path / "a"))
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_artifact import build
+    from qkiln.compile import artifact_writer
+    real = artifact_writer.write_shard
+    def write_then_die(path, tensors):
+        real(path, tensors)
+        os.kill(os.getpid(), signal.SIGKILL)  # killed after the first shard hit the disk
+    artifact_writer.write_shard = write_then_die
+    build({out!r})
+""")
+
+
+def test_killed_build_leaves_only_a_partial_that_verify_refuses(tmp_path):
+    out = tmp_path / "a"
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert not out.exists()
+    (partial,) = [p for p in tmp_path.iterdir() if p.name.startswith(".a.partial-")]
+    assert any((partial / "weights").iterdir())
+    with pytest.raises(ArtifactError, match="unfinished build"):
+        verify_artifact(partial)
+    verify_artifact(build(out))
+    assert siblings(out) == []  # the rerun removed the dead process's partial dir
+
+
+def test_overwrite_semantics(tmp_path):
+    out = build(tmp_path / "a")
+    with pytest.raises(ArtifactError, match="already exists; pass --force"):
+        build(out, tensors=make_tensors(seed=1))
+    assert torch.equal(load_tensors(out)["norm.weight"], make_tensors()["norm.weight"])
+    build(out, tensors=make_tensors(seed=1), overwrite=True)
+    assert torch.equal(load_tensors(out)["norm.weight"], make_tensors(seed=1)["norm.weight"])
+    assert siblings(out) == []
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
+        build(precious, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_archive_is_reproducible_and_extracts_to_a_valid_artifact(tmp_path, suffix):
+    a, b = build(tmp_path / "a"), build(tmp_path / "b")
+    os.utime(b / "manifest.json", (1, 1))  # file times must not reach the archive
+    first = write_archive(a, tmp_path / f"one{suffix}")
+    second = write_archive(b, tmp_path / f"two{suffix}")
+    assert first.read_bytes() == second.read_bytes()
+    with tarfile.open(first) as tar:
+        names = tar.getnames()
+        assert names[0] == "manifest.json" and names[1:] == sorted(names[1:])
+        assert {(m.mtime, m.uid, m.gid, m.mode) for m in tar} == {(0, 0, 0, 0o644)}
+    out = extract_archive(first, tmp_path / "x")
+    assert verify_artifact(out) == verify_artifact(a)
+    assert torch.equal(as_bytes(load_tensors(out)["layers.0.k.weight"]),
+                       as_bytes(make_tensors()["layers.0.k.weight"]))
+
+
+def test_archive_packed_by_other_tools_extracts(tmp_path):
+    out = build(tmp_path / "a")
+    with tarfile.open(tmp_path / "repacked.tgz", "w:gz") as tar:  # like `tar -C a -czf repacked.tgz .`
+        tar.add(out, arcname=".")
+    assert verify_artifact(extract_archive(tmp_path / "repacked.tgz", tmp_path / "x")) == verify_artifact(out)
+
+
+def make_tar(path, entries):
+    with tarfile.open(path, "w") as tar:
+        for info, data in entries:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+@pytest.mark.parametrize("bad", ["../evil.txt", "/tmp/evil.txt", "weights/../../evil.txt", "link"])
+def test_archive_with_path_traversal_or_links_is_refused(tmp_path, bad):
+    archive = tmp_path / "bad.tar"
+    info = tarfile.TarInfo(bad)
+    if bad == "link":
+        info.type, info.linkname, data = tarfile.SYMTYPE, "../../etc/passwd", None
+    else:
+        data = b"pwned"
+        info.size = len(data)
+    make_tar(archive, [(info, data)])
+    (tmp_path / "deep").mkdir()
+    with pytest.raises(ArtifactError, match="refusing entry"):
+        extract_archive(archive, tmp_path / "deep/x")
+    assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "deep/x").exists()
+    assert siblings(tmp_path / "deep/x") == []
+
+
+def test_tampered_archive_fails_to_extract(tmp_path):
+    archive = write_archive(build(tmp_path / "a"), tmp_path / "a.tar")
+    data = bytearray(archive.read_bytes())
+    with tarfile.open(archive) as tar:
+        member = [m for m in tar if m.name.startswith("weights/")][0]
+    data[member.offset_data + member.size - 1] ^= 0x01
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=f"{archive}: {member.name}: sha256 mismatch"):
+        extract_archive(archive, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_artifact_refused_without_cuda(tmp_path):
+    out = build(tmp_path / "a", manifest=make_manifest(device="cuda"))
+    with pytest.raises(ArtifactError, match="built for target cuda but CUDA is not available"):
+        verify_artifact(out)
+    assert verify_artifact(out, check_target=False)  # a registry may still check the bytes
+
+
+def test_artifact_module_imports_without_torch():
+    code = "import sys, qkiln.compile.artifact; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert {"python", "torch", "safetensors"} <= set(toolchain_versions())
+
+
+def cli():
+    app = typer.Typer()
+    app.command("verify")(verify_cmd)
+    app.command("inspect")(inspect_cmd)
+    return app
+
+
+def test_cli_verify_and_inspect(tmp_path):
+    out = build(tmp_path / "a")
+    runner = CliRunner()
+    ok = runner.invoke(cli(), ["verify", str(out)])
+    assert ok.exit_code == 0 and ok.stdout.strip() == f"ok: {len(read_manifest(out).files)} files verified"
+    archive = write_archive(out, tmp_path / "a.tar.gz")
+    assert runner.invoke(cli(), ["verify", str(archive)]).stdout.startswith("ok: ")
+    summary = json.loads(runner.invoke(cli(), ["inspect", str(out), "--json"]).stdout)
+    weights = sum(p.stat().st_size for p in (out / "weights").iterdir())
+    assert summary["sizes"]["weights_bytes"] == weights
+    assert summary["sizes"]["compression_ratio"] == round(4096 / weights, 3)
+    assert set(summary["sizes"]["tensor_bytes_by_dtype"]) == {"BF16", "F32", "F8_E4M3", "I8", "U8"}
+    assert summary["accuracy"] == {"kl": 0.01, "ppl": 12.5}
+    assert "compression:" in runner.invoke(cli(), ["inspect", str(out)]).stdout
+    shard = sorted((out / "weights").iterdir())[1]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
+    bad = runner.invoke(cli(), ["verify", str(out)])
+    assert bad.exit_code == 2 and bad.stdout == ""
+    (line,) = bad.stderr.splitlines()
+    assert line.startswith(f"error: {shard}: ") and "mismatch" in line
+    shutil.rmtree(out)
+    missing = runner.invoke(cli(), ["verify", str(out)])
+    assert missing.exit_code == 2 and missing.stderr.startswith("error: ")

@@ -1,0 +1,110 @@
+"""Incremental detokenization on real (tiny, in-memory) tokenizers, and stop-string handling."""
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from qkiln.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+
+CORPUS = ["hello world, the quick brown fox", "naïve café, smörgåsbord and crème brûlée",
+          "日本語のテキスト 😀 emoji 🚀 rockets", "hello hello world world"] * 3
+TEXT = "hello wörld: 日本語 🚀 café naïve 😀!"
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    """GPT-2 / SmolLM2 style byte-level BPE, with few merges so multibyte chars span tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def byte_fallback():
+    """Llama-2 style: metaspace pieces plus <0xNN> byte-fallback tokens for unknown characters."""
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "c", "a", "f", "n", "i", "v", "!", ":", "▁h", "ll"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "h"), ("l", "l")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<eos>"])
+    return tok
+
+
+def stream(tok, prompt_ids, output_ids, **kwargs):
+    detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
+    pieces, stop_str = [], None
+    for i, token_id in enumerate(output_ids):
+        stop_str = detok.update([token_id], is_final=i == len(output_ids) - 1)
+        pieces.append(detok.get_next_output_text(finished=stop_str is not None or i == len(output_ids) - 1))
+        if stop_str is not None:
+            break
+    return detok, pieces, stop_str
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level", "byte_fallback"])
+def test_incremental_pieces_concatenate_to_the_full_decode(tokenizer, request):
+    tok = request.getfixturevalue(tokenizer)
+    prompt = tok.encode("hello ").ids
+    output = tok.encode(TEXT).ids[1:]  # not from a word start, as generation is
+    full = tok.decode(prompt + output)
+    expected = full[len(tok.decode(prompt)):]
+    detok, pieces, _ = stream(tok, prompt, output)
+    assert "".join(pieces) == expected == detok.output_text
+    assert "\ufffd" not in expected and not any("\ufffd" in p for p in pieces)
+    assert "" in pieces  # some token ended mid-character and its text was held back
+    assert len(output) > len(expected.encode()) / 4  # the text really was split into small pieces
+
+
+def test_skip_special_tokens(byte_level):
+    eos = byte_level.token_to_id("<eos>")
+    prompt = byte_level.encode("hi").ids
+    output = byte_level.encode(" café").ids + [eos] + byte_level.encode(" 🚀").ids
+    skipped = "".join(stream(byte_level, prompt, output, skip_special_tokens=True)[1])
+    kept = "".join(stream(byte_level, prompt, output, skip_special_tokens=False)[1])
+    assert skipped == " café 🚀" and kept == " café<eos> 🚀"
+
+
+def test_is_final_flushes_an_unfinished_character(byte_level):
+    prompt = byte_level.encode("hi").ids
+    rocket = byte_level.encode("🚀").ids
+    assert len(rocket) > 1
+    detok = IncrementalDetokenizer(byte_level, prompt)
+    detok.update(rocket[:1])
+    assert detok.output_text == ""
+    detok.update(rocket[1:2], is_final=True)
+    assert detok.output_text.endswith("\ufffd")
+
+
+def test_find_stop_string_earliest_and_only_in_new_text():
+    assert find_stop_string("abc STOP def END", 8, ["END", "STOP"]) == ("END", 13)
+    assert find_stop_string("abc STOP def END", 12, ["END", "STOP"]) == ("STOP", 4)
+    assert find_stop_string("abc STOP def END", 12, ["STOP"], include_stop_str=True) == ("STOP", 8)
+    assert find_stop_string("abc STO", 2, ["STOP"]) is None
+    assert find_stop_string("abcSTOP", 1, ["STOP"]) == ("STOP", 3)  # spans old and new text
+    assert find_stop_string("STOP and more", 3, ["STOP"]) is None  # completed earlier, already handled
+
+
+@pytest.mark.parametrize("include_stop_str", [False, True])
+def test_stream_never_shows_part_of_a_cut_stop_string(byte_level, include_stop_str):
+    prompt = byte_level.encode("hi").ids
+    output = byte_level.encode(" hello world ### rest of text").ids
+    detok, pieces, stop_str = stream(byte_level, prompt, output, stop=["###"], include_stop_str=include_stop_str)
+    assert stop_str == "###"
+    expected = " hello world ###" if include_stop_str else " hello world "
+    assert detok.output_text == expected and "".join(pieces) == expected
+
+
+def test_min_tokens_defers_stop_strings(byte_level):
+    prompt = byte_level.encode("hi").ids
+    output = byte_level.encode("STOP a STOP b").ids
+    num_first = len(byte_level.encode("STOP").ids)
+    detok, pieces, stop_str = stream(byte_level, prompt, output, stop=["STOP"], min_tokens=num_first)
+    assert stop_str == "STOP" and detok.output_text == "STOP a "

@@ -1,0 +1,129 @@
+"""Sampler: greedy, top-k, top-p, seeds independent of batch composition, logprobs, bans."""
+
+import pytest
+import torch
+
+from qkiln.errors import RequestError
+from qkiln.runtime.sampler import Sampler, _apply_top_k_top_p, make_generator
+from qkiln.runtime.sampling_params import SamplingParams
+
+V = 50
+
+
+def random_logits(num_seqs, seed=0, vocab=V):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_seqs, vocab, generator=g) * 3  # [num_seqs, vocab]
+
+
+def test_greedy_is_argmax_also_next_to_random_rows():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=1.5) for i in range(6)]
+    out = Sampler().sample(logits, params)
+    assert out.token_ids.dtype == torch.int64 and out.token_ids.shape == (6,)
+    assert torch.equal(out.token_ids[::2], logits.argmax(-1)[::2])
+    all_greedy = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert torch.equal(all_greedy.token_ids, logits.argmax(-1))
+
+
+def test_top_k_1_equals_greedy():
+    logits = random_logits(8, seed=1)
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 8)
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_top_k_samples_stay_in_the_top_k():
+    logits = random_logits(1, seed=2).expand(400, V).contiguous()
+    out = Sampler().sample(logits, [SamplingParams(temperature=2.0, top_k=5)] * 400)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    assert set(out.token_ids.tolist()) <= top5 and len(set(out.token_ids.tolist())) > 1
+
+
+def test_seeded_rows_reproduce_regardless_of_batch_composition():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    steps = [random_logits(1, seed=s) / 3 for s in range(10)]  # flatter: the seed matters
+
+    def run(batch_size, row, seed=7):
+        gen, tokens = make_generator(seed), []
+        for s, row_logits in enumerate(steps):
+            batch = random_logits(batch_size, seed=100 + s)
+            batch[row] = row_logits[0]
+            others = [SamplingParams(temperature=0.8, seed=s + i) if i % 2 else SamplingParams(temperature=1.2)
+                      for i in range(batch_size)]
+            others[row] = params
+            gens = [make_generator(p.seed) if p.seed is not None else None for p in others]
+            gens[row] = gen
+            tokens.append(Sampler().sample(batch, others, gens).token_ids[row].item())
+        return tokens
+
+    alone = run(1, 0)
+    assert run(5, 3) == alone and run(3, 1) == alone
+    assert run(1, 0, seed=8) != alone
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_random_sampling_follows_the_tempered_softmax(temperature):
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(20000, 4).contiguous()
+    expected = (logits[0] / temperature).softmax(-1)
+    torch.manual_seed(0)
+    out = Sampler().sample(logits, [SamplingParams(temperature=temperature)] * 20000)
+    freq = torch.bincount(out.token_ids, minlength=4).float() / 20000
+    assert torch.allclose(freq, expected, atol=0.02), (freq, expected)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+    logits = probs.log().expand(20000, 5).contiguous()
+    torch.manual_seed(0)
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.0, top_p=0.6)] * 20000)
+    freq = torch.bincount(out.token_ids, minlength=5).float() / 20000
+    assert freq[2:].sum() == 0  # {0, 1} is the nucleus: 0.5 < 0.6 <= 0.8
+    assert abs(freq[0].item() - 0.5 / 0.8) < 0.02
+
+
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_mass_property_on_random_rows(top_p):
+    logits = random_logits(16, seed=3)
+    masked = _apply_top_k_top_p(logits, [SamplingParams(top_p=top_p)] * 16)
+    probs = logits.softmax(-1)
+    for row in range(16):
+        kept = torch.isfinite(masked[row])
+        kept_mass = probs[row][kept].sum().item()
+        smallest_kept = probs[row][kept].min().item()
+        assert kept_mass >= top_p - 1e-6  # enough mass
+        assert kept_mass - smallest_kept < top_p + 1e-6  # and minimal: without its smallest it falls short
+        assert torch.equal(masked[row][kept], logits[row][kept])
+
+
+def test_logprobs_are_of_raw_logits_and_topn_sorted():
+    logits = random_logits(3, seed=4)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=5.0, logprobs=1),
+              SamplingParams(temperature=0.0)]
+    out = Sampler().sample(logits, params)
+    ref = torch.log_softmax(logits, -1)
+    assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_logprobs.shape == (3, 3)
+    values, ids = ref.topk(3, dim=-1)
+    assert torch.equal(out.top_token_ids, ids) and torch.allclose(out.top_logprobs, values)
+    assert Sampler().sample(logits, [SamplingParams()] * 3).logprobs is None
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = random_logits(2, seed=5)
+    best = logits.argmax(-1)
+    out = Sampler().sample(logits, [SamplingParams(temperature=0.0), SamplingParams(top_k=1)],
+                           banned_token_ids=[(best[0].item(),), (best[1].item(),)])
+    second = logits.topk(2, dim=-1).indices[:, 1]
+    assert torch.equal(out.token_ids, second)
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5),
+                                 dict(temperature=-0.1), dict(top_k=-2), dict(logprobs=100),
+                                 dict(min_tokens=20, max_tokens=5), dict(stop=("",)), dict(temperature=float("nan"))])
+def test_validate_rejects_bad_params(bad):
+    with pytest.raises(RequestError):
+        SamplingParams(**bad).validate()
+
+
+def test_validate_accepts_defaults_and_normalizes_stop():
+    params = SamplingParams(stop="###", stop_token_ids=[3, 4]).validate()
+    assert params.stop == ("###",) and params.stop_token_ids == (3, 4)
