@@ -1,0 +1,57 @@
+"""CPU quantized linears over the "cpu" layouts of packed_weights.py.
+
+Few rows (decode, <= SMALL_M): torch's packed kernels, which are fast only with bf16 activations
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), so activations are cast to bf16 and the
+result cast back. Many rows (prefill): a bf16 GEMM on dequantized weights, where those kernels
+lose to it (DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional
+cached `dequantized` copy: without it tinygemm stays in use, because dequantizing the packed
+weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
+fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
+are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
+"""
+
+import torch
+
+from qkiln.plugins.reference import fake_quantize_fp8_per_token
+
+SMALL_M = 16
+
+
+def _finish(out, x, bias, out_features: int):
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int,
+                     out_features: int, bias=None, dequantized=None):
+    """x [..., in] -> [..., out]; `scales` is tinygemm's scale_and_zero, `zeros` is unused."""
+    rows = x.reshape(-1, in_features).to(torch.bfloat16)
+    if dequantized is not None and rows.shape[0] > SMALL_M:
+        return _finish(rows @ dequantized.t(), x, bias, out_features)
+    in_padded = scales.shape[0] * group_size
+    if in_padded > in_features:
+        rows = torch.nn.functional.pad(rows, (0, in_padded - in_features))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, group_size, scales)
+    return _finish(out[:, :out_features], x, bias, out_features)
+
+
+def cpu_w8a16_linear(x, weight, scales, bias=None):
+    """x [..., in] @ (int8 weight [out, in] * scales [out])^T."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features).to(torch.bfloat16)
+    if rows.shape[0] <= SMALL_M:
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
+    else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
+        out = (rows @ weight.to(torch.bfloat16).t()) * scales
+    return _finish(out, x, bias, out_features)
+
+
+def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None):
+    """weight: bf16 [out, in] already scaled (weight_scale None) or fp8 with weight_scale [out]."""
+    out_features, in_features = weight.shape
+    if weight_scale is not None:  # canonical fp8 passed directly: dequantize on the fly
+        weight = (weight.float() * weight_scale[:, None]).to(torch.bfloat16)
+    x_q, x_scale = fake_quantize_fp8_per_token(x.reshape(-1, in_features))
+    rows = (x_q.float() * x_scale).to(torch.bfloat16)
+    return _finish(rows @ weight.t(), x, bias, out_features)

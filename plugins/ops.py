@@ -1,0 +1,201 @@
+"""Registers the `qkiln::` custom ops with torch.library and gives them typed front doors.
+
+Each op has a fake (meta) implementation, so torch.compile and torch.export trace through it,
+and one kernel per device: CPU tensors run cpu_attention / cpu_linear, CUDA tensors run the
+Triton kernels (imported on first CUDA call, so importing this module never needs triton or a
+GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_tensors() order):
+
+    qkiln::cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache,
+        Tensor? k_scale, Tensor? v_scale, Tensor(c!)? k_group_scale, Tensor(d!)? k_group_min,
+        Tensor(e!)? v_group_scale, Tensor(f!)? v_group_min, Tensor? k_channel_scale,
+        Tensor slot_mapping) -> ()
+    qkiln::paged_attention(Tensor query, <the same nine cache tensors, none mutated>,
+        Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor
+    qkiln::w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size,
+        int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor
+    qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor
+    qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
+
+The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attention(query, cache,
+...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from qkiln.plugins import cpu_attention, cpu_linear, reference
+from qkiln.plugins.kv_cache import KVCache
+from qkiln.plugins.packed_weights import FP8Weight, W4A16Weight, W8A16Weight
+
+_CACHE_MUTATED = ("k_cache", "v_cache", "k_group_scale", "k_group_min", "v_group_scale",
+                  "v_group_min")
+
+
+@torch.library.custom_op("qkiln::cache_write", mutates_args=_CACHE_MUTATED)
+def _cache_write(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                 k_group_scale: Optional[Tensor], k_group_min: Optional[Tensor],
+                 v_group_scale: Optional[Tensor], v_group_min: Optional[Tensor],
+                 k_channel_scale: Optional[Tensor], slot_mapping: Tensor) -> None:
+    reference.reference_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scale,
+                                    k_group_min, v_group_scale, v_group_min, k_channel_scale,
+                                    slot_mapping)
+
+
+@_cache_write.register_fake
+def _(*args) -> None:
+    return None
+
+
+@_cache_write.register_kernel("cpu")
+def _(*args) -> None:
+    cpu_attention.cpu_cache_write(*args)
+
+
+@_cache_write.register_kernel("cuda")
+def _(*args) -> None:
+    from qkiln.plugins.triton_kv import triton_cache_write
+
+    triton_cache_write(*args)
+
+
+@torch.library.custom_op("qkiln::paged_attention", mutates_args=())
+def _paged_attention(query: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Optional[Tensor],
+                     v_scale: Optional[Tensor], k_group_scale: Optional[Tensor],
+                     k_group_min: Optional[Tensor], v_group_scale: Optional[Tensor],
+                     v_group_min: Optional[Tensor], k_channel_scale: Optional[Tensor],
+                     block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
+                     scale: float) -> Tensor:
+    return reference.reference_paged_attention(
+        query, k_cache, v_cache, k_scale, v_scale, k_group_scale, k_group_min, v_group_scale,
+        v_group_min, k_channel_scale, block_tables, seq_lens, query_start_loc, scale)
+
+
+@_paged_attention.register_fake
+def _(query, *args) -> Tensor:
+    return torch.empty_like(query)
+
+
+@_paged_attention.register_kernel("cpu")
+def _(*args) -> Tensor:
+    return cpu_attention.cpu_paged_attention(*args)
+
+
+@_paged_attention.register_kernel("cuda")
+def _(*args) -> Tensor:
+    from qkiln.plugins.triton_attention import triton_paged_attention
+
+    return triton_paged_attention(*args)
+
+
+@torch.library.custom_op("qkiln::w4a16_linear", mutates_args=())
+def _w4a16_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Optional[Tensor],
+                  group_size: int, in_features: int, out_features: int, bias: Optional[Tensor],
+                  dequantized: Optional[Tensor]) -> Tensor:
+    raise NotImplementedError(f"w4a16_linear has no kernel for device {x.device.type}")
+
+
+@_w4a16_linear.register_fake
+def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@_w4a16_linear.register_kernel("cpu")
+def _(*args) -> Tensor:
+    return cpu_linear.cpu_w4a16_linear(*args)
+
+
+@_w4a16_linear.register_kernel("cuda")
+def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized):
+    from qkiln.plugins.triton_w4a16 import triton_wna16_linear
+
+    return triton_wna16_linear(x, packed, scales, zeros, group_size, 4, in_features,
+                               out_features, bias)
+
+
+@torch.library.custom_op("qkiln::w8a16_linear", mutates_args=())
+def _w8a16_linear(x: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
+    raise NotImplementedError(f"w8a16_linear has no kernel for device {x.device.type}")
+
+
+@_w8a16_linear.register_fake
+def _(x, weight, scales, bias):
+    return x.new_empty(*x.shape[:-1], scales.shape[-1])  # [out] on cpu, [1, out] on cuda
+
+
+@_w8a16_linear.register_kernel("cpu")
+def _(*args) -> Tensor:
+    return cpu_linear.cpu_w8a16_linear(*args)
+
+
+@_w8a16_linear.register_kernel("cuda")
+def _(x, weight, scales, bias):
+    from qkiln.plugins.triton_w4a16 import triton_wna16_linear
+
+    in_features, out_features = weight.shape
+    # One group spanning all of K, rounded to whole K tiles so every tile is group-aligned.
+    return triton_wna16_linear(x, weight, scales, None, -(-in_features // 128) * 128, 8,
+                               in_features, out_features, bias)
+
+
+@torch.library.custom_op("qkiln::fp8_w8a8_linear", mutates_args=())
+def _fp8_w8a8_linear(x: Tensor, weight: Tensor, weight_scale: Optional[Tensor],
+                     bias: Optional[Tensor]) -> Tensor:
+    raise NotImplementedError(f"fp8_w8a8_linear has no kernel for device {x.device.type}")
+
+
+@_fp8_w8a8_linear.register_fake
+def _(x, weight, weight_scale, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@_fp8_w8a8_linear.register_kernel("cpu")
+def _(*args) -> Tensor:
+    return cpu_linear.cpu_fp8_w8a8_linear(*args)
+
+
+@_fp8_w8a8_linear.register_kernel("cuda")
+def _(x, weight, weight_scale, bias):
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)
+    x_q, x_scale = reference.fake_quantize_fp8_per_token(rows)  # [M, in] fp8, [M, 1] fp32
+    if in_features % 16 or out_features % 16:  # _scaled_mm's alignment rule; rare shapes
+        out = (x_q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
+    else:  # row-wise scaled fp8 GEMM: scale_a per token, scale_b per output channel
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
+                               out_dtype=torch.bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+def cache_write(key: Tensor, value: Tensor, cache: KVCache, slot_mapping: Tensor) -> None:
+    """Quantize key/value [N, Hkv, D] into `cache` at slot_mapping [N] int64 (-1 = skip)."""
+    torch.ops.qkiln.cache_write(key, value, *cache.op_tensors(), slot_mapping)
+
+
+def paged_attention(query: Tensor, cache: KVCache, block_tables: Tensor, seq_lens: Tensor,
+                    query_start_loc: Tensor, scale: float) -> Tensor:
+    """Causal GQA attention of query [N, Hq, D] over the paged cache -> [N, Hq, D].
+
+    block_tables [S, max_blocks] int32; seq_lens [S] int32 context length including this step;
+    query_start_loc [S + 1] int32: sequence s owns rows [qsl[s], qsl[s+1]), its last positions.
+    """
+    return torch.ops.qkiln.paged_attention(query, *cache.op_tensors(), block_tables, seq_lens,
+                                           query_start_loc, scale)
+
+
+def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.qkiln.w4a16_linear(x, weight.packed, weight.scales, weight.zeros,
+                                        weight.group_size, weight.in_features,
+                                        weight.out_features, bias, weight.dequantized)
+
+
+def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias)
+
+
+def fp8_w8a8_linear(x: Tensor, weight: FP8Weight, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.qkiln.fp8_w8a8_linear(x, weight.weight, weight.weight_scale, bias)

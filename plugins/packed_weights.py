@@ -1,0 +1,173 @@
+"""Quantized linear weights: canonical form in, target-specific packed layout out (`prepare_*`).
+
+Canonical form (what quant/ produces and the artifact stores):
+
+    qweight [out, in]  uint8 0..15 (asymmetric int4, with zeros) or int8 -8..7 (symmetric int4)
+                       int8 -128..127 (w8a16) / float8_e4m3fn (fp8_w8a8)
+    scales  [out, num_groups] (int4), [out] (int8, fp8)     zeros [out, num_groups] or None
+    W[o, i] = (qweight[o, i] - zeros[o, i // group_size]) * scales[o, i // group_size]
+    num_groups = ceil(in / group_size): the last group may be shorter (in=576, group 128).
+
+Target "cuda" (Triton W4A16 kernel, triton_w4a16.py; pure torch here, so a CPU machine can pack):
+
+    packed [ceil(in/2), out] uint8     byte (j, o) = q[o, 2j] | q[o, 2j + 1] << 4
+    scales [num_groups, out], zeros [num_groups, out] or None (symmetric: q stored as q + 8)
+    w8a16: weight int8 [in, out], scales [1, out]  (the same kernel with 8-bit, one group)
+    fp8:   weight float8_e4m3fn [out, in], weight_scale fp32 [out]  (torch._scaled_mm)
+
+Target "cpu" (torch's tinygemm, `_weight_int4pack_mm_for_cpu`):
+
+    packed = _convert_weight_to_int4pack_for_cpu(q + offset) [out_p, in_p / 2] uint8, an opaque
+             layout that depends on the CPU's vector ISA (AVX-512 / AVX2): prepare it on the
+             machine that serves, never store these bytes in an artifact.
+    scales = scale_and_zero [in_p / g, out_p, 2] bf16 with W = (q - 8) * scale + zero,
+             so zero = (8 - z) * scale; zeros = None.
+    g (the group size passed to the kernel) must be 32/64/128/256 and divide in_p: a shorter
+    last group is handled *exactly* by re-expressing the groups with g = gcd-like divisor
+    (group 128 over in=576 becomes group 64 with each scale repeated twice); in_p pads `in` to a
+    multiple of 32 only when even that is impossible (the op pads x with zero columns to match),
+    and out_p pads `out` to a multiple of 16 with zero rows (q = 8, scale = 0, zero = 0).
+    dequantized (optional) bf16 [out, in]: used instead of tinygemm for > SMALL_M rows, where
+    tinygemm is slower than a bf16 GEMM (DESIGN.md); costs 2 bytes per weight of memory.
+    w8a16: weight int8 [out, in], scales bf16 [out] (`_weight_int8pack_mm`).
+    fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
+           are 40-50x slower than bf16, so fp8 is only a storage format there.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from qkiln.errors import RecipeError
+
+TARGETS = ("cpu", "cuda")
+CPU_GROUP_SIZES = (256, 128, 64, 32)
+
+
+@dataclass
+class W4A16Weight:
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    group_size: int
+    in_features: int
+    out_features: int
+    target: str
+    dequantized: torch.Tensor | None = None
+
+
+@dataclass
+class W8A16Weight:
+    weight: torch.Tensor
+    scales: torch.Tensor
+    target: str
+
+
+@dataclass
+class FP8Weight:
+    weight: torch.Tensor
+    weight_scale: torch.Tensor | None
+    target: str
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise RecipeError(f"unknown target {target!r}; use one of {', '.join(TARGETS)}")
+
+
+def _unsigned_int4(qweight: torch.Tensor, zeros: torch.Tensor | None):
+    """Canonical q -> (q in 0..15 as int32, zero point per group): symmetric q is offset by 8."""
+    if zeros is None:
+        if qweight.dtype != torch.int8:
+            raise RecipeError("symmetric int4 weights must be int8 in -8..7 (zeros=None)")
+        return qweight.int() + 8, None
+    if qweight.dtype != torch.uint8:
+        raise RecipeError("asymmetric int4 weights must be uint8 in 0..15 with zeros")
+    return qweight.int(), zeros.float()
+
+
+def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
+                  keep_dequantized: bool = False, dtype: torch.dtype = torch.bfloat16) -> W4A16Weight:
+    """Canonical grouped int4 -> W4A16Weight for `target` (layouts in the module docstring).
+
+    dtype: the activation dtype the cuda kernel will see (scales/zeros are stored in it).
+    """
+    _check_target(target)
+    out_features, in_features = qweight.shape
+    if scales.shape != (out_features, -(-in_features // group_size)):
+        raise RecipeError(f"int4 scales have shape {tuple(scales.shape)}, expected "
+                          f"[{out_features}, ceil({in_features} / {group_size})]")
+    q, zero_point = _unsigned_int4(qweight, zeros)
+    if target == "cuda":
+        return _prepare_w4a16_cuda(q, scales, zero_point, group_size, dtype)
+    return _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized)
+
+
+def _prepare_w4a16_cuda(q, scales, zero_point, group_size: int, dtype) -> W4A16Weight:
+    out_features, in_features = q.shape
+    if in_features % 2:
+        q = torch.nn.functional.pad(q, (0, 1))  # the kernel masks column `in`, so 0 is harmless
+    q = q.t().contiguous()  # [in, out]
+    packed = (q[0::2] | (q[1::2] << 4)).to(torch.uint8)  # [ceil(in/2), out]
+    zeros = None if zero_point is None else zero_point.t().contiguous().to(dtype)
+    return W4A16Weight(packed, scales.t().contiguous().to(dtype), zeros, group_size,
+                       in_features, out_features, "cuda")
+
+
+def _cpu_group_size(group_size: int, in_features: int) -> tuple[int, int]:
+    """(kernel group size, padded in_features) that express `group_size` groups exactly."""
+    if group_size not in CPU_GROUP_SIZES:
+        raise RecipeError(f"target cpu needs int4 group_size in {CPU_GROUP_SIZES}, got "
+                          f"{group_size}; re-quantize with one of those")
+    padded = -(-in_features // 32) * 32
+    for size in CPU_GROUP_SIZES:
+        if size <= group_size and group_size % size == 0 and padded % size == 0:
+            return size, padded
+    raise AssertionError("unreachable: 32 divides both group_size and the padded width")
+
+
+def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized: bool):
+    out_features, in_features = q.shape
+    kernel_group, in_padded = _cpu_group_size(group_size, in_features)
+    out_padded = -(-out_features // 16) * 16
+    # Per-column scale and tinygemm zero, then one value per kernel group (first column of it).
+    col_scale = scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+    col_zero = 8.0 if zero_point is None else \
+        zero_point.repeat_interleave(group_size, dim=1)[:, :in_features]
+    col_tiny_zero = (8.0 - col_zero) * col_scale  # W = (q - 8) * s + (8 - z) * s
+    pad = (0, in_padded - in_features, 0, out_padded - out_features)
+    q_padded = torch.nn.functional.pad(q, pad, value=8)  # [out_p, in_p]
+    scale_g = torch.nn.functional.pad(col_scale, pad)[:, ::kernel_group]  # [out_p, in_p / g]
+    zero_g = torch.nn.functional.pad(col_tiny_zero, pad)[:, ::kernel_group]
+    scale_and_zero = torch.stack([scale_g.t(), zero_g.t()], dim=-1).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_padded.int().contiguous(), 1)
+    weight = W4A16Weight(packed, scale_and_zero.contiguous(), None, kernel_group, in_features,
+                         out_features, "cpu")
+    if keep_dequantized:
+        # From the bf16-rounded kernel parameters, so both paths compute the same weights.
+        s = scale_and_zero[..., 0].t().float().repeat_interleave(kernel_group, dim=1)
+        z = scale_and_zero[..., 1].t().float().repeat_interleave(kernel_group, dim=1)
+        full = (q_padded.float() - 8.0) * s + z  # [out_p, in_p]
+        weight.dequantized = full[:out_features, :in_features].to(torch.bfloat16).contiguous()
+    return weight
+
+
+def prepare_w8a16(qweight, scales, target: str) -> W8A16Weight:
+    """Canonical int8 [out, in] with per-channel scales [out] -> W8A16Weight for `target`."""
+    _check_target(target)
+    if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
+        raise RecipeError("w8a16 needs int8 weights [out, in] and per-channel scales [out]")
+    if target == "cuda":
+        return W8A16Weight(qweight.t().contiguous(), scales.float()[None].contiguous(), "cuda")
+    return W8A16Weight(qweight.contiguous(), scales.to(torch.bfloat16), "cpu")
+
+
+def prepare_fp8_w8a8(weight, weight_scale, target: str) -> FP8Weight:
+    """fp8 e4m3 weight [out, in] with per-channel scale [out] -> FP8Weight for `target`."""
+    _check_target(target)
+    if weight.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight.shape[0],):
+        raise RecipeError("fp8_w8a8 needs float8_e4m3fn weights [out, in] and scales [out]")
+    if target == "cuda":
+        return FP8Weight(weight.contiguous(), weight_scale.float().contiguous(), "cuda")
+    dequantized = (weight.float() * weight_scale.float()[:, None]).to(torch.bfloat16)
+    return FP8Weight(dequantized, None, "cpu")

@@ -1,0 +1,158 @@
+"""KV cache quantization: INT4 per token and head, FP8 per head, static key smoothing.
+
+Owns the math a cache write / read performs and its calibration; not the cache layout, the
+paged blocks or the attention kernels (plugins). Tensors are [num_tokens, num_kv_heads, head_dim].
+
+INT4 (asymmetric, per token and head, `group_size` channels along head_dim per group; KIVI,
+Liu et al. 2024, Sec. 3.1 quantizes values this way):
+
+    head_dim 64, group 32:  | channels 0..31 -> (scale, zero) | channels 32..63 -> (scale, zero) |
+    x_hat = q * scale + zero,  q in [0, 15],  zero = group minimum (an additive offset in x's units,
+    bounded by the data, so it stores safely in fp16/bf16), |x - x_hat| <= scale / 2.
+    Codes are packed two per byte along head_dim (`quant/pack.py`, low nibble = even channel).
+
+FP8 e4m3 with one calibrated scale per KV head: scale[h] = amax[h] / 448 over calibration data.
+
+Key smoothing (keys only, both dtypes): keys have a few large channels (KIVI Sec. 3; KVQuant,
+Hooper et al. 2024, Sec. 3.1) that make per-token groups coarse. A static per-(head, channel)
+scale c = amax^alpha (SmoothQuant's migration, Xiao et al. 2023, Sec. 4, with the quantizer's
+precision on the other side), normalised to geometric mean 1 per head, divides K before
+quantization and multiplies back after. Being static, it works with a paged cache; with
+rotate-half pairs tied (c[d] == c[d + head_dim/2]) it commutes with RoPE, so it can be folded into
+q_proj / k_proj offline (`fold_key_scale_into_qk`) and the cache never sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qkiln.quant.fp8 import FP8_DTYPE, FP8_MAX, cast_to_fp8
+from qkiln.quant.pack import pack_int4, unpack_int4
+from qkiln.quant.rtn import round_down_to, round_up_to
+from qkiln.quant.scheme import KVCacheScheme
+
+_EPS = torch.finfo(torch.float32).eps
+_MIN_RELATIVE_CHANNEL = 1e-3  # channels quieter than this fraction of the head's max are not boosted further
+
+
+@dataclass
+class KVCalibration:
+    """Static scales from calibration for one layer's K or V."""
+
+    scale: torch.Tensor | None  # [num_kv_heads] fp8 per-head scale; None for int4
+    channel_scale: torch.Tensor | None  # [num_kv_heads, head_dim] key smoothing; None when off / for V
+
+
+def update_kv_amax(amax: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """Running per-(head, channel) max of |x| over calibration batches; x [N, H, D] -> [H, D]."""
+    current = x.detach().float().abs().reshape(-1, *x.shape[-2:]).amax(dim=0)  # [H, D]
+    return current if amax is None else torch.maximum(amax, current)
+
+
+def key_channel_scale(amax: torch.Tensor, alpha: float, tie_rope_pairs: bool = True) -> torch.Tensor:
+    """Smoothing scale c [H, D] = amax^alpha, geometric mean 1 per head."""
+    a = amax.float()
+    if tie_rope_pairs:
+        half = a.shape[-1] // 2
+        pair_max = torch.maximum(a[..., :half], a[..., half:2 * half])
+        a = torch.cat([pair_max, pair_max], dim=-1)  # [H, D]
+    floor = (a.amax(dim=-1, keepdim=True) * _MIN_RELATIVE_CHANNEL).clamp(min=_EPS)
+    c = torch.maximum(a, floor).pow(alpha)
+    return c / c.log().mean(dim=-1, keepdim=True).exp()
+
+
+def kv_scales_from_amax(amax: torch.Tensor, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
+    """Static scales from the calibrated per-channel amax [H, D]."""
+    channel_scale = None
+    if is_key and scheme.key_smoothing:
+        channel_scale = key_channel_scale(amax, scheme.key_smoothing_alpha, scheme.key_smoothing_tie_rope_pairs)
+    scale = None
+    if scheme.dtype == "fp8":
+        smoothed = amax.float() if channel_scale is None else amax.float() / channel_scale
+        scale = (smoothed.amax(dim=-1) / FP8_MAX).clamp(min=_EPS)  # [H]
+    return KVCalibration(scale, channel_scale)
+
+
+def calibrate_kv_scales(samples: torch.Tensor, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
+    """Static scales from calibration K or V samples [N, H, D] (all at once)."""
+    return kv_scales_from_amax(update_kv_amax(None, samples), scheme, is_key)
+
+
+def quantize_kv_int4(x: torch.Tensor, group_size: int, channel_scale: torch.Tensor | None = None,
+                     scale_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H, D] -> (packed uint8 [N, H, D/2], scale [N, H, D/g], zero [N, H, D/g]), fp32 params."""
+    num_tokens, num_heads, head_dim = x.shape
+    if head_dim % group_size or group_size % 2:
+        raise ValueError(f"group_size {group_size} must be even and divide head_dim {head_dim}")
+    xf = x.float() if channel_scale is None else x.float() / channel_scale
+    grouped = xf.reshape(num_tokens, num_heads, head_dim // group_size, group_size)  # [N, H, D/g, g]
+    zero = round_down_to(grouped.amin(dim=-1), scale_dtype)  # [N, H, D/g]
+    scale = (grouped.amax(dim=-1) - zero) / 15.0
+    scale = round_up_to(scale.clamp(min=_EPS), scale_dtype)
+    q = ((grouped - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    return pack_int4(q.reshape(num_tokens, num_heads, head_dim)), scale, zero
+
+
+def dequantize_kv_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                       channel_scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+                       ) -> torch.Tensor:
+    """Inverse of `quantize_kv_int4` up to the rounding: -> [N, H, D] in `dtype`."""
+    q = unpack_int4(packed).float()  # [N, H, D]
+    num_tokens, num_heads, head_dim = q.shape
+    grouped = q.reshape(num_tokens, num_heads, head_dim // group_size, group_size)
+    x = (grouped * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)).reshape(q.shape)
+    if channel_scale is not None:
+        x = x * channel_scale
+    return x.to(dtype)
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor, channel_scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """x [N, H, D] -> float8_e4m3fn [N, H, D] with per-head scale [H]; values past the range clip."""
+    xf = x.float() if channel_scale is None else x.float() / channel_scale
+    return cast_to_fp8(xf, scale.float().reshape(-1, 1))
+
+
+def dequantize_kv_fp8(q: torch.Tensor, scale: torch.Tensor, channel_scale: torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    assert q.dtype == FP8_DTYPE
+    x = q.float() * scale.float().reshape(-1, 1)
+    if channel_scale is not None:
+        x = x * channel_scale
+    return x.to(dtype)
+
+
+def fake_quant_kv(x: torch.Tensor, scheme: KVCacheScheme, calibration: KVCalibration | None = None
+                  ) -> torch.Tensor:
+    """What a cache write then read returns for x [..., H, D], in x's dtype (simulated execution)."""
+    shape = x.shape
+    x3 = x.reshape(-1, *shape[-2:])  # [N, H, D]
+    channel_scale = None if calibration is None else calibration.channel_scale
+    if scheme.dtype == "int4":
+        packed, scale, zero = quantize_kv_int4(x3, scheme.group_size, channel_scale, scheme.scale_dtype)
+        out = dequantize_kv_int4(packed, scale, zero, scheme.group_size, channel_scale)
+    else:
+        if calibration is None or calibration.scale is None:
+            raise ValueError("an fp8 KV scheme needs calibrated per-head scales (kv.calibrate_kv_scales)")
+        out = dequantize_kv_fp8(quantize_kv_fp8(x3, calibration.scale, channel_scale), calibration.scale,
+                                channel_scale)
+    return out.reshape(shape).to(x.dtype)
+
+
+def fold_key_scale_into_qk(Wq: torch.Tensor, Wk: torch.Tensor, channel_scale: torch.Tensor, num_heads: int,
+                           bq: torch.Tensor | None = None, bk: torch.Tensor | None = None):
+    """Fold key smoothing into the projections: k' = k / c, q' = q * c, so q'.k' == q.k.
+
+    Wq [num_heads * D, hidden], Wk [num_kv_heads * D, hidden], channel_scale [num_kv_heads, D];
+    with grouped-query attention every query head uses its KV head's scale. Exact only when the
+    scale is tied across rotate-half pairs (else RoPE, applied after the projections, would mix
+    channels with different scales). Returns (Wq', Wk', bq', bk').
+    """
+    num_kv_heads, head_dim = channel_scale.shape
+    c_k = channel_scale.reshape(-1, 1).to(Wk.dtype)  # [num_kv_heads * D, 1]
+    c_q = channel_scale.repeat_interleave(num_heads // num_kv_heads, dim=0).reshape(-1, 1).to(Wq.dtype)
+    new_bq = None if bq is None else bq * c_q.squeeze(1)
+    new_bk = None if bk is None else bk / c_k.squeeze(1)
+    return Wq * c_q, Wk / c_k, new_bq, new_bk

@@ -1,0 +1,184 @@
+"""Round-to-nearest integer weight quantization and the integer grid every algorithm shares.
+
+Owns `QuantizedWeight` (unpacked codes + fp32 scales/zeros) and the grid math: per-group
+parameters from a min/max, codes from parameters, and dequantization. GPTQ and AWQ call these
+functions so that one dequantization and one packing serve every algorithm. Pure torch, no I/O.
+
+Grid (matches compressed-tensors / GPTQ layouts; `quant/scheme.py` has the rationale):
+
+    w_hat = (q - zero) * scale            per element, fp32
+    symmetric:  q in [-2^(b-1), 2^(b-1)-1] (int8 codes), zero = 0, scale = amax / ((qmax-qmin)/2)
+    asymmetric: q in [0, 2^b - 1]         (uint8 codes), scale = (max - min) / (qmax - qmin)
+                zero_point "int":   zero = clamp(round(-min/scale)), range widened to include 0
+                zero_point "float": zero = -min/scale exactly (w_hat = q*scale + min)
+
+Groups run along in_features; the last group is shorter when group_size does not divide it:
+
+    in_features = 576, group_size = 128
+    | g0: 0..127 | g1: 128..255 | g2: 256..383 | g3: 384..511 | g4: 512..575 (64 wide) |
+
+Invariant: every element's dequantization error is at most scale/2 of its group (no clipping
+outside the [min, max] the parameters were computed from).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qkiln.quant.scheme import WeightScheme
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class QuantizedWeight:
+    """An integer-quantized linear weight, unpacked. Row = output channel, column = input channel."""
+
+    qweight: torch.Tensor  # [out, in] int8 (symmetric) or uint8 (asymmetric) codes
+    scales: torch.Tensor  # [out, num_groups] fp32
+    zeros: torch.Tensor | None  # [out, num_groups] fp32 (integral when zero_point="int"); None if symmetric
+    group_size: int | None  # None: one group per row
+    num_bits: int
+    g_idx: torch.Tensor | None = None  # [in] group of each column, only for foreign act-order layouts
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [out, in] weight the codes stand for."""
+        in_features = self.qweight.shape[1]
+        scale = expand_groups(self.scales, self.group_size, in_features, self.g_idx)
+        zero = None if self.zeros is None else expand_groups(self.zeros, self.group_size, in_features, self.g_idx)
+        return dequantize_codes(self.qweight, scale, zero)
+
+
+def qrange(num_bits: int, symmetric: bool) -> tuple[int, int]:
+    if symmetric:
+        return -(1 << (num_bits - 1)), (1 << (num_bits - 1)) - 1
+    return 0, (1 << num_bits) - 1
+
+
+def num_groups(in_features: int, group_size: int | None) -> int:
+    return 1 if group_size is None else math.ceil(in_features / group_size)
+
+
+def group_ranges(in_features: int, group_size: int | None) -> list[tuple[int, int]]:
+    """[start, end) column range of every group; the last one may be shorter."""
+    size = in_features if group_size is None else group_size
+    return [(start, min(start + size, in_features)) for start in range(0, in_features, size)]
+
+
+def expand_groups(params: torch.Tensor, group_size: int | None, in_features: int,
+                  g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """[out, num_groups] per-group values -> [out, in] per-column values."""
+    if g_idx is not None:
+        return params[:, g_idx.long()]
+    if group_size is None:
+        return params[:, :1].expand(-1, in_features)
+    return params.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def group_minmax(W: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group min and max of W [out, in] -> two [out, num_groups] tensors."""
+    out_features, in_features = W.shape
+    size = in_features if group_size is None else group_size
+    num = num_groups(in_features, group_size)
+    pad = num * size - in_features
+    if pad:
+        # replicate the last column: it already belongs to the last group, so min/max are unchanged
+        W = torch.cat([W, W[:, -1:].expand(-1, pad)], dim=1)
+    grouped = W.reshape(out_features, num, size)  # [out, num_groups, group_size]
+    return grouped.amin(dim=2), grouped.amax(dim=2)
+
+
+def round_up_to(t: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Round fp32 values up to ones representable in `scale_dtype`, returned as fp32.
+
+    Scales round up, not to nearest: a smaller scale would leave a group's extremes off the grid.
+    """
+    return _round_toward(t, scale_dtype, math.inf)
+
+
+def round_down_to(t: torch.Tensor, scale_dtype: str) -> torch.Tensor:
+    """Round fp32 values down to ones representable in `scale_dtype`, returned as fp32."""
+    return _round_toward(t, scale_dtype, -math.inf)
+
+
+def _round_toward(t: torch.Tensor, scale_dtype: str, direction: float) -> torch.Tensor:
+    dtype = _TORCH_DTYPES[scale_dtype]
+    if dtype == torch.float32:
+        return t
+    rounded = t.to(dtype)
+    wrong_side = rounded.float() < t if direction > 0 else rounded.float() > t
+    stepped = torch.nextafter(rounded, torch.full_like(rounded, direction))
+    return torch.where(wrong_side, stepped, rounded).float()
+
+
+def qparams_from_minmax(wmin: torch.Tensor, wmax: torch.Tensor, scheme: WeightScheme
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale and zero (None when symmetric) for groups with the given min / max."""
+    qmin, qmax = qrange(scheme.num_bits, scheme.symmetric)
+    eps = torch.finfo(torch.float32).eps
+    wmin, wmax = wmin.float(), wmax.float()
+    if scheme.symmetric:
+        amax = torch.maximum(wmin.abs(), wmax.abs())
+        scale = round_up_to((amax / ((qmax - qmin) / 2)).clamp(min=eps), scheme.scale_dtype)
+        return scale, None
+    if scheme.zero_point == "int":
+        wmin, wmax = wmin.clamp(max=0), wmax.clamp(min=0)
+    scale = (wmax - wmin) / (qmax - qmin)
+    # a constant group has no range: use its magnitude so the constant lands on the grid exactly
+    constant = torch.maximum(wmin.abs(), wmax.abs()) / (qmax - qmin)
+    scale = torch.where(scale > 0, scale, constant).clamp(min=eps)
+    scale = round_up_to(scale, scheme.scale_dtype)
+    zero = qmin - wmin / scale
+    if scheme.zero_point == "int":
+        zero = zero.round().clamp(qmin, qmax)
+    return scale, zero
+
+
+def quantize_codes(W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                   qmin: int, qmax: int) -> torch.Tensor:
+    """Codes (still fp32) for W given per-element (or broadcastable) scale and zero."""
+    scaled = W / scale if zero is None else W / scale + zero
+    return scaled.round().clamp(qmin, qmax)
+
+
+def dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+    q = q.float()
+    return q * scale if zero is None else (q - zero) * scale
+
+
+def code_dtype(symmetric: bool) -> torch.dtype:
+    return torch.int8 if symmetric else torch.uint8
+
+
+def quantize_with_qparams(W: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                          scheme: WeightScheme) -> QuantizedWeight:
+    """Codes for W [out, in] on a given grid (per-group scales / zeros [out, num_groups])."""
+    W = W.float()
+    in_features = W.shape[1]
+    qmin, qmax = qrange(scheme.num_bits, scheme.symmetric)
+    scale = expand_groups(scales, scheme.group_size, in_features)
+    zero = None if zeros is None else expand_groups(zeros, scheme.group_size, in_features)
+    q = quantize_codes(W, scale, zero, qmin, qmax).to(code_dtype(scheme.symmetric))  # [out, in]
+    return QuantizedWeight(q, scales, zeros, scheme.group_size, scheme.num_bits)
+
+
+def quantize_rtn(W: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
+    """Round-to-nearest: group parameters from each group's min / max, then nearest codes."""
+    if scheme.type != "int":
+        raise ValueError("quantize_rtn handles integer schemes; use quant.fp8 for float weights")
+    W = W.float()
+    wmin, wmax = group_minmax(W, scheme.group_size)
+    scales, zeros = qparams_from_minmax(wmin, wmax, scheme)
+    return quantize_with_qparams(W, scales, zeros, scheme)
+
+
+def fake_quantize_rtn(W: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """RTN quantize-dequantize, fp32 [out, in]."""
+    return quantize_rtn(W, scheme).dequantize()

@@ -1,0 +1,267 @@
+"""Quantization schemes: what a recipe asks for, as small frozen dataclasses.
+
+Owns `WeightScheme`, `ActivationScheme`, `KVCacheScheme`, the algorithm options (`GPTQOptions`,
+`AWQOptions`) and `QuantScheme`, which ties them to an `ignore` list and an algorithm. It owns
+no tensors and runs no algorithm.
+
+Invariants:
+- A scheme that exists is well formed: every field-level check runs in `__post_init__` and raises
+  `RecipeError` saying what to change. Checks that need the model (`validate`) name the layers.
+- Group sizes that do not divide `in_features` are legal: the last group of a row is shorter
+  (SmolLM2 has in_features 576 with group 128 -> groups 128,128,128,128,64).
+- `to_dict()` gives plain JSON types; `from_dict(to_dict(s)) == s`.
+
+Grid conventions the algorithms share (see `quant/rtn.py`): integer codes `q`, fp32 `scale`, and
+`w_hat = (q - zero) * scale`. Symmetric: q in [-2^(b-1), 2^(b-1)-1], zero 0,
+scale = amax / ((qmax - qmin) / 2) (compressed-tensors' convention). Asymmetric: q in [0, 2^b - 1];
+`zero_point="int"` rounds the zero to an integer and widens the range to include 0 (GPTQ / AWQ /
+compressed-tensors layouts); `zero_point="float"` keeps an exact fp32 zero, i.e. w_hat = q*scale+min
+(GGUF Q4_1 / tinygemm style).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from qkiln.errors import RecipeError
+
+SCALE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _fail(message: str) -> None:
+    raise RecipeError(message)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """Weight quantization. type "float" means FP8 e4m3 with per-channel (or per-group) scales."""
+
+    num_bits: int = 4
+    type: str = "int"
+    symmetric: bool = True
+    group_size: int | None = 128  # None: one group per output channel
+    zero_point: str = "int"  # asymmetric only: "int" (interoperable layouts) or "float" (exact min)
+    scale_dtype: str = "float32"  # scales are rounded *up* to this dtype before codes are chosen
+
+    def __post_init__(self) -> None:
+        if self.type not in ("int", "float"):
+            _fail(f"weights.type must be 'int' or 'float' (fp8 e4m3), got {self.type!r}")
+        if self.type == "int" and self.num_bits not in (4, 8):
+            _fail(f"integer weights must have num_bits 4 or 8, got {self.num_bits}")
+        if self.type == "float" and self.num_bits != 8:
+            _fail(f"float weights are fp8 e4m3: set num_bits 8, got {self.num_bits}")
+        if self.type == "float" and not self.symmetric:
+            _fail("fp8 weights are symmetric (scale only): set symmetric true")
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1
+        ):
+            _fail(f"weights.group_size must be a positive integer or null (per channel), got {self.group_size!r}")
+        if self.zero_point not in ("int", "float"):
+            _fail(f"weights.zero_point must be 'int' or 'float', got {self.zero_point!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            _fail(f"weights.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+
+
+@dataclass(frozen=True)
+class ActivationScheme:
+    """FP8 e4m3 activations: dynamic per-token scales, or one static per-tensor scale from calibration."""
+
+    type: str = "float"
+    num_bits: int = 8
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type != "float" or self.num_bits != 8:
+            _fail(f"activations support fp8 only (type 'float', num_bits 8), got {self.type} {self.num_bits}")
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    """KV cache quantization.
+
+    int4: asymmetric, per token and head, `group_size` channels along head_dim per group.
+    fp8: e4m3 with a calibrated scale per KV head.
+    Key smoothing (both dtypes, keys only): divide K by a static per-(head, channel) scale
+    `amax ** key_smoothing_alpha` from calibration before quantizing, multiply back after
+    (SmoothQuant, Xiao et al. 2023, Sec. 4; the per-channel key outliers of KIVI, Liu et al. 2024,
+    Sec. 3, and KVQuant, Hooper et al. 2024, Sec. 3.1). It is static, so a paged cache keeps working;
+    with `key_smoothing_tie_rope_pairs` the scale commutes with rotate-half RoPE and can be folded
+    into q_proj / k_proj (`kv.fold_key_scale_into_qk`).
+    """
+
+    dtype: str = "int4"
+    group_size: int = 32  # int4 only; must divide head_dim
+    key_smoothing: bool = True
+    key_smoothing_alpha: float = 0.5
+    key_smoothing_tie_rope_pairs: bool = True
+    scale_dtype: str = "float32"  # int4 per-token scale / zero storage precision
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("int4", "fp8"):
+            _fail(f"kv_cache.dtype must be 'int4' or 'fp8', got {self.dtype!r}")
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 2 \
+                or self.group_size % 2:
+            _fail(f"kv_cache.group_size must be an even integer >= 2 (e.g. 64, 32, 16), got {self.group_size!r}")
+        if not 0.0 <= float(self.key_smoothing_alpha) <= 1.0:
+            _fail(f"kv_cache.key_smoothing_alpha must be in [0, 1], got {self.key_smoothing_alpha}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            _fail(f"kv_cache.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if self.dtype == "int4" and head_dim % self.group_size:
+            _fail(f"kv_cache.group_size {self.group_size} does not divide head_dim {head_dim}: pick a divisor")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """GPTQ (Frantar et al. 2022) knobs; defaults follow the paper's reference code."""
+
+    dampening_frac: float = 0.01  # lambda = dampening_frac * mean(diag(H)), Sec. 4 "Cholesky Reformulation"
+    block_size: int = 128  # lazy batch updates, Sec. 4 "Lazy Batch-Updates"
+    act_order: bool = False  # process columns by decreasing diag(H)
+    static_groups: bool = True  # group params from the original column order (needed with act_order)
+    max_damp_retries: int = 3  # x10 dampening per Cholesky failure, then fall back to RTN
+
+    def __post_init__(self) -> None:
+        if not self.dampening_frac > 0:
+            _fail(f"gptq.dampening_frac must be > 0, got {self.dampening_frac}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            _fail(f"gptq.block_size must be a positive integer, got {self.block_size!r}")
+        if self.act_order and not self.static_groups:
+            _fail("gptq.act_order needs static_groups: true (dynamic groups would need a g_idx in every kernel)")
+        if not isinstance(self.max_damp_retries, int) or self.max_damp_retries < 0:
+            _fail(f"gptq.max_damp_retries must be >= 0, got {self.max_damp_retries!r}")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    """AWQ (Lin et al. 2023) knobs: scale grid (Sec. 3.2) and weight-clipping grid."""
+
+    grid_size: int = 20  # alphas 0, 1/grid, ..., (grid-1)/grid
+    duo_scaling: bool = True  # s = x_mean^a / w_mean^(1-a) (AutoAWQ) instead of x_mean^a
+    clip: bool = True
+    clip_grid_size: int = 20
+    clip_max_shrink: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.grid_size, int) or self.grid_size < 1:
+            _fail(f"awq.grid_size must be a positive integer, got {self.grid_size!r}")
+        if not isinstance(self.clip_grid_size, int) or self.clip_grid_size < 1:
+            _fail(f"awq.clip_grid_size must be a positive integer, got {self.clip_grid_size!r}")
+        if not 0.0 <= self.clip_max_shrink < 1.0:
+            _fail(f"awq.clip_max_shrink must be in [0, 1), got {self.clip_max_shrink}")
+
+
+_SUBSCHEMES = {"weights": WeightScheme, "activations": ActivationScheme, "kv_cache": KVCacheScheme,
+               "gptq": GPTQOptions, "awq": AWQOptions}
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A whole recipe's quantization: what to quantize, how, and what to leave alone.
+
+    `ignore` entries match a layer name exactly, as a dotted suffix ("lm_head" matches
+    "model.lm_head"), or as a regular expression with the prefix "re:" (compressed-tensors style).
+    """
+
+    weights: WeightScheme | None = None
+    activations: ActivationScheme | None = None
+    kv_cache: KVCacheScheme | None = None
+    ignore: tuple[str, ...] = ("lm_head",)
+    algorithm: str = "rtn"
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    awq: AWQOptions = field(default_factory=AWQOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
+            _fail(f"ignore must be a list of layer names or 're:' patterns, got {self.ignore!r}")
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    _fail(f"ignore pattern {pattern!r} is not a valid regular expression: {exc}")
+        if self.algorithm not in ("rtn", "gptq", "awq"):
+            _fail(f"algorithm must be 'rtn', 'gptq' or 'awq', got {self.algorithm!r}")
+        if self.algorithm != "rtn" and (self.weights is None or self.weights.type != "int"):
+            _fail(f"algorithm {self.algorithm!r} quantizes integer weights: use algorithm 'rtn' for fp8 "
+                  "or add an integer weights scheme")
+        if self.activations is not None and (self.weights is None or self.weights.type != "float"):
+            _fail("activation quantization is implemented for FP8 W8A8 only: set weights.type 'float'")
+        if self.weights is None and self.activations is None and self.kv_cache is None:
+            _fail("the scheme quantizes nothing: set weights, activations or kv_cache")
+
+    def is_ignored(self, name: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], name):
+                    return True
+            elif name == pattern or name.endswith("." + pattern):
+                return True
+        return False
+
+    def targets(self, names) -> list[str]:
+        """The layer names this scheme quantizes, in the given order."""
+        return [name for name in names if not self.is_ignored(name)]
+
+    def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int | None = None) -> None:
+        """Check the scheme against the model's linears ({name: (out_features, in_features)}).
+
+        Raises RecipeError naming every offending layer, before any calibration starts.
+        """
+        if self.kv_cache is not None and head_dim is not None:
+            self.kv_cache.check_head_dim(head_dim)
+        if self.weights is None:
+            return
+        problems: dict[str, list[str]] = {}
+        for name in self.targets(linear_shapes):
+            out_features, in_features = linear_shapes[name]
+            for problem in self._layer_problems(out_features, in_features):
+                problems.setdefault(problem, []).append(name)
+        if problems:
+            lines = [f"{problem}: {', '.join(names)}" for problem, names in problems.items()]
+            _fail("the scheme does not fit these layers (fix the scheme or add them to ignore):\n  "
+                  + "\n  ".join(lines))
+
+    def _layer_problems(self, out_features: int, in_features: int) -> list[str]:
+        w = self.weights
+        found = []
+        if out_features < 1 or in_features < 1:
+            found.append("empty weight")
+        if w.type == "int" and w.num_bits == 4 and in_features % 2:
+            found.append("odd in_features cannot be packed two 4-bit codes per byte")
+        if w.type == "float" and (in_features % 16 or out_features % 16):
+            found.append("fp8 GEMMs need in_features and out_features divisible by 16")
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"ignore": list(self.ignore)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "QuantScheme":
+        if not isinstance(data, dict):
+            _fail(f"a quantization scheme must be a mapping, got {type(data).__name__}")
+        _check_keys(cls, data, "scheme")
+        kwargs = dict(data)
+        for key, sub_cls in _SUBSCHEMES.items():
+            value = kwargs.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                _fail(f"{key} must be a mapping, got {type(value).__name__}")
+            _check_keys(sub_cls, value, key)
+            kwargs[key] = sub_cls(**value)
+        if "ignore" in kwargs:
+            kwargs["ignore"] = tuple(kwargs["ignore"]) if isinstance(kwargs["ignore"], list) else kwargs["ignore"]
+        return cls(**kwargs)
+
+
+def _check_keys(cls, data: dict, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        _fail(f"unknown {where} field(s) {unknown}; known fields: {sorted(known)}")
