@@ -38,7 +38,8 @@ _WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
     "fp8-w8a8-static": dict(weights=WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None),
                             activations=ActivationScheme(dynamic=False), algorithm="rtn"),
 }
-_KV_PRESETS = {"kv-int4": KVCacheScheme(dtype="int4"), "kv-fp8": KVCacheScheme(dtype="fp8")}
+# int4 KV scales are stored in fp16 by the paged cache: simulate exactly that
+_KV_PRESETS = {"kv-int4": KVCacheScheme(dtype="int4", scale_dtype="float16"), "kv-fp8": KVCacheScheme(dtype="fp8")}
 PRESETS = sorted(_WEIGHT_PRESETS) + sorted(_KV_PRESETS)
 
 

@@ -75,7 +75,7 @@ def _fold_query(query, k_scale, k_channel_scale, num_kv_heads: int, scale: float
 
 
 def _attend(q, k, v, masked):
-    """q [B, Hkv, R, D], k/v [B, Hkv, T, D], masked [B, 1, R, T] (True = hidden) -> [B, Hkv, R, D]."""
+    """q [B, Hkv, R, D], k/v [B, Hkv, T, D], masked [B, 1, R, T] (True: hidden) -> q's shape."""
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, R, T]
     scores.masked_fill_(masked, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
@@ -99,9 +99,10 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
         return [_gather(cache, s, m, blocks) for cache, s, m in kv]
 
     if decode_ids:
-        ids = torch.tensor(decode_ids)
+        is_all_decode = len(decode_ids) == len(lens)  # the common step: no row indexing at all
+        ids = slice(None) if is_all_decode else torch.tensor(decode_ids)
+        rows = slice(None) if is_all_decode else query_start_loc[ids].long()
         k, v = gather(ids, max(lens[s] for s in decode_ids))
-        rows = query_start_loc[ids].long()
         positions = torch.arange(k.shape[2])
         masked = positions[None, :] >= seq_lens[ids].long()[:, None]  # [S_d, T]
         # Slots past a sequence's end hold stale bytes (maybe NaN); 0 * NaN would leak into P @ V.

@@ -95,7 +95,8 @@ def check_kv_dtype(kv_dtype: str, head_dim: int, group_size: int) -> None:
         raise RecipeError(f"unknown kv cache dtype {kv_dtype!r}; use one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "int4" and (group_size < 2 or group_size % 2 or head_dim % group_size):
         raise RecipeError(
-            f"int4 kv cache needs an even group_size dividing head_dim={head_dim}, got {group_size};"
+            f"int4 kv cache needs an even group_size dividing head_dim={head_dim}, "
+            f"got {group_size};"
             " use e.g. group_size=32 or group_size=head_dim")
 
 

@@ -87,7 +87,8 @@ def _unsigned_int4(qweight: torch.Tensor, zeros: torch.Tensor | None):
 
 
 def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
-                  keep_dequantized: bool = False, dtype: torch.dtype = torch.bfloat16) -> W4A16Weight:
+                  keep_dequantized: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> W4A16Weight:
     """Canonical grouped int4 -> W4A16Weight for `target` (layouts in the module docstring).
 
     dtype: the activation dtype the cuda kernel will see (scales/zeros are stored in it).

@@ -1,4 +1,4 @@
-"""Plain reference implementations of every qkiln op: the definition the fast paths are tested against.
+"""Plain reference implementations of every qkiln op: what the fast paths are tested against.
 
 Written for clarity, not speed: per-token and per-sequence Python loops, math in float64 for
 attention and float32 for linears. They take the same flat arguments as the registered ops
@@ -60,7 +60,8 @@ def _dequantize_slots(cache, slots, head_scale, g_scale, g_min) -> torch.Tensor:
 def reference_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale,
                               k_group_min, v_group_scale, v_group_min, k_channel_scale,
                               block_tables, seq_lens, query_start_loc, scale: float):
-    """Causal attention of each sequence's query rows (its last q_len positions) over its context."""
+    """Causal attention of each sequence's query rows (its last q_len positions) over its context.
+    """
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_size = k_cache.shape[1]
@@ -115,7 +116,7 @@ def reference_w8a16_linear(x, qweight, scales, bias=None):
 
 
 def fake_quantize_fp8_per_token(x: torch.Tensor):
-    """Dynamic per-token fp8: returns (x_q fp8 [..., in], scale fp32 [..., 1]) with x ~= x_q * scale."""
+    """Dynamic per-token fp8: (x_q fp8 [..., in], scale fp32 [..., 1]) with x ~= x_q * scale."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

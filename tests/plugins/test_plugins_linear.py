@@ -1,0 +1,98 @@
+"""CPU quantized linears (through the registered ops) against dequantize-then-matmul in fp32."""
+
+import pytest
+import torch
+from plugins_testlib import rel_error
+
+from qkiln.errors import RecipeError
+from qkiln.plugins import (fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16, prepare_w8a16,
+                           w4a16_linear, w8a16_linear)
+from qkiln.plugins.reference import (reference_fp8_w8a8_linear, reference_w4a16_linear,
+                                     reference_w8a16_linear)
+
+BF16_TOLERANCE = 1.5e-2  # activations and scales go through bf16 on CPU
+
+
+def canonical_int4(out_features, in_features, group_size, is_symmetric):
+    """Random canonical int4 weights (see packed_weights.py) with realistic scales."""
+    num_groups = -(-in_features // group_size)
+    scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
+    if is_symmetric:
+        return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
+    qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    return qweight, scales, torch.rand(out_features, num_groups) * 15
+
+
+@pytest.mark.parametrize("is_symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("group_size,in_features", [(32, 256), (64, 256), (128, 576), (64, 576),
+                                                    (64, 100)])
+def test_cpu_w4a16_matches_reference(group_size, in_features, is_symmetric):
+    """in=576 with group 128 ends in a 64-wide group; in=100 needs padding to 128."""
+    out_features = 40  # not a multiple of 16: exercises tinygemm's row padding
+    qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
+    bias = torch.randn(out_features)
+    weight = prepare_w4a16(qweight, scales, zeros, group_size, "cpu", keep_dequantized=True)
+    packed_only = prepare_w4a16(qweight, scales, zeros, group_size, "cpu")
+    for rows in (1, 3, 33):  # decode rows use tinygemm, 33 rows the dequantized GEMM
+        x = torch.randn(rows, in_features)
+        expected = reference_w4a16_linear(x, qweight, scales, zeros, group_size, bias)
+        for w in (weight, packed_only):
+            actual = w4a16_linear(x, w, bias)
+            assert actual.shape == expected.shape and actual.dtype == x.dtype
+            assert rel_error(actual, expected) < BF16_TOLERANCE
+
+
+def test_cpu_w4a16_keeps_leading_dims_and_bf16():
+    qweight, scales, zeros = canonical_int4(32, 128, 64, is_symmetric=False)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    actual = w4a16_linear(x, prepare_w4a16(qweight, scales, zeros, 64, "cpu"))
+    assert actual.shape == (2, 3, 32) and actual.dtype == torch.bfloat16
+    expected = reference_w4a16_linear(x.float(), qweight, scales, zeros, 64)
+    assert rel_error(actual, expected) < BF16_TOLERANCE
+
+
+def test_w4a16_prepare_rejects_what_it_cannot_pack():
+    qweight, scales, zeros = canonical_int4(32, 128, 16, is_symmetric=False)
+    with pytest.raises(RecipeError, match="group_size"):
+        prepare_w4a16(qweight, scales, zeros, 16, "cpu")
+    with pytest.raises(RecipeError, match="symmetric"):
+        prepare_w4a16(qweight, scales, None, 16, "cuda")  # uint8 q without zeros
+    with pytest.raises(RecipeError, match="target"):
+        prepare_w4a16(qweight, scales, zeros, 16, "tpu")
+
+
+def test_cuda_layout_packs_pairs_along_in_features():
+    qweight, scales, zeros = canonical_int4(16, 64, 32, is_symmetric=True)
+    weight = prepare_w4a16(qweight, scales, None, 32, "cuda")
+    q = (qweight.int() + 8).t()  # [in, out], offset so nibbles are unsigned
+    assert torch.equal((weight.packed & 15).int(), q[0::2]) and torch.equal(
+        (weight.packed >> 4).int(), q[1::2])
+    assert weight.scales.shape == (2, 16) and weight.zeros is None
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_cpu_w8a16_matches_reference(rows):
+    qweight = torch.randint(-128, 128, (48, 96), dtype=torch.int8)
+    scales = torch.rand(48) * 0.01 + 0.001
+    bias = torch.randn(48)
+    x = torch.randn(rows, 96)
+    actual = w8a16_linear(x, prepare_w8a16(qweight, scales, "cpu"), bias)
+    assert rel_error(actual, reference_w8a16_linear(x, qweight, scales, bias)) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_cpu_fp8_w8a8_matches_reference(rows):
+    w = torch.randn(48, 96)
+    weight_scale = w.abs().amax(dim=1) / 448
+    weight = (w / weight_scale[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(rows, 96) * torch.rand(rows, 1) * 4  # per-token ranges differ
+    expected = reference_fp8_w8a8_linear(x, weight, weight_scale)
+    prepared = prepare_fp8_w8a8(weight, weight_scale, "cpu")
+    assert prepared.weight.dtype == torch.bfloat16 and prepared.weight_scale is None
+    assert rel_error(fp8_w8a8_linear(x, prepared), expected) < BF16_TOLERANCE
+    # The canonical fp8 weight is accepted as well (dequantized per call).
+    direct = torch.ops.qkiln.fp8_w8a8_linear(x, weight, weight_scale, None)
+    assert rel_error(direct, expected) < BF16_TOLERANCE
+    # And the fake quantization matters: it is not a plain bf16 GEMM of x.
+    plain = x @ (weight.float() * weight_scale[:, None]).t()
+    assert rel_error(plain, expected) > 1e-4
