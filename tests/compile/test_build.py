@@ -1,0 +1,123 @@
+"""`qkiln build` end to end on a tiny real checkpoint: verify, tamper, reproducibility, cache,
+recipes refused up front, and the artifact served by the runtime without transformers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qkiln.compile.artifact import verify_artifact
+from qkiln.compile.build import build
+from qkiln.compile.recipe import load_recipe, preset
+from qkiln.errors import ArtifactError, RecipeError
+from tiny_models import write_tiny_hf_model
+
+SHARED_TEXT = Path(__file__).resolve().parents[2] / "../shared/data/janeausten/emma.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("build")
+    model = write_tiny_hf_model(root / "model", "llama")
+    text = root / "calib.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 200)
+    return root, model, text
+
+
+def _recipe(name, text, **calibration):
+    import dataclasses
+
+    r = preset(name)
+    return dataclasses.replace(
+        r, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=4, seq_len=64, **calibration),
+        evaluation=dataclasses.replace(r.evaluation, data=str(text), seq_len=64, max_tokens=256))
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_build_verify_and_tamper(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(str(model), _recipe("w4a16-gptq+kv-int4", text), tmp_path / "a", progress=False, log=lambda m: None)
+    assert len(verify_artifact(result.path)) >= 4
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert manifest["calibration"]["token_sha256"] and manifest["source"]["sha256"]
+    assert manifest["accuracy"]["perplexity"] > 1 and "kl_divergence" in manifest["accuracy"]
+    assert manifest["quantization"]["linears"]["model.layers.0.mlp.down_proj"]["format"] == "int4"
+    for rel in [p for p in _files(result.path) if p.startswith("weights/")]:
+        f = result.path / rel
+        original = f.read_bytes()
+        f.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(ArtifactError, match=rel.split("/")[-1]):
+            verify_artifact(result.path)
+        f.write_bytes(original)
+    verify_artifact(result.path)
+
+
+def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    first = build(str(model), _recipe("w4a16-awq+kv-fp8", text), tmp_path / "a", progress=False, log=lambda m: None)
+    again = build(str(model), _recipe("w4a16-awq+kv-fp8", text), tmp_path / "b", use_cache=False, progress=False,
+                  log=lambda m: None)
+    a, b = _files(first.path), _files(again.path)
+    a["manifest.json"] = a["manifest.json"].replace(b'"name": "a"', b'"name": "b"')
+    assert a == b  # only the artifact name differs, and that is the directory's name
+    assert first.num_cached_layers == 0
+    kv_only = build(str(model), _recipe("w4a16-awq+kv-int4", text), tmp_path / "c", progress=False, log=lambda m: None)
+    assert kv_only.num_cached_layers == kv_only.num_layers
+    w_c = _files(kv_only.path)["weights/model-00001-of-00001.safetensors"]
+    assert w_c != a["weights/model-00001-of-00001.safetensors"]  # KV scales differ, weights reused
+
+
+def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
+    root, model, text = tiny
+    with pytest.raises(RecipeError, match="unknown preset"):
+        load_recipe("w3a16-gptq")
+    bad = tmp_path / "r.yaml"
+    bad.write_text("scheme:\n  weights: {num_bits: 3}\n")
+    with pytest.raises(RecipeError, match="num_bits"):
+        load_recipe(str(bad))
+    bad.write_text("scheme: [unclosed\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(str(bad))
+    long = _recipe("w4a16-rtn", text)
+    import dataclasses
+
+    long = dataclasses.replace(long, calibration=dataclasses.replace(long.calibration, seq_len=100_000))
+    with pytest.raises(RecipeError, match="exceeds the model's context"):
+        build(str(model), long, tmp_path / "x", progress=False, log=lambda m: None)
+    assert not (tmp_path / "x").exists()
+
+
+def test_recipe_file_round_trip(tmp_path):
+    r = preset("fp8-w8a8+kv-fp8")
+    (tmp_path / "r.json").write_text(json.dumps(r.to_dict()))
+    assert load_recipe(str(tmp_path / "r.json")).scheme == r.scheme
+    (tmp_path / "r.toml").write_text('preset = "w4a16-gptq"\n[calibration]\nnum_samples = 8\n')
+    t = load_recipe(str(tmp_path / "r.toml"))
+    assert t.scheme.algorithm == "gptq" and t.calibration.num_samples == 8
+
+
+def test_artifact_serves_without_transformers(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    art = build(str(model), _recipe("fp8-w8a8-static+kv-fp8", text), tmp_path / "a", progress=False,
+                log=lambda m: None).path
+    code = (
+        "import sys\n"
+        "from qkiln.runtime.llm import LLM\n"
+        "from qkiln.runtime.sampling_params import SamplingParams\n"
+        f"llm = LLM({str(art)!r}, num_kv_blocks=32)\n"
+        "out = llm.generate(['hello'], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))\n"
+        "assert len(out[0].token_ids) == 5, out\n"
+        "assert llm.engine.kv_dtype == 'fp8'\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
