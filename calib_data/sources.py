@@ -6,6 +6,7 @@ and the network are available, or samples the model generates itself (the data-f
 the caller supplies the generator, since this package must not import models).
 A source is named by a spec string, which goes into the manifest as provenance:
     file:PATH  |  jsonl:PATH[#field]  |  hf:NAME[/CONFIG]:SPLIT[#field]  |  self:NUM_SAMPLES
+    mix:SPEC+SPEC+...   (the documents of every part, in order; windows are drawn from all)
 A bare existing path means file: (or jsonl: for *.jsonl).
 """
 
@@ -63,6 +64,11 @@ def _read_hf_dataset(name: str, split: str, field: str) -> list[str]:
 
 def load_text_source(spec: str, self_generator: SelfGenerator | None = None, seed: int = 0) -> TextSource:
     kind, sep, rest = spec.partition(":")
+    if kind == "mix":
+        parts = [load_text_source(p, self_generator, seed) for p in rest.split("+") if p]
+        if not parts:
+            raise CalibrationDataError("mix: needs parts, e.g. mix:self:64+file:valid.txt")
+        return TextSource(spec, [d for part in parts for d in part.documents])
     if not sep or Path(spec).exists():
         kind, rest = ("jsonl" if spec.endswith(".jsonl") else "file"), spec
     if kind == "file":
@@ -83,5 +89,5 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
             raise CalibrationDataError(f"self:NUM_SAMPLES expects an integer, got {rest!r}") from None
         return TextSource(spec, self_generator(num, seed))
     raise CalibrationDataError(
-        f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT or self:N"
+        f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N or mix:A+B"
     )

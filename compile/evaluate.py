@@ -62,6 +62,15 @@ def evaluate(
     model: Scorer, tokenizer, data_path: str, seq_len: int, max_tokens: int,
     reference: Scorer | None = None, batch_size: int = 4, progress: bool = True,
 ) -> dict:
+    return evaluate_many({"model": model}, tokenizer, data_path, seq_len, max_tokens, reference, batch_size,
+                         progress)["model"]
+
+
+def evaluate_many(
+    models: dict[str, Scorer], tokenizer, data_path: str, seq_len: int, max_tokens: int,
+    reference: Scorer | None = None, batch_size: int = 4, progress: bool = True,
+) -> dict[str, dict]:
+    """Score several models on the same windows; the reference runs once per batch for all."""
     if seq_len < 2 or max_tokens < 2:
         raise CalibrationDataError("--seq-len and --max-tokens must be at least 2")
     text = read_text_exact(data_path)
@@ -71,37 +80,44 @@ def evaluate(
     protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos)
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)
-    totals = dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0)
+    totals = {name: dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0) for name in models}
     # equal-length windows batch together; the shorter last one runs alone
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     batches = [[w for w in b if len(w) == len(b[0])] for b in batches] + [
         [w] for b in batches for w in b if len(w) != len(b[0])
     ]
     for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
-        _score_batch(torch.tensor(batch), model, reference, byte_len, totals)
+        ids_t = torch.tensor(batch)
+        with torch.no_grad():
+            ref_logp = None if reference is None else F.log_softmax(reference(ids_t)[:, :-1].float(), dim=-1)
+        for name, model in models.items():
+            _score_batch(ids_t, model, ref_logp, byte_len, totals[name])
+    return {name: _report(t, len(windows), protocol, reference is not None) for name, t in totals.items()}
+
+
+def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_reference: bool) -> dict:
     n = totals["tokens"]
     report = {
         "perplexity": math.exp(totals["nll"] / n),
         "bits_per_byte": totals["nll"] / math.log(2) / totals["bytes"],
         "num_tokens": n,
-        "num_windows": len(windows),
+        "num_windows": num_windows,
         "protocol": protocol.to_dict(),
     }
-    if reference is not None:
+    if has_reference:
         report["kl_divergence"] = totals["kl"] / n
         report["top1_agreement"] = totals["agree"] / n
     return report
 
 
 @torch.no_grad()
-def _score_batch(ids: torch.Tensor, model: Scorer, reference, byte_len: dict, totals: dict) -> None:
+def _score_batch(ids: torch.Tensor, model: Scorer, ref_logp, byte_len: dict, totals: dict) -> None:
     logits = model(ids)[:, :-1].float()  # [B, T-1, V] predicts ids[:, 1:]
     targets = ids[:, 1:]
     logp = F.log_softmax(logits, dim=-1)
     totals["nll"] += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
     totals["tokens"] += targets.numel()
     totals["bytes"] += sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
-    if reference is not None:
-        ref_logp = F.log_softmax(reference(ids)[:, :-1].float(), dim=-1)
+    if ref_logp is not None:
         totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
         totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()

@@ -18,10 +18,11 @@ class LoadedModel:
     tokenizer: object
     model: torch.nn.Module
     description: dict
+    backend: object = None  # attention backend (simulated KV quantization for artifacts)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return self.model(ids).float()
+            return self.model(ids, backend=self.backend).float()
 
 
 def open_model(name: str) -> LoadedModel:

@@ -1,0 +1,26 @@
+"""Evaluate an artifact in simulation: its stored tensors, dequantized exactly as the kernels
+would, fake-quant activations and KV. Used by `qkiln eval ARTIFACT` and the quality bench."""
+
+from pathlib import Path
+
+import torch
+
+from qkiln.quant import QuantScheme
+from qkiln.runtime.config import ModelConfig
+from qkiln.runtime.tokenizer import Tokenizer
+
+from .artifact import load_tensors, read_manifest, verify_artifact
+from .artifact_tensors import from_tensors
+from .model_ref import LoadedModel
+from .simulate import simulated_model
+
+
+def load_artifact_model(path: Path) -> LoadedModel:
+    verify_artifact(path, check_target=False)  # evaluation runs anywhere; serving checks the target
+    manifest = read_manifest(path)
+    config = ModelConfig.from_dict(manifest.architecture)
+    scheme = QuantScheme.from_dict(manifest.recipe["scheme"])
+    qm = from_tensors(config, scheme, load_tensors(path, manifest, verify=False), manifest.quantization)
+    model, backend = simulated_model(qm)
+    return LoadedModel(str(path), Tokenizer.from_dir(Path(path) / "tokenizer"), model,
+                       {"kind": "artifact", "recipe": manifest.recipe.get("name")}, backend)

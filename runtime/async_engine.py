@@ -1,0 +1,319 @@
+"""`AsyncLLMEngine`: one `LLMEngine` driven by one background thread, streamed to asyncio callers.
+
+Owns the engine thread, the hand-off of requests and aborts from any thread to it, and the
+per-request output streams. Must not schedule, sample or format responses (engine.py and
+server.py do).
+
+Invariants:
+- Only the engine thread touches the `LLMEngine`. Other threads enqueue commands (add, abort,
+  call) on `_commands` and set `_wake`; the engine thread applies them between steps, in order.
+  So an abort sent after an add always finds the request, and KV blocks are only ever freed by
+  the thread that allocates them.
+- Idle means asleep: with no unfinished request the thread blocks on `_wake` (no busy-wait).
+- Every stream ends exactly once: with a finished `RequestOutput` (stop, length, or abort) or
+  with an exception (`RequestError` at admission, `EngineError` when a step fails or the engine
+  shuts down). A failing step aborts the requests it could have touched, frees their blocks and
+  the engine keeps serving the rest.
+- `snapshot` is an immutable `EngineSnapshot` replaced after every loop turn, so metrics and
+  health checks read it from any thread without locking.
+
+    event loop thread                         engine thread
+    add_request ─┐                            ┌─ drain commands (add / abort / call)
+    abort       ─┼─> _commands + _wake.set ──>┤  step() -> outputs
+    call        ─┘                            └─ loop.call_soon_threadsafe(stream.put, out)
+"""
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from qkiln.errors import QkilnError, RequestError
+
+from .engine import EngineConfig, LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class EngineError(QkilnError):
+    """The engine failed while running a request (a bug or an out-of-memory), or it has shut down."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine looked like after its latest loop turn (read from any thread)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_unfinished: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_step_errors: int = 0
+    time: float = 0.0
+
+
+_ACCEPTED = object()  # engine thread -> stream: "admitted"; resolves `accepted`, never queued
+
+
+class RequestStream:
+    """Outputs of one request, in order; iterate with `async for`. Ends after the finished output."""
+
+    _END = object()
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.accepted: asyncio.Future = loop.create_future()  # None once admitted, or the admission error
+        self.finished = False
+
+    # ---- engine thread side (thread-safe: everything goes through the loop) ------------------
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand an output or an error to the consumer; False if its event loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+            return True
+        except RuntimeError:  # the loop was closed: nobody is listening any more
+            return False
+
+    def _deliver(self, item) -> None:
+        if not self.accepted.done():
+            if isinstance(item, BaseException):  # refused at admission: nothing else will come
+                self.accepted.set_exception(item)
+                return
+            self.accepted.set_result(None)
+        if item is not _ACCEPTED:
+            self.queue.put_nowait(item)
+
+    # ---- consumer side -----------------------------------------------------------------------
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, name: str = "model"):
+        self.engine = engine
+        self.name = name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = False
+        self._closed = False  # set once by the engine thread on exit; guarded by `_send_lock`
+        self._send_lock = threading.Lock()
+        self.snapshot = EngineSnapshot()
+        self._num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model(cls, model: str, dtype: str = "auto", name: str | None = None, **engine_kwargs) -> "AsyncLLMEngine":
+        """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it."""
+        from .loader import load_for_serving
+
+        loaded = load_for_serving(model, dtype=dtype)
+        kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
+        config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs)
+        return cls(LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales), name or loaded.name)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    # ---- public API (any thread / the event loop) -------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          request_id: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine has admitted it.
+
+        Raises `RequestError` if the engine refuses it (bad parameters, prompt too long), so a
+        server can answer 400 before it starts streaming.
+        """
+        params = (params or SamplingParams()).validate()
+        stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
+                               asyncio.get_running_loop())
+        self._send(_Add(stream, prompt, params))
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)  # the caller went away while we were queued
+            raise
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream this request's outputs; leaving the loop early (or being cancelled) aborts it."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        try:
+            self._send(("abort", request_id))
+        except EngineError:
+            pass  # a stopped engine has already ended every stream; cleanup paths must not raise
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps (integrity checks, inspection)."""
+        future = concurrent.futures.Future()
+        self._send(("call", fn, future))
+        return future
+
+    async def call_async(self, fn: Callable[[LLMEngine], object]):
+        return await asyncio.wrap_future(self.call(fn))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; open streams end with `EngineError`."""
+        self._stopping = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _send(self, command) -> None:
+        # Under the lock, a command either lands before the exiting thread's final drain or is refused:
+        # none can be left in the queue unanswered.
+        with self._send_lock:
+            if self._closed or self._stopping:
+                raise EngineError("the engine is not running (it was shut down or crashed); restart the server")
+            self._commands.put(command)
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                self._publish()
+                if not self.engine.has_unfinished():
+                    # Commands queued between the drain and here left `_wake` set: no lost wake-up.
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException:  # a bug in the loop itself: fail every stream rather than hang them
+            traceback.print_exc()
+            self._stopping = True
+            raise
+        finally:
+            with self._send_lock:
+                self._closed = True
+            self._fail_all(EngineError("the engine has shut down; retry against a running server"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._apply_add(command)
+            elif command[0] == "abort":
+                self._apply_abort(command[1])
+            else:
+                _, fn, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as e:
+                        future.set_exception(e)
+
+    def _apply_add(self, add: _Add) -> None:
+        request_id = add.stream.request_id
+        try:
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use; use a unique id")
+            self.engine.add_request(add.prompt, add.params, request_id)
+        except QkilnError as e:
+            add.stream.put(e)
+            return
+        except Exception as e:  # e.g. a tokenizer failure: this request's problem, not the engine's
+            add.stream.put(EngineError(f"could not add request {request_id!r}: {e!r}"))
+            return
+        self._streams[request_id] = add.stream
+        if not add.stream.put(_ACCEPTED):
+            self._apply_abort(request_id)
+
+    def _apply_abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        req = self.engine.requests.get(request_id)
+        self.engine.abort_request(request_id)
+        if stream is not None and req is not None:
+            seq = req.seq
+            stream.put(RequestOutput(request_id, seq.prompt_token_ids, [], "", seq.output_token_ids,
+                                     req.detok.output_text, True, "abort"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # We cannot tell which request broke the step: fail those in flight, keep the engine.
+            traceback.print_exc()
+            self._num_step_errors += 1
+            error = EngineError(f"the engine failed while running this request ({e!r}); it was aborted")
+            for request_id in list(self._streams):
+                self.engine.abort_request(request_id)
+                self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
+                self._streams.pop(request_id).put(error)
+            return
+        self._publish()  # before delivery: a client that saw its output also sees it in the metrics
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if not stream.put(out) and not out.finished:
+                self._apply_abort(out.request_id)
+
+    def _publish(self) -> None:
+        e, kv = self.engine, self.engine.kv_manager
+        self.snapshot = EngineSnapshot(
+            num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
+            num_unfinished=len(e.requests), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            num_prompt_tokens=e.stats["num_prompt_tokens"], num_generated_tokens=e.stats["num_generated_tokens"],
+            num_steps=e.stats["num_steps"], num_step_errors=self._num_step_errors, time=time.monotonic())
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._streams.pop(request_id).put(error)
+        while True:  # requests that were queued but never added
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.stream.put(error)
+            elif command[0] == "call":
+                command[2].set_exception(error)

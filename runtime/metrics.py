@@ -1,0 +1,101 @@
+"""`ServerMetrics`: the Prometheus view of one server (what `/metrics` returns).
+
+Owns a private `CollectorRegistry` per app (so two apps in one process, as in tests, never
+share or clash), latency histograms observed by the server when a request finishes, and a
+collector that turns the async engine's latest `EngineSnapshot` into gauges and counters at
+scrape time. Must not touch the `LLMEngine`: only the immutable snapshot is read here.
+
+Metric names follow Prometheus conventions (`_seconds`, `_total`, `_ratio`); the set mirrors
+what vLLM exports: queue sizes, KV usage, prefix hit rate, token counters, TTFT / TPOT / e2e.
+"""
+
+import threading
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .async_engine import AsyncLLMEngine
+from .engine import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("qkiln_time_to_first_token_seconds", "Time from arrival to the first output token.",
+                              buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
+        self.tpot = Histogram("qkiln_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.",
+                              buckets=_TPOT_BUCKETS, **labels).labels(model_name)
+        self.e2e = Histogram("qkiln_e2e_request_latency_seconds", "Time from arrival to the last output token.",
+                             buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
+        self._finished = Counter("qkiln_request_success", "Requests that finished, by finish reason.",
+                                 labelnames=["model_name", "finish_reason"], registry=self.registry)
+        self._model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record the latencies of a request that ran to completion (stop or length)."""
+        m = output.metrics
+        if not m:
+            return
+        self.ttft.observe(m["ttft"])
+        self.e2e.observe(m["e2e"])
+        if m["num_output_tokens"] > 1:
+            self.tpot.observe((m["e2e"] - m["ttft"]) / (m["num_output_tokens"] - 1))
+        self._finished.labels(self._model_name, output.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine snapshot when scraped. Tokens/s is the generation rate since the previous scrape."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self._lock = threading.Lock()  # scrapes may run concurrently in the server's threadpool
+        self._last = (time.monotonic(), engine.snapshot.num_generated_tokens)
+
+    def describe(self):
+        return []  # nothing to pre-check at registration; collect() reads a live snapshot
+
+    def collect(self):
+        snap = self.engine.snapshot
+        with self._lock:
+            now = time.monotonic()
+            last_time, last_tokens = self._last
+            rate = (snap.num_generated_tokens - last_tokens) / max(now - last_time, 1e-9)
+            self._last = (now, snap.num_generated_tokens)
+        gauges = (
+            ("qkiln_num_requests_waiting", "Requests queued, not yet scheduled (incl. preempted).", snap.num_waiting),
+            ("qkiln_num_requests_running", "Requests holding KV blocks and stepping.", snap.num_running),
+            ("qkiln_kv_cache_usage_ratio", "Fraction of KV blocks referenced by running requests.", snap.kv_usage),
+            ("qkiln_kv_cache_free_blocks", "KV blocks free or evictable (prefix-cached, unreferenced).",
+             snap.num_free_blocks),
+            ("qkiln_kv_cache_blocks", "KV blocks in the pool.", snap.num_blocks),
+            ("qkiln_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+             snap.prefix_cache_hit_rate),
+            ("qkiln_generation_tokens_per_second", "Output tokens per second since the previous scrape.", rate),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        counters = (
+            ("qkiln_prompt_tokens", "Prompt tokens admitted.", snap.num_prompt_tokens),
+            ("qkiln_generation_tokens", "Output tokens generated.", snap.num_generated_tokens),
+            ("qkiln_engine_step_errors", "Engine steps that raised (their requests were aborted).",
+             snap.num_step_errors),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c

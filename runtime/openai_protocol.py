@@ -1,0 +1,206 @@
+"""OpenAI-compatible wire shapes for server.py: request bodies (pydantic), responses, stream
+chunks and the error body.
+
+Owns the shapes of `/v1/completions` and `/v1/chat/completions` in both directions and the
+translation of a request into `SamplingParams`. Must not know about the engine thread or HTTP:
+it reads `RequestOutput`s and returns plain dicts. Validation is
+strict (a string "5" is not an integer, `true` is not a number): a wrong type is the client's
+bug and gets a 400 naming the field rather than a silent coercion. Unknown fields are ignored,
+as OpenAI clients send many optional ones (user, presence_penalty: 0, ...).
+"""
+
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from qkiln.errors import RequestError
+
+from .engine import RequestOutput
+from .sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+class InvalidRequestError(RequestError):
+    """A request the server refuses (400), naming the offending field as OpenAI's `param`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension, for benchmarks
+    min_tokens: int = Field(default=0, ge=0)  # extension
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequestError("n > 1 is not supported; send n separate requests (with different seeds)", param="n")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, min_tokens=self.min_tokens).validate()
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported; prepend the prompt yourself", param="echo")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):  # OpenAI's content parts: only text is supported
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ResponseBuilder:
+    """One request's response: the full body, or its stream chunks. `token_text(id)` names a token."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], include_usage: bool = False):
+        self.request_id, self.model, self.token_text = request_id, model, token_text
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._text_offset = 0
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        """The stream chunk for one engine output; None when it carries nothing new."""
+        if not (out.new_text or out.finished or out.logprobs):
+            return None
+        body = self._envelope(self.chunk_object_name, [self._chunk_choice(out)])
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: only the extra last chunk carries usage
+        return body
+
+    def usage_chunk(self, final: RequestOutput) -> dict:
+        return self._envelope(self.chunk_object_name, []) | {"usage": usage(final)}
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        final = outputs[-1]
+        entries = [e for out in outputs for e in out.logprobs]
+        return self._envelope(self.object_name, [self._choice(final, entries)]) | {"usage": usage(final)}
+
+
+class CompletionResponse(ResponseBuilder):
+    object_name = chunk_object_name = "text_completion"
+
+    def _chunk_choice(self, out: RequestOutput) -> dict:
+        return {"index": 0, "text": out.new_text, "logprobs": self._logprobs(out.logprobs),
+                "finish_reason": out.finish_reason}
+
+    def _choice(self, final: RequestOutput, entries: list[dict]) -> dict:
+        return {"index": 0, "text": final.text, "logprobs": self._logprobs(entries),
+                "finish_reason": final.finish_reason}
+
+    def _logprobs(self, entries: list[dict]) -> dict | None:
+        if not entries:
+            return None
+        tokens = [self.token_text(e["token_id"]) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e["top"].items()} for e in entries],
+                "text_offset": offsets}
+
+
+class ChatResponse(ResponseBuilder):
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def start_chunks(self) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        body = self._envelope(self.chunk_object_name, [choice])
+        return [body | {"usage": None}] if self.include_usage else [body]
+
+    def _chunk_choice(self, out: RequestOutput) -> dict:
+        return {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+                "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
+
+    def _choice(self, final: RequestOutput, entries: list[dict]) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": final.text},
+                "logprobs": self._logprobs(entries), "finish_reason": final.finish_reason}
+
+    def _logprobs(self, entries: list[dict]) -> dict | None:
+        if not entries:
+            return None
+        return {"content": [self._token_logprob(e["token_id"], e["logprob"])
+                            | {"top_logprobs": [self._token_logprob(t, lp) for t, lp in e["top"].items()]}
+                            for e in entries]}
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def usage(final: RequestOutput) -> dict:
+    num_prompt, num_completion = len(final.prompt_token_ids), len(final.token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}

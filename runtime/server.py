@@ -1,0 +1,236 @@
+"""The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key)` and `serve()`.
+
+Owns routes, authentication, the HTTP error mapping and the server-sent-event framing. Wire
+shapes live in openai_protocol.py, the engine thread in async_engine.py, Prometheus in
+metrics.py. Must not touch the `LLMEngine` directly.
+
+Invariants:
+- A bad request never reaches the engine's step loop and never takes the server down: every
+  refusal is a 400 (401 for auth) with OpenAI's body `{"error": {message, type, param, code}}`.
+  Validation errors (including malformed JSON) are 400, not FastAPI's default 422.
+- A request whose client goes away is aborted: a streaming response is cancelled by Starlette
+  when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
+  the connection while it waits.
+- `/v1/*` needs `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are
+  open (probes and scrapers), as in vLLM.
+"""
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qkiln.errors import QkilnError, RequestError, SourceModelError
+
+from .async_engine import AsyncLLMEngine, EngineError, RequestStream
+from .metrics import ServerMetrics
+from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
+                              InvalidRequestError, ResponseBuilder, SamplingFields, error_body)
+
+
+def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+    model_name = model_name or engine.name
+    metrics = ServerMetrics(engine, model_name)
+    app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    _install_error_handlers(app)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise _HTTPError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model != model_name:
+            raise InvalidRequestError(f"model {body.model!r} is not served here; use {model_name!r} "
+                                      "(see GET /v1/models)", param="model", code="model_not_found")
+        body.check_supported()
+
+    @v1.get("/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "qkiln",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        builder = CompletionResponse(f"cmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
+        return await _respond(engine, metrics, request, body.prompt, params, builder, body.stream)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        try:
+            text = engine.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+        except SourceModelError as e:  # no template, or the template refused these messages
+            raise InvalidRequestError(str(e), param="messages") from e
+        prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template places BOS itself
+        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len - len(prompt_ids)
+        if max_tokens < 1:
+            raise InvalidRequestError(f"the messages take {len(prompt_ids)} tokens but the model's context is "
+                                      f"{engine.max_model_len}; shorten them", param="messages")
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
+        return await _respond(engine, metrics, request, prompt_ids, params, builder, body.stream)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return JSONResponse(error_body("the engine is not running", type="server_error"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+def _token_text(engine: AsyncLLMEngine):
+    return lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompt, params,
+                   builder: ResponseBuilder, is_stream: bool):
+    # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
+    stream = await engine.add_request(prompt, params, builder.request_id)
+    if is_stream:
+        return StreamingResponse(_sse(engine, metrics, stream, builder), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_abort_on_disconnect(engine, request, stream.request_id))
+    try:
+        outputs = [out async for out in stream]
+    finally:
+        watcher.cancel()
+        if not stream.finished:
+            engine.abort(stream.request_id)
+    metrics.observe_finished(outputs[-1])
+    return builder.response(outputs)
+
+
+async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, stream: RequestStream, builder: ResponseBuilder):
+    """`data: {json}\\n\\n` per chunk, then `data: [DONE]`. Cancelled on disconnect: then abort."""
+    try:
+        for chunk in builder.start_chunks():
+            yield _event(chunk)
+        final = None
+        async for out in stream:
+            chunk = builder.chunk(out)
+            if chunk is not None:
+                yield _event(chunk)
+            final = out
+        metrics.observe_finished(final)
+        if builder.include_usage:
+            yield _event(builder.usage_chunk(final))
+    except QkilnError as e:  # the engine failed mid-stream: headers are sent, so report it in-band
+        yield _event(error_body(str(e), type="server_error"))
+    finally:
+        if not stream.finished:
+            engine.abort(stream.request_id)
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, request_id: str) -> None:
+    """For non-streaming requests: the body is read, so the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    engine.abort(request_id)
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    def reply(status: int, message: str, param=None, code=None, type="invalid_request_error"):
+        return JSONResponse(error_body(message, param, code, type), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+        if errors[0].get("type") == "json_invalid":
+            detail = errors[0].get("ctx", {}).get("error", errors[0]["msg"])
+            return reply(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
+        param = _param(errors[0].get("loc", ()))
+        # A union field (prompt: str | list[int]) fails once per alternative: name them all.
+        messages = dict.fromkeys(e["msg"] for e in errors if _param(e.get("loc", ())) == param)
+        return reply(400, f"{param or 'body'}: {' or '.join(messages)}", param=param)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError):
+        return reply(400, str(exc), getattr(exc, "param", None), getattr(exc, "code", None))
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, exc: EngineError):
+        return reply(503 if not request.app.state.engine.is_running else 500, str(exc), type="server_error")
+
+    @app.exception_handler(_HTTPError)
+    async def http_error(request: Request, exc: _HTTPError):
+        return reply(exc.status, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def starlette_error(request: Request, exc: StarletteHTTPException):
+        return reply(exc.status_code, str(exc.detail))
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _param(loc) -> str | None:
+    """`('body', 'prompt', 'list[int]', 0)` -> `prompt.0`: drop the body prefix and pydantic's union tags."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS)]
+    return ".".join(parts) or None
+
+
+def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, log_level: str = "info") -> None:
+    """Run the server in this thread until interrupted; loopback unless `host` says otherwise."""
+    try:
+        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level)
+    finally:
+        engine.shutdown()
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread on a free loopback port (tests, benchmarks): `.url`, `.stop()`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="qkiln-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+            time.sleep(0.01)
+        self.host = host
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,190 @@
+"""AsyncLLMEngine on a real tiny model: streaming, abort, admission errors, step failures, idle
+sleep, shutdown; and the lean runtime's promise that loading + generating never imports
+transformers (source model and built artifact, in a fresh interpreter)."""
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from qkiln.errors import RequestError
+from qkiln.runtime.async_engine import AsyncLLMEngine, EngineError
+from qkiln.runtime.llm import LLM
+from qkiln.runtime.sampling_params import SamplingParams
+from tiny_models import write_tiny_hf_model
+
+ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=8)
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **ENGINE_KW)
+    yield eng
+    eng.shutdown()
+
+
+def wait_idle(engine: AsyncLLMEngine, timeout: float = 30.0) -> None:
+    """Until the engine holds no request and no KV block; then its accounting must be intact."""
+    deadline = time.monotonic() + timeout
+    while engine.call(lambda e: e.has_unfinished() or e.kv_manager.usage > 0).result(timeout):
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.02)
+    engine.call(lambda e: e.check_integrity()).result(timeout)
+    kv = engine.call(lambda e: (e.kv_manager.num_free_blocks, e.kv_manager.num_blocks)).result(timeout)
+    assert kv[0] == kv[1], f"{kv[1] - kv[0]} KV blocks still held after every request ended"
+
+
+async def collect(engine, prompt, params, request_id=None):
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def test_stream_matches_offline_llm(engine, model_dir):
+    prompts = ["the quick brown fox", "lorem ipsum dolor sit amet", "0123456789"]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    reference = LLM(str(model_dir), dtype="fp32", **ENGINE_KW).generate(prompts, params)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, p, params) for p in prompts))
+
+    for outs, ref in zip(asyncio.run(main()), reference):
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].token_ids == ref.token_ids and outs[-1].finish_reason == "length"
+        assert "".join(o.new_text for o in outs) == outs[-1].text == ref.text
+        assert outs[-1].metrics["num_output_tokens"] == 12 and outs[-1].metrics["ttft"] > 0
+    wait_idle(engine)
+
+
+def test_leaving_the_loop_aborts_and_frees_blocks(engine):
+    async def main():
+        seen = 0
+        async for out in engine.generate("a prompt that will be cut short", SamplingParams(max_tokens=100, **GREEDY)):
+            seen += 1
+            if seen == 3:
+                break
+        return seen
+
+    before = engine.snapshot.num_generated_tokens
+    assert asyncio.run(main()) == 3
+    wait_idle(engine)
+    assert engine.snapshot.num_generated_tokens - before < 100  # it stopped early: aborted, not finished
+
+
+def test_abort_from_elsewhere_ends_the_stream_with_abort(engine):
+    async def main():
+        stream = await engine.add_request("abort me", SamplingParams(max_tokens=100, **GREEDY), "to-abort")
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 2:
+                engine.abort("to-abort")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert 2 <= len(outs[-1].token_ids) < 100
+    wait_idle(engine)
+
+
+def test_refused_requests_raise_and_the_engine_keeps_serving(engine):
+    async def main():
+        with pytest.raises(RequestError, match="context"):
+            await engine.add_request("x" * 200, SamplingParams(max_tokens=4))
+        with pytest.raises(RequestError, match="max_tokens"):
+            await engine.add_request("x", SamplingParams(max_tokens=0))
+        with pytest.raises(RequestError, match="empty"):
+            await engine.add_request("", SamplingParams(max_tokens=4))
+        first = await engine.add_request("same id", SamplingParams(max_tokens=30, **GREEDY), "dup")
+        with pytest.raises(RequestError, match="already in use"):
+            await engine.add_request("same id", SamplingParams(max_tokens=4), "dup")
+        outs = [o async for o in first]
+        return outs, await collect(engine, "still serving", SamplingParams(max_tokens=5, **GREEDY))
+
+    dup, good = asyncio.run(main())
+    assert dup[-1].finish_reason == "length" and len(dup[-1].token_ids) == 30
+    assert good[-1].finish_reason == "length" and len(good[-1].token_ids) == 5
+    wait_idle(engine)
+
+
+def test_a_failing_step_errors_its_requests_not_the_engine(engine):
+    async def main():
+        stream = await engine.add_request("doomed", SamplingParams(max_tokens=50, **GREEDY), "doomed")
+        await stream.__anext__()
+        # Fault injection through the engine thread: the engine loses its record of the request,
+        # so its next step raises (KeyError) while the scheduler still runs the sequence.
+        await engine.call_async(lambda e: e.requests.pop("doomed"))
+        with pytest.raises(EngineError, match="failed"):
+            async for _ in stream:
+                pass
+        return await collect(engine, "after the failure", SamplingParams(max_tokens=6, **GREEDY))
+
+    after = asyncio.run(main())
+    assert after[-1].finish_reason == "length" and len(after[-1].token_ids) == 6
+    assert engine.snapshot.num_step_errors == 1
+    wait_idle(engine)
+
+
+def test_idle_engine_thread_sleeps(engine):
+    asyncio.run(collect(engine, "warm", SamplingParams(max_tokens=2)))
+    wait_idle(engine)
+    thread = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+    time.sleep(1.0)
+    later = next(t for t in psutil.Process().threads() if t.id == engine._thread.native_id)
+    busy = (later.user_time + later.system_time) - (thread.user_time + thread.system_time)
+    assert busy < 0.1, f"the idle engine thread used {busy:.2f} s of CPU in 1 s: it is polling"
+
+
+def test_shutdown_ends_open_streams(model_dir):
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", **ENGINE_KW)
+
+    async def main():
+        stream = await eng.add_request("long", SamplingParams(max_tokens=100, **GREEDY))
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineError, match="shut down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineError, match="not running"):
+            await eng.add_request("late", SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+    assert not eng.is_running
+
+
+_NO_TRANSFORMERS = textwrap.dedent("""
+    import asyncio, sys
+    from qkiln.runtime.async_engine import AsyncLLMEngine
+    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.sampling_params import SamplingParams
+    import qkiln.runtime.server  # the HTTP layer too
+    for path in sys.argv[1:]:
+        out = LLM(path, max_num_seqs=2, num_kv_blocks=16).generate(["hi"], SamplingParams(max_tokens=3))
+        assert len(out[0].token_ids) >= 1, out
+        eng = AsyncLLMEngine.from_model(path, num_kv_blocks=16)
+        async def main():
+            return [o async for o in eng.generate("hi", SamplingParams(max_tokens=3))]
+        assert asyncio.run(main())[-1].finished
+        eng.shutdown()
+    bad = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "accelerate"))
+    assert not bad, bad
+    print("ok")
+""")
+
+
+def test_loading_and_generating_never_imports_transformers(model_dir, tmp_path):
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import load_recipe
+
+    artifact = build(str(model_dir), load_recipe("w4a16-rtn"), tmp_path / "artifact", use_cache=False).path
+    result = subprocess.run([sys.executable, "-c", _NO_TRANSFORMERS, str(model_dir), str(artifact)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -1,0 +1,293 @@
+"""The OpenAI-compatible server, for real: uvicorn on a loopback port serving a tiny random model,
+driven with httpx (sync and async). Greedy results are checked against the offline `LLM`."""
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from qkiln.runtime.async_engine import AsyncLLMEngine
+from qkiln.runtime.llm import LLM
+from qkiln.runtime.sampling_params import SamplingParams
+from qkiln.runtime.server import BackgroundServer, create_app
+from tiny_models import write_tiny_hf_model
+
+ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=8)
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **ENGINE_KW)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = BackgroundServer(create_app(engine, "tiny"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    llm = LLM(str(model_dir), dtype="fp32", **ENGINE_KW)
+    return lambda prompt, n: llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+
+
+def completion(client, **kw):
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True} | kw
+    return client.post("/v1/completions", json=body)
+
+
+def chat_body(content="hello there", **kw):
+    return {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": content}],
+            "temperature": 0, "ignore_eos": True} | kw
+
+
+def sse_events(raw: str) -> list:
+    """Strict SSE parse: every event is exactly `data: <payload>` and a blank line."""
+    assert raw.endswith("\n\n"), raw[-50:]
+    events = raw[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+
+
+def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while engine.call(lambda e: e.has_unfinished() or e.kv_manager.usage > 0).result(timeout):
+        assert time.monotonic() < deadline, "the engine never went idle"
+        time.sleep(0.02)
+    engine.call(lambda e: e.check_integrity()).result(timeout)
+    kv = engine.call(lambda e: (e.kv_manager.num_free_blocks, e.kv_manager.num_blocks)).result(timeout)
+    assert kv[0] == kv[1], f"{kv[1] - kv[0]} KV blocks still held after every request ended"
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_models_and_health(client, engine):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == engine.max_model_len == 128
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_completion_equals_offline_generate(client, reference, engine, as_ids):
+    prompt = "The capital of France is"
+    ids = engine.tokenizer.encode(prompt)
+    r = completion(client, prompt=ids if as_ids else prompt, max_tokens=10, seed=1)
+    assert r.status_code == 200, r.text
+    body, ref = r.json(), reference(prompt, 10)
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == ref.text and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 10, "total_tokens": len(ids) + 10}
+
+
+def test_completion_logprobs_and_stop(client):
+    r = completion(client, prompt="abc", max_tokens=6, logprobs=3).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert all(len(top) <= 3 and max(top.values()) >= chosen - 1e-4
+               for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    text = r["choices"][0]["text"]
+    stop = text[2:4]  # a stop string the greedy continuation is known to contain
+    cut = completion(client, prompt="abc", max_tokens=6, stop=stop).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+
+
+def test_chat_uses_the_template_and_equals_offline_generate(client, reference, engine):
+    body = client.post("/v1/chat/completions", json=chat_body(max_tokens=8)).json()
+    rendered = "<system>be brief\n<user>hello there\n<assistant>"  # tiny_models' template
+    ref = reference(engine.tokenizer.encode(rendered, add_special_tokens=False), 8)
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert choice["message"] == {"role": "assistant", "content": ref.text} and choice["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == len(rendered) and body["usage"]["completion_tokens"] == 8
+
+
+def test_completion_stream_sse(client):
+    whole = completion(client, prompt="streaming!", max_tokens=9).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "streaming!", "max_tokens": 9,
+                                                        "temperature": 0, "ignore_eos": True, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_events(r.read().decode())
+    *text_chunks, usage = chunks
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 9
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in text_chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
+
+
+def test_chat_stream_sse(client):
+    whole = client.post("/v1/chat/completions", json=chat_body(max_tokens=7)).json()["choices"][0]["message"]
+    with client.stream("POST", "/v1/chat/completions", json=chat_body(max_tokens=7, stream=True)) as r:
+        chunks = sse_events(r.read().decode())
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == whole["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_concurrent_async_clients_get_their_own_answers(server, client):
+    prompts = [f"request number {i}: " for i in range(6)]
+    expected = [completion(client, prompt=p, max_tokens=8).json()["choices"][0]["text"] for p in prompts]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/completions", json={
+                "model": "tiny", "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                for p in prompts))
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(main()) == expected
+
+
+def test_metrics_change_after_requests(client):
+    before = client.get("/metrics")
+    assert before.headers["content-type"].startswith("text/plain")
+    for name in ("qkiln_num_requests_waiting", "qkiln_num_requests_running", "qkiln_kv_cache_usage_ratio",
+                 "qkiln_prefix_cache_hit_rate", "qkiln_generation_tokens_per_second"):
+        metric(before.text, name)
+    prompt = "count me, count me again, count me thrice"  # byte-level: one token per character
+    completion(client, prompt=prompt, max_tokens=5)
+    completion(client, prompt=prompt, max_tokens=5)  # a prefix-cache hit
+    after = client.get("/metrics").text
+    assert metric(after, "qkiln_generation_tokens_total") - metric(before.text, "qkiln_generation_tokens_total") == 10
+    assert metric(after, "qkiln_prompt_tokens_total") - metric(before.text, "qkiln_prompt_tokens_total") == 2 * len(prompt)
+    for hist in ("qkiln_time_to_first_token_seconds", "qkiln_time_per_output_token_seconds",
+                 "qkiln_e2e_request_latency_seconds"):
+        assert metric(after, hist + "_count") - metric(before.text, hist + "_count") == 2
+    assert metric(after, "qkiln_prefix_cache_hit_rate") > 0
+    assert metric(after, "qkiln_generation_tokens_per_second") > 0
+
+
+def test_api_key(engine):
+    srv = BackgroundServer(create_app(engine, "tiny", api_key=KEY))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                r = c.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get("/v1/models").status_code == 401
+            assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
+    "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    "malformed json": ("/v1/completions", b'{"model": "tiny", "prompt": ', None),
+    "body not an object": ("/v1/completions", b"[1, 2]", None),
+    "prompt wrong type": ("/v1/completions", {"model": "tiny", "prompt": 5}, "prompt"),
+    "max_tokens as string": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    "negative max_tokens": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, "max_tokens"),
+    "zero max_tokens": ("/v1/chat/completions", chat_body(max_tokens=0), "max_tokens"),
+    "temperature negative": ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
+    "missing prompt": ("/v1/completions", {"model": "tiny"}, "prompt"),
+    "prompt longer than context": ("/v1/completions", {"model": "tiny", "prompt": "x" * 300}, None),
+    "prompt ids out of vocab": ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, None),
+    "streamed prompt too long": ("/v1/completions", {"model": "tiny", "prompt": "x" * 300, "stream": True}, None),
+    "chat messages too long": ("/v1/chat/completions", chat_body(content="y" * 300), "messages"),
+    "n > 1": ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
+    "chat n > 1": ("/v1/chat/completions", chat_body(n=3), "n"),
+    "chat messages missing role": ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]},
+                                   "messages.0.role"),
+    "stop wrong type": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, "stop"),
+}
+
+
+@pytest.mark.parametrize("label", list(BAD_REQUESTS))
+def test_bad_request_is_400_and_the_server_keeps_serving(client, engine, label):
+    path, body, param = BAD_REQUESTS[label]
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["message"] and (param is None or error["param"] == param), error
+    good = completion(client, prompt="still alive", max_tokens=3)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+    wait_idle(engine)
+
+
+def test_client_disconnect_mid_stream_aborts(server, engine):
+    before = engine.snapshot.num_generated_tokens
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "go on forever", "max_tokens": 110,
+                                                       "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            data = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data.append(line)
+                if len(data) == 3:
+                    break  # leaving the block closes the connection mid-stream
+    wait_idle(engine)
+    assert engine.snapshot.num_generated_tokens - before < 110, "the request ran to completion: not aborted"
+
+
+def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server, engine):
+    gate = threading.Event()
+    blocked = engine.call(lambda e: gate.wait(30))  # hold the engine thread so the request is still queued
+    before = engine.snapshot.num_generated_tokens
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.5)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={"model": "tiny", "prompt": "nobody waits for me", "max_tokens": 110,
+                                            "temperature": 0, "ignore_eos": True})
+    gate.set()
+    blocked.result(30)
+    wait_idle(engine)
+    assert engine.snapshot.num_generated_tokens - before < 110, "the request ran to completion: not aborted"
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_real_model_chat_through_the_server(smollm2):
+    import torch
+
+    from qkiln.runtime.engine import EngineConfig, LLMEngine
+
+    model = smollm2.build_model(torch.bfloat16)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = smollm2.tokenizer.encode(smollm2.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    ref = LLMEngine(model, smollm2.tokenizer, EngineConfig(num_kv_blocks=32))
+    ref.add_request(ids, SamplingParams(max_tokens=24, temperature=0))
+    expected = [out for _ in range(100) for out in ref.step() if out.finished]
+    eng = AsyncLLMEngine(LLMEngine(model, smollm2.tokenizer, EngineConfig(num_kv_blocks=32)), "smollm2")
+    srv = BackgroundServer(create_app(eng))
+    try:
+        body = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0}).json()
+    finally:
+        srv.stop()
+        eng.shutdown()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == expected[0].text and choice["finish_reason"] == expected[0].finish_reason
+    assert "Paris" in choice["message"]["content"]  # the real model, templated correctly, answers
