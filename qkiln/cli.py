@@ -96,6 +96,64 @@ def build_cmd(
           f"layers from cache, {ppl}")
 
 
+@app.command("generate")
+def generate_cmd(
+    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf)")],
+    prompt: Annotated[str, typer.Option(help="text to continue (or the user message with --chat)")],
+    max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="nucleus sampling threshold (1 = off)")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (-1 = off)")] = -1,
+    seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
+    dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
+):
+    """Generate from one prompt and stream the text to stdout."""
+    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(model, dtype=dtype, max_num_seqs=1)
+        tok = llm.tokenizer
+        ids = (tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
+               if chat else tok.encode(prompt))
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        llm.engine.add_request(ids, params)
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                print(out.new_text, end="", flush=True)
+    except QkilnError as e:
+        _fail(e)
+    print()
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf)")],
+    host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar="QKILN_API_KEY", help="require 'Authorization: Bearer KEY'")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="requests batched together at most")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per engine step")] = 1024,
+    max_model_len: Annotated[Optional[int], typer.Option(help="context length cap (default: the model's)")] = None,
+    kv_cache_mb: Annotated[int, typer.Option(help="KV cache pool size in MiB")] = 512,
+    dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
+    served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
+):
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+    from qkiln.runtime.async_engine import AsyncLLMEngine
+    from qkiln.runtime.server import serve
+
+    try:
+        engine = AsyncLLMEngine.from_model(model, dtype=dtype, name=served_model_name, max_num_seqs=max_num_seqs,
+                                           max_num_batched_tokens=max_num_batched_tokens,
+                                           max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
+    except QkilnError as e:
+        _fail(e)
+    print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
+    serve(engine, host=host, port=port, api_key=api_key)
+
+
 from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # noqa: E402  (registered below)
 
 app.command("verify")(verify_cmd)
@@ -104,3 +162,45 @@ app.command("inspect")(inspect_cmd)
 
 def main():
     app()
+
+
+from qkiln.bench.cli import bench_app  # noqa: E402  (`qkiln bench ...`; imports nothing heavy)
+
+app.add_typer(bench_app, name="bench")
+
+
+@app.command("export")
+def export_cmd(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Hugging Face directory to create")],
+    format: Annotated[str, typer.Option("--format", help="checkpoint format: compressed-tensors")] = "compressed-tensors",
+    drop_kv: Annotated[bool, typer.Option("--drop-kv", help="export the weights only, without the KV-cache scheme")] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace an earlier export")] = False,
+):
+    """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing."""
+    from qkiln.compile.export_compressed_tensors import export_compressed_tensors
+
+    try:
+        if format != "compressed-tensors":
+            raise QkilnError(f"unknown export format {format!r}; the one supported is compressed-tensors")
+        result = export_compressed_tensors(artifact, out, drop_kv=drop_kv, overwrite=force)
+    except QkilnError as e:
+        _fail(e)
+    print(f"exported {result.num_linears} quantized linears to {result.path} (verified with compressed-tensors)")
+
+
+@app.command("import")
+def import_cmd(
+    checkpoint: Annotated[Path, typer.Argument(help="quantized HF directory: compressed-tensors, GPTQ or AWQ")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
+    target: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact")] = False,
+):
+    """Convert a quantized checkpoint into a verified artifact (weights kept bit for bit)."""
+    from qkiln.compile.import_checkpoint import import_checkpoint
+
+    try:
+        path = import_checkpoint(checkpoint, out, target=target, overwrite=force)
+    except QkilnError as e:
+        _fail(e)
+    print(f"imported {checkpoint} into {path}")

@@ -1,0 +1,135 @@
+"""`qkiln bench ...`: the typer sub-app (qkiln/cli.py mounts it as `bench`).
+
+Owns only option parsing: each command passes its options to `main(**options)` of the module
+of the same name, imported on use, so `qkiln --help` never imports torch, transformers or
+httpx. A `QkilnError` from a benchmark becomes one `error: ...` line and its exit code.
+"""
+
+import importlib
+import math
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from qkiln.errors import QkilnError
+
+bench_app = typer.Typer(help="Benchmarks: a JSON report (--json), a table on stdout, progress on stderr, "
+                             "PNG charts (--plot).", no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+def _run(module: str, options: dict) -> None:
+    try:
+        importlib.import_module(f"qkiln.bench.{module}").main(**options)
+    except QkilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+
+
+@bench_app.command("throughput")
+def throughput_command(
+    model: Annotated[str, typer.Argument(help="artifact directory or source model (alias, HF dir, .gguf)")],
+    num_requests: Annotated[int, typer.Option(help="requests submitted at once")] = 64,
+    input_len: Annotated[str, typer.Option(help="prompt tokens: 128, or a uniform range 64:256")] = "128",
+    output_len: Annotated[str, typer.Option(help="output tokens: 128, or a uniform range 64:256")] = "128",
+    prompts_jsonl: Annotated[Optional[Path], typer.Option(help="real prompts, one {\"prompt\": ...} per line")] = None,
+    shared_prefix_len: Annotated[int, typer.Option(help="random tokens shared by every prompt (prefix caching)")] = 0,
+    max_num_seqs: Annotated[str, typer.Option(help="engine batch limit; a list 1,8,64 sweeps it")] = "64",
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 1024,
+    num_kv_blocks: Annotated[Optional[int], typer.Option(help="KV blocks (default: sized from memory)")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (default: the artifact's)")] = None,
+    prefix_caching: Annotated[bool, typer.Option(help="enable prefix caching")] = True,
+    dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp32")] = "auto",
+    repeats: Annotated[int, typer.Option(help="timed repeats (median and spread reported)")] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: usable cores)")] = None,
+    seed: Annotated[int, typer.Option(help="workload seed")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+):
+    """Offline throughput: N requests at once through the engine; requests/s and tokens/s."""
+    _run("throughput", locals())
+
+
+@bench_app.command("latency")
+def latency_command(
+    model: Annotated[str, typer.Argument(help="artifact directory or source model (alias, HF dir, .gguf)")],
+    input_len: Annotated[int, typer.Option(help="prompt tokens")] = 128,
+    output_len: Annotated[int, typer.Option(help="generated tokens (>= 2)")] = 128,
+    batch_size: Annotated[str, typer.Option(help="sequences decoded together; a list 1,16 sweeps")] = "1",
+    dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp32")] = "auto",
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (default: the artifact's)")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step")] = 1024,
+    roofline: Annotated[bool, typer.Option(help="measure bandwidth and report % of the decode roofline")] = True,
+    repeats: Annotated[int, typer.Option(help="timed repeats (median and spread reported)")] = 3,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: usable cores)")] = None,
+    seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+):
+    """Prefill time and decode tokens/s for given lengths (batch 1 unless --batch-size)."""
+    _run("latency", locals())
+
+
+@bench_app.command("serve")
+def serve_command(
+    model: Annotated[str, typer.Argument(help="artifact or source model to serve (its tokenizer builds the prompts)")],
+    base_url: Annotated[Optional[str], typer.Option(help="target a running server instead of starting one")] = None,
+    server_args: Annotated[str, typer.Option(help="extra arguments for `qkiln serve`, one string")] = "",
+    num_requests: Annotated[int, typer.Option(help="requests per repeat")] = 64,
+    input_len: Annotated[str, typer.Option(help="prompt tokens: 128, or a uniform range 64:256")] = "128",
+    output_len: Annotated[str, typer.Option(help="output tokens: 128, or a uniform range 64:256")] = "128",
+    prompts_jsonl: Annotated[Optional[Path], typer.Option(help="real prompts, one {\"prompt\": ...} per line")] = None,
+    shared_prefix_len: Annotated[int, typer.Option(help="random tokens shared by every prompt (prefix caching)")] = 0,
+    concurrency: Annotated[str, typer.Option(help="max requests in flight; 1,4,16 sweeps; 0 = no cap")] = "16",
+    request_rate: Annotated[float, typer.Option(help="Poisson arrivals in requests/s (inf: all at once)")] = math.inf,
+    goodput: Annotated[Optional[str], typer.Option(help="SLOs in ms, e.g. ttft:500,tpot:50,e2el:5000")] = None,
+    prompt_format: Annotated[str, typer.Option(help="send prompts as token `ids` (exact) or decoded `text`")] = "ids",
+    repeats: Annotated[int, typer.Option(help="repeats per concurrency (median and spread reported)")] = 3,
+    seed: Annotated[int, typer.Option(help="workload and arrival seed")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+):
+    """Online serving: TTFT, TPOT, ITL, E2EL and goodput over HTTP (vLLM benchmark_serving definitions)."""
+    _run("serve", locals())
+
+
+@bench_app.command("cpu-compare")
+def cpu_compare_command(
+    model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",
+    artifact: Annotated[Optional[Path], typer.Option(help="W4A16 artifact (default: build w4a16-rtn once)")] = None,
+    work_dir: Annotated[Optional[Path], typer.Option(help="where the built artifact is kept")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads for every engine")] = 2,
+    repeats: Annotated[int, typer.Option(help="timed repeats per figure (median and spread)")] = 3,
+    input_len: Annotated[int, typer.Option(help="prompt tokens")] = 128,
+    output_len: Annotated[int, typer.Option(help="generated tokens")] = 128,
+    num_requests: Annotated[int, typer.Option(help="requests in the offline throughput run")] = 64,
+    hf_batch_sizes: Annotated[str, typer.Option(help="static batch sizes tried for HF generate")] = "16,32,64",
+    max_num_batched_tokens: Annotated[int, typer.Option(help="qkiln tokens per engine step (offline)")] = 1024,
+    bf16: Annotated[bool, typer.Option(help="also measure qkiln on the bf16 source")] = True,
+    ort_model: Annotated[Optional[Path], typer.Option(help="ONNX Runtime GenAI int4 model folder")] = None,
+    seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write PNG bar charts into this directory")] = None,
+):
+    """Reproduce the CPU comparison table (HF generate vs qkiln W4A16 / bf16, optional llama.cpp, ORT GenAI)."""
+    _run("cpu_compare", locals())
+
+
+@bench_app.command("quality")
+def quality_command(
+    json_out: Annotated[Path, typer.Option("--json", help="write the JSON report here")] = Path("quant_quality.json"),
+    plot: Annotated[Optional[Path], typer.Option(help="write a PNG bar chart here")] = None,
+    calib: Annotated[str, typer.Option(help="calibration source for the main rows")] = "self:128",
+    num_samples: Annotated[int, typer.Option(help="calibration samples of 512 tokens")] = 128,
+    max_tokens: Annotated[int, typer.Option(help="evaluation tokens (wiki.test.raw)")] = 16384,
+    only: Annotated[Optional[str], typer.Option(help="comma-separated substrings of row names")] = None,
+):
+    """Quantization quality on SmolLM2-135M: one row per recipe (ppl, KL, top-1, time, RSS)."""
+    argv = ["--json", str(json_out), "--calib", calib, "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]
+    argv += (["--plot", str(plot)] if plot else []) + (["--only", only] if only else [])
+    try:
+        importlib.import_module("qkiln.bench.quant_quality").main(argv)
+    except QkilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None

@@ -1,0 +1,186 @@
+"""`qkiln bench cpu-compare`: the plugins issue's CPU comparison table on SmolLM2-135M, in one command.
+
+    qkiln bench cpu-compare --json cpu_compare.json --plot bench-plots/
+
+Measures, in one process and on the same token ids (random ids, `ignore_eos`, greedy):
+- batch-1 decode tokens/s (`input_len` prompt, `output_len` tokens; latency.py's definition) for
+  Hugging Face `generate` in bf16, qkiln on a W4A16 artifact and qkiln on the bf16 source, plus
+  llama.cpp (same GGUF) and ONNX Runtime GenAI (`--ort-model`) when installed;
+- offline throughput, `num_requests` x `input_len` in / `output_len` out: qkiln (all requests at
+  once, continuous batching) against HF static batching at each of `--hf-batch-sizes`, of which
+  the best median is the baseline;
+- memory bandwidth (a large copy) and each batch-1 decode as % of its weights-plus-KV roofline;
+- the ratios the issue sets targets for: W4A16 decode >= 8x HF, W4A16 throughput >= 4x best HF.
+
+The W4A16 artifact is `--artifact`, or built once with the `w4a16-rtn` preset (no calibration)
+under `--work-dir` and reused while its manifest's source hash and recipe still match.
+Every figure is a median over `--repeats` with min/max; progress goes to stderr, the table to
+stdout. Takes ~10 minutes on 2 threads (the HF static-batch sweep dominates); measure on a quiet machine.
+"""
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+from qkiln.runtime.source import resolve_source
+
+from .baselines import hf_latency, hf_throughput, llama_cpp_latency, load_hf_model, ort_genai_latency
+from .latency import engine_roofline, run_latency
+from .report import fmt, log, make_report, plot_bars, print_table, write_report
+from .roofline import decode_roofline, measure_bandwidth, percent_of_roofline, weight_bytes
+from .throughput import load_model, make_engine, parse_int_list, run_throughput, set_threads
+from .workload import check_at_least, load_tokenizer, make_workload
+
+W4A16_RECIPE = "w4a16-rtn"
+TARGETS = {"decode_w4a16_vs_hf": 8.0, "throughput_w4a16_vs_best_hf": 4.0}
+
+
+def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
+    """`artifact` if given; else a cached w4a16-rtn build of `model`, rebuilt when its source changed."""
+    from qkiln.compile.artifact import read_manifest
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+    from qkiln.runtime.source import file_sha256
+
+    if artifact is not None:
+        return artifact
+    source = resolve_source(model)
+    out = work_dir / f"{source.stem}-{W4A16_RECIPE}"
+    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    if (out / "manifest.json").is_file():
+        m = read_manifest(out)
+        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("name") == W4A16_RECIPE:
+            log(f"reusing artifact {out}")
+            return out
+    log(f"building {out} ({W4A16_RECIPE})")
+    build(str(source), preset(W4A16_RECIPE), out, overwrite=True, progress=False, log=log)
+    return out
+
+
+def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
+    """Batch-1 latency (with roofline) and offline throughput of one qkiln model."""
+    log(f"[{name}] loading {model}")
+    loaded = load_model(model, "auto")
+    engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
+    lat = run_latency(engine, decode_wl, args["repeats"], label=f"{name} batch-1")
+    lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
+                                      lat["decode_tokens_per_s"]["median"])
+    del engine
+    gc.collect()
+    engine = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
+                         max_num_batched_tokens=args["max_num_batched_tokens"])
+    tput = run_throughput(engine, tput_wl, args["repeats"], label=f"{name} offline")
+    del engine, loaded
+    gc.collect()
+    return lat, tput
+
+
+def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
+    log("[hf-bf16] loading transformers model")
+    hf = load_hf_model(model, torch.bfloat16)
+    lat = hf_latency(hf, decode_wl, args["repeats"], label="hf-bf16 batch-1")
+    c = hf.config
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    roof = decode_roofline(bandwidth, weight_bytes(hf), kv_per_token, 1, args["input_len"] + args["output_len"] / 2)
+    roof["percent_of_roofline"] = percent_of_roofline(lat["decode_tokens_per_s"]["median"], roof)
+    lat["roofline"] = roof
+    by_batch = {b: hf_throughput(hf, tput_wl, b, args["repeats"], label="hf-bf16") for b in args["hf_batch_sizes"]}
+    best = max(by_batch, key=lambda b: by_batch[b]["output_tokens_per_s"]["median"])
+    del hf
+    gc.collect()
+    return lat, {**by_batch[best], "best_batch_size": best, "by_batch_size": by_batch}
+
+
+def _ratio(a: dict, b: dict, key: str) -> float | None:
+    if "skipped" in a or "skipped" in b:
+        return None
+    return a[key]["median"] / b[key]["median"]
+
+
+def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dict) -> dict:
+    """Every measurement of the table; `args` holds the sizes and options (see `main`)."""
+    artifact = ensure_artifact(model, artifact, work_dir)
+    log("measuring memory bandwidth")
+    bandwidth = measure_bandwidth()
+    bw = bandwidth["bytes_per_s"]["median"]
+    tokenizer = load_tokenizer(str(artifact))
+    decode_wl = make_workload(tokenizer, 1, args["input_len"], args["output_len"], seed=args["seed"])
+    tput_wl = make_workload(tokenizer, args["num_requests"], args["input_len"], args["output_len"],
+                            seed=args["seed"] + 1)
+    decode, offline = {}, {}
+    decode["hf-bf16"], offline["hf-bf16"] = _hf_rows(model, decode_wl, tput_wl, bw, args)
+    decode["qkiln-w4a16"], offline["qkiln-w4a16"] = _qkiln_rows("qkiln-w4a16", str(artifact), decode_wl, tput_wl,
+                                                                bw, args)
+    if args["include_bf16"]:
+        decode["qkiln-bf16"], offline["qkiln-bf16"] = _qkiln_rows("qkiln-bf16", model, decode_wl, tput_wl, bw, args)
+    log("[llama.cpp] batch-1 decode")
+    decode["llama.cpp"] = llama_cpp_latency(resolve_source(model), decode_wl, args["threads"], args["repeats"])
+    log("[ort-genai] batch-1 decode")
+    decode["ort-genai-int4"] = ort_genai_latency(args["ort_model"], decode_wl, args["repeats"])
+    ratios = {"decode_w4a16_vs_hf": _ratio(decode["qkiln-w4a16"], decode["hf-bf16"], "decode_tokens_per_s"),
+              "throughput_w4a16_vs_best_hf": _ratio(offline["qkiln-w4a16"], offline["hf-bf16"],
+                                                    "output_tokens_per_s"),
+              "decode_w4a16_vs_llama_cpp": _ratio(decode["qkiln-w4a16"], decode["llama.cpp"], "decode_tokens_per_s"),
+              "decode_w4a16_vs_ort_genai": _ratio(decode["qkiln-w4a16"], decode["ort-genai-int4"],
+                                                  "decode_tokens_per_s")}
+    return {"artifact": str(artifact), "bandwidth": bandwidth, "batch1_decode": decode, "offline_throughput": offline,
+            "ratios": ratios, "targets": TARGETS}
+
+
+def print_comparison(results: dict, args: dict) -> None:
+    rows, skipped = [], []
+    for name, lat in results["batch1_decode"].items():
+        tput = results["offline_throughput"].get(name)
+        if "skipped" in lat:
+            skipped.append(f"{name}: skipped, {lat['skipped']}")
+            continue
+        roof = lat.get("roofline")
+        batch = f" (batch {tput['best_batch_size']})" if tput and "best_batch_size" in tput else ""
+        rows.append([name, fmt(lat["decode_tokens_per_s"]), f"{roof['percent_of_roofline']:.1f}%" if roof else "-",
+                     fmt(lat["prefill_s"], scale=1000.0), fmt(tput["output_tokens_per_s"]) + batch if tput else "-"])
+    print_table(f"CPU comparison, {args['threads']} threads: batch-1 decode ({args['input_len']}-token prompt, "
+                f"{args['output_len']} tokens) and offline throughput ({args['num_requests']} x {args['input_len']} "
+                f"in / {args['output_len']} out)",
+                ["engine", "batch-1 decode tok/s", "% roofline", "prefill ms", "offline output tok/s"], rows)
+    for line in skipped:
+        print(line)
+    bw = results["bandwidth"]["bytes_per_s"]
+    print(f"memory bandwidth (copy): {fmt(bw, 2, scale=1e-9)} GB/s")
+    for key, value in results["ratios"].items():
+        target = results["targets"].get(key)
+        verdict = "" if target is None or value is None else (" (target >= %gx: %s)" % (
+            target, "met" if value >= target else "NOT met"))
+        print(f"{key}: {'-' if value is None else f'{value:.2f}x'}{verdict}")
+    sys.stdout.flush()
+
+
+def _plots(results: dict, directory: Path) -> None:
+    decode = {n: r["decode_tokens_per_s"] for n, r in results["batch1_decode"].items() if "skipped" not in r}
+    plot_bars(directory / "cpu_compare_decode.png", decode, "tokens/s", "batch-1 decode")
+    offline = {n: r["output_tokens_per_s"] for n, r in results["offline_throughput"].items()}
+    plot_bars(directory / "cpu_compare_throughput.png", offline, "output tokens/s", "offline throughput")
+
+
+def main(model: str = "smollm2-135m", *,
+         artifact: Path | None = None, work_dir: Path | None = None, threads: int = 2, repeats: int = 3,
+         input_len: int = 128, output_len: int = 128, num_requests: int = 64, hf_batch_sizes: str = "16,32,64",
+         max_num_batched_tokens: int = 1024, bf16: bool = True, ort_model: Path | None = None, seed: int = 0,
+         json_out: Path | None = None, plot: Path | None = None):
+    """Reproduce the CPU comparison table (HF generate vs qkiln W4A16 / bf16, optional llama.cpp, ORT GenAI)."""
+    from qkiln.compile.layer_cache import default_cache_dir
+
+    check_at_least(1, repeats=repeats, input_len=input_len, num_requests=num_requests)
+    check_at_least(2, output_len=output_len)
+    args = {"threads": set_threads(threads), "repeats": repeats, "input_len": input_len, "output_len": output_len,
+            "num_requests": num_requests, "hf_batch_sizes": parse_int_list(hf_batch_sizes, "--hf-batch-sizes"),
+            "max_num_batched_tokens": max_num_batched_tokens, "include_bf16": bf16, "ort_model": ort_model,
+            "seed": seed}
+    results = run_cpu_compare(model, artifact, work_dir or default_cache_dir().parent / "bench", args)
+    report = make_report("cpu-compare", {"model": model, **args}, results)
+    write_report(json_out, report)
+    print_comparison(results, args)
+    if plot:
+        _plots(results, plot)
+    return report

@@ -1,0 +1,171 @@
+"""Quantization quality on SmolLM2-135M: one row per recipe, same pinned protocol for all.
+
+    python -m qkiln.bench.quant_quality --json quality.json [--plot quality.png]
+    (also `qkiln bench quality`)
+
+Each row is quantized in its own subprocess (so its calibration time and peak RSS are its own)
+and written as an artifact; then every artifact is scored in ONE pass over the evaluation
+windows, so the unquantized reference runs once per window for all rows (KL, top-1).
+Protocol: wiki.test.raw as stored, first 16384 tokens, windows of 512, no special tokens.
+Calibration: `--calib` (default: the recipe default), 128 samples x 512 tokens, seed 0.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[1] / "../shared"
+WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
+WIKI_VALID = SHARED / "data/wikitext-2/valid.txt"
+NOVELS = SHARED / "data/janeausten/emma.txt"
+
+
+def calibration_sources() -> dict[str, str]:
+    return {"self": "self:128", "wiki-valid": f"file:{WIKI_VALID}", "novels": f"file:{NOVELS}",
+            "mix": f"mix:self:64+file:{WIKI_VALID}+file:{NOVELS}"}
+
+
+def rows(calib: str) -> list[dict]:
+    """name, preset, weight-scheme overrides, calibration source."""
+    out = []
+    for group in (128, 64):
+        for algo in ("rtn", "gptq", "awq"):
+            out.append(dict(name=f"{algo.upper()} W4 g{group}", preset=f"w4a16-{algo}", group_size=group, calib=calib))
+    out += [dict(name="RTN W8 per-channel", preset="w8a16", calib=calib),
+            dict(name="FP8 W8A8 dynamic", preset="fp8-w8a8", calib=calib),
+            dict(name="FP8 W8A8 static", preset="fp8-w8a8-static", calib=calib),
+            dict(name="KV INT4", preset="kv-int4", calib=calib),
+            dict(name="KV FP8", preset="kv-fp8", calib=calib),
+            dict(name="GPTQ W4 g128 + KV INT4", preset="w4a16-gptq+kv-int4", calib=calib)]
+    for label, spec in calibration_sources().items():
+        if spec != calib:
+            for algo in ("gptq", "awq"):
+                out.append(dict(name=f"{algo.upper()} W4 g128 calib={label}", preset=f"w4a16-{algo}", calib=spec))
+    return out
+
+
+def build_row(row: dict, out: Path, num_samples: int) -> dict:
+    """Quantize one row into an artifact (no evaluation); runs in a subprocess."""
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+
+    r = preset(row["preset"])
+    if row.get("group_size") and r.scheme.weights is not None:
+        w = dataclasses.replace(r.scheme.weights, group_size=row["group_size"])
+        r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, weights=w))
+    r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, source=row["calib"],
+                                                                  num_samples=num_samples),
+                            evaluation=dataclasses.replace(r.evaluation, data=None))
+    start = time.perf_counter()
+    result = build("smollm2-135m", r, out, overwrite=True, use_cache=False, progress=True,
+                   log=lambda m: print(m, file=sys.stderr))
+    return {"seconds": time.perf_counter() - start, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "fallbacks": result.manifest.recipe.get("fallbacks", {})}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("quant_quality.json"))
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--calib", default="self:128")
+    p.add_argument("--num-samples", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--only", help="comma-separated substrings of row names to run")
+    p.add_argument("--workdir", type=Path)
+    p.add_argument("--build-row", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.build_row:
+        print(json.dumps(build_row(json.loads(args.build_row), args.out, args.num_samples)))
+        return {}
+    selected = [r for r in rows(args.calib) if not args.only or any(s in r["name"] for s in args.only.split(","))]
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
+    results = {}
+    for i, row in enumerate(selected):
+        print(f"[{i + 1}/{len(selected)}] quantizing {row['name']}", file=sys.stderr)
+        out = workdir / f"row{i}"
+        cmd = [sys.executable, "-m", "qkiln.bench.quant_quality", "--build-row", json.dumps(row), "--out", str(out),
+               "--num-samples", str(args.num_samples)]
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
+        if done.returncode != 0:
+            results[row["name"]] = {"error": f"build failed with exit code {done.returncode}"}
+            continue
+        results[row["name"]] = json.loads(done.stdout.strip().splitlines()[-1]) | {"artifact": str(out), **row}
+    report = evaluate_rows(results, args.max_tokens)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def evaluate_rows(results: dict, max_tokens: int) -> dict:
+    import torch
+
+    from qkiln.compile.evaluate import evaluate_many
+    from qkiln.compile.model_ref import open_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    reference = open_model("smollm2-135m")
+    models = {"unquantized": reference}
+    models |= {name: open_model(r["artifact"]) for name, r in results.items() if "artifact" in r}
+    scores = evaluate_many(models, reference.tokenizer, str(WIKI_TEST), 512, max_tokens, reference=reference)
+    base = scores["unquantized"]["perplexity"]
+    table = {"unquantized": {"perplexity": base, "kl_divergence": 0.0, "top1_agreement": 1.0}}
+    for name, r in results.items():
+        s = scores.get(name, {})
+        table[name] = r | {k: s[k] for k in ("perplexity", "kl_divergence", "top1_agreement", "bits_per_byte") if k in s}
+        if "perplexity" in s:
+            table[name]["perplexity_change"] = s["perplexity"] / base - 1
+    _gap_closed(table)
+    return {"protocol": scores["unquantized"]["protocol"], "rows": table, "machine": os.uname().nodename,
+            "num_threads": torch.get_num_threads()}
+
+
+def _gap_closed(table: dict) -> None:
+    """Fraction of RTN's perplexity gap that GPTQ / AWQ close (same group size, same symmetry)."""
+    base = table["unquantized"]["perplexity"]
+    for name, row in table.items():
+        for algo in ("GPTQ", "AWQ"):
+            if name.startswith(f"{algo} W4 g") and "perplexity" in row:
+                rtn = table.get("RTN W4 g" + name.split(" g", 1)[1].split(" ")[0], {})
+                if "perplexity" in rtn and rtn["perplexity"] > base:
+                    row["rtn_gap_closed"] = (rtn["perplexity"] - row["perplexity"]) / (rtn["perplexity"] - base)
+
+
+def print_table(report: dict) -> None:
+    print(f"{'recipe':40s} {'ppl':>8s} {'change':>8s} {'KL':>8s} {'top-1':>7s} {'gap closed':>10s} {'calib s':>8s} {'RSS MiB':>8s}")
+    for name, r in report["rows"].items():
+        def f(key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        print(f"{name:40s} {f('perplexity', '8.3f')} {f('perplexity_change', '+8.2%')} {f('kl_divergence', '8.4f')} "
+              f"{f('top1_agreement', '7.3f')} {f('rtn_gap_closed', '10.0%')} {f('seconds', '8.1f')} {f('peak_rss_mib', '8.0f')}")
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in report["rows"].items() if "perplexity" in r]
+    values = [report["rows"][n]["perplexity"] for n in names]
+    fig, ax = plt.subplots(figsize=(10, 0.35 * len(names) + 1))
+    ax.barh(names, values, color="tab:blue")
+    ax.axvline(report["rows"]["unquantized"]["perplexity"], color="k", linestyle="--", label="unquantized")
+    ax.set_xlabel("perplexity (wiki.test.raw, 512-token windows)")
+    ax.invert_yaxis()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Every benchmark runs end to end on a tiny random model and writes a report with the fields the
+bench issue asks for, holding plausible values (finite, > 0, exact token counts). No timing
+assertions: the numbers themselves are noise on a shared CI machine.
+"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from tiny_models import write_tiny_hf_model
+
+from qkiln.bench import cpu_compare, latency, serve, throughput
+from qkiln.bench.report import summarize
+from qkiln.bench.roofline import kv_bytes_per_token, measure_bandwidth, weight_bytes
+from qkiln.bench.serve import compute_metrics, parse_goodput
+from qkiln.bench.serve_client import RequestResult
+from qkiln.bench.workload import BenchConfigError, make_workload, parse_length, sampleable_token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("bench") / "tiny")
+
+
+def _positive(stat) -> bool:
+    value = stat["median"] if isinstance(stat, dict) else stat
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def _check_envelope(report: dict, benchmark: str):
+    assert report["benchmark"] == benchmark
+    env = report["environment"]
+    assert env["versions"]["torch"] and env["machine"]["num_cpus"] >= 1
+    assert "revision" in env["git"]
+    json.dumps(report)  # the whole report is JSON as written
+
+
+def test_workload_is_exact_seeded_and_free_of_special_tokens(tiny):
+    from qkiln.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny)
+    special = set(tok.backend.get_added_tokens_decoder())
+    w = make_workload(tok, 5, 7, "2:4", shared_prefix_len=3, seed=1)
+    assert [len(p) for p in w.prompts] == [10] * 5
+    assert all(2 <= n <= 4 for n in w.output_lens)
+    assert len({tuple(p[:3]) for p in w.prompts}) == 1  # the shared prefix
+    assert not special & {t for p in w.prompts for t in p}
+    assert make_workload(tok, 5, 7, "2:4", shared_prefix_len=3, seed=1).prompts == w.prompts
+    assert make_workload(tok, 5, 7, "2:4", shared_prefix_len=3, seed=2).prompts != w.prompts
+    assert len(sampleable_token_ids(tok)) == 256  # 256 byte tokens; BOS/EOS excluded
+    with pytest.raises(BenchConfigError):
+        parse_length("9:3", "input_len")
+
+
+def test_workload_from_jsonl(tiny, tmp_path):
+    from qkiln.runtime.tokenizer import Tokenizer
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello"}\n\n{"prompt_token_ids": [1, 2, 3], "output_len": 9}\n')
+    w = make_workload(Tokenizer.from_dir(tiny), 4, output_len=5, prompts_jsonl=path, seed=0)
+    assert sorted(len(p) for p in w.prompts) == [3, 3, 5, 5]  # "hello" is 5 byte tokens
+    assert sorted(w.output_lens) == [5, 5, 9, 9]
+
+
+def test_summaries_and_metrics():
+    s = summarize([4.0, 1.0, 3.0, 2.0])
+    assert (s["median"], s["min"], s["max"], s["q1"], s["q3"], s["n"]) == (2.5, 1.0, 4.0, 1.75, 3.25, 4)
+    fast = RequestResult(True, 4, output_tokens=5, ttft_s=0.1, e2el_s=0.5, itl_s=[0.1] * 4)
+    slow = RequestResult(True, 4, output_tokens=3, ttft_s=0.9, e2el_s=1.1, itl_s=[0.1, 0.1])
+    failed = RequestResult(False, 4, error="HTTP 400")
+    assert fast.tpot_s == pytest.approx(0.1)
+    m = compute_metrics([fast, slow, failed], 2.0, parse_goodput("ttft:500,tpot:200"))
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["goodput"] == pytest.approx(0.5)  # only `fast` meets TTFT <= 500 ms
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["ttft"]["median_ms"] == pytest.approx(500.0)
+    with pytest.raises(BenchConfigError):
+        parse_goodput("latency:5")
+
+
+def test_throughput_report_and_plot(tiny, tmp_path):
+    report = throughput.main(str(tiny), num_requests=3, input_len="4:8", output_len="3", max_num_seqs="1,4",
+                             repeats=1, threads=1, json_out=tmp_path / "t.json", plot=tmp_path / "plots")
+    _check_envelope(json.loads((tmp_path / "t.json").read_text()), "throughput")
+    runs = report["results"]["runs"]
+    assert [r["max_num_seqs"] for r in runs] == [1, 4]
+    for r in runs:
+        assert r["num_output_tokens"]["median"] == 9  # 3 requests x 3 tokens, ignore_eos
+        for key in ("requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                    "elapsed_s", "num_steps", "peak_rss_bytes"):
+            assert _positive(r[key]), key
+    assert (tmp_path / "plots" / "throughput_vs_concurrency.png").stat().st_size > 0
+
+
+def test_shared_prefix_is_reported_as_cache_hits(tiny):
+    """One sequence at a time: every request after the first finds the 2-block prefix cached."""
+    report = throughput.main(str(tiny), num_requests=3, input_len="4", output_len="2", shared_prefix_len=32,
+                             max_num_seqs="1", repeats=1, threads=1)
+    assert report["results"]["runs"][0]["prefix_cache_hit_rate"]["median"] > 0
+
+
+def test_latency_report_with_roofline(tiny, tmp_path):
+    report = latency.main(str(tiny), input_len=8, output_len=4, batch_size="1,2", repeats=1, threads=1,
+                          json_out=tmp_path / "l.json")
+    _check_envelope(report, "latency")
+    assert _positive(report["results"]["bandwidth"]["bytes_per_s"])
+    for r in report["results"]["runs"]:
+        for key in ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_step_ms", "e2e_s"):
+            assert _positive(r[key]), key
+        roof = r["roofline"]
+        assert _positive(roof["percent_of_roofline"]) and roof["bytes_per_step"] > roof["weight_bytes"]
+
+
+def test_roofline_byte_counts(tiny, tmp_path):
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+
+    art = build(str(tiny), preset("w4a16-rtn"), tmp_path / "art", use_cache=False, progress=False,
+                log=lambda m: None).path
+    dense = throughput.make_engine(throughput.load_model(str(tiny)), num_kv_blocks=4)
+    packed = throughput.make_engine(throughput.load_model(str(art)), num_kv_blocks=4)
+    # tiny llama: 2 layers x (K + V) x 2 kv heads x head_dim 32 x 2 bytes (bf16)
+    assert kv_bytes_per_token(dense) == 2 * 2 * 2 * 32 * 2
+    assert weight_bytes(packed.model) < 0.5 * weight_bytes(dense.model)  # int4 linears, bf16 tied embedding
+    assert _positive(measure_bandwidth(num_bytes=8 << 20, num_repeats=2)["bytes_per_s"])
+
+
+def test_cpu_compare_tiny(tiny, tmp_path):
+    args = dict(work_dir=tmp_path / "work", threads=1, repeats=1, input_len=8, output_len=4, num_requests=4,
+                hf_batch_sizes="2,4", json_out=tmp_path / "c.json", plot=tmp_path / "plots")
+    report = cpu_compare.main(str(tiny), **args)
+    _check_envelope(report, "cpu-compare")
+    res = report["results"]
+    for name in ("hf-bf16", "qkiln-w4a16", "qkiln-bf16"):
+        assert _positive(res["batch1_decode"][name]["decode_tokens_per_s"]), name
+        assert _positive(res["batch1_decode"][name]["roofline"]["percent_of_roofline"]), name
+        assert _positive(res["offline_throughput"][name]["output_tokens_per_s"]), name
+    assert "skipped" in res["batch1_decode"]["llama.cpp"]  # the tiny model is not a GGUF file
+    assert res["offline_throughput"]["hf-bf16"]["best_batch_size"] in (2, 4)
+    assert _positive(res["ratios"]["decode_w4a16_vs_hf"]) and _positive(res["ratios"]["throughput_w4a16_vs_best_hf"])
+    assert (tmp_path / "plots" / "cpu_compare_decode.png").is_file()
+    built = cpu_compare.ensure_artifact(str(tiny), None, tmp_path / "work")  # reused, not rebuilt
+    assert str(built) == res["artifact"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("qkiln.runtime.server") is None, reason="runtime/server.py absent")
+def test_serve_against_a_started_server(tiny, tmp_path):
+    report = serve.main(str(tiny), num_requests=3, input_len="4:6", output_len="3", concurrency="1,0",
+                        goodput="ttft:600000,e2el:600000", repeats=1, json_out=tmp_path / "s.json",
+                        plot=tmp_path / "plots")
+    _check_envelope(report, "serve")
+    for r in report["results"]["runs"]:
+        assert r["completed"]["median"] == 3 and r["failed"]["median"] == 0
+        for key in ("request_throughput", "output_throughput", "total_token_throughput", "goodput", "duration_s"):
+            assert _positive(r[key]), key
+        assert _positive(r["ttft"]["median_ms"]) and _positive(r["e2el"]["p99_ms"])
+        assert len(r["samples"]["ttft_ms"]) == 3
+    assert (tmp_path / "plots" / "serve_ttft_cdf.png").is_file()
+
+
+def test_cli_wiring_and_errors(tiny):
+    from qkiln.cli import app
+
+    runner = CliRunner()
+    ok = runner.invoke(app, ["bench", "throughput", str(tiny), "--num-requests", "2", "--input-len", "4",
+                             "--output-len", "2", "--repeats", "1", "--threads", "1"])
+    assert ok.exit_code == 0, ok.output
+    assert "output tok/s" in ok.stdout
+    bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--input-len", "0"])
+    assert bad.exit_code == 2 and "error: input_len must be" in bad.output
+    assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
