@@ -86,13 +86,14 @@ def summarize_artifact(path) -> dict:
     num_parameters = _first(m.num_parameters, m.source.get("num_parameters"), m.architecture.get("num_parameters"))
     source_bf16 = _first(m.source_bytes_bf16, m.source.get("bytes_bf16"), m.source.get("source_bytes_bf16"),
                          2 * num_parameters if isinstance(num_parameters, int) else None)
-    schemes = Counter(str(v.get("scheme")) for v in m.quantization.values() if isinstance(v, dict) and "scheme" in v)
+    linears = m.quantization.get("linears", {})  # per-linear entries, see compile/artifact_tensors.py
+    schemes = Counter(str(v.get("scheme")) for v in linears.values() if isinstance(v, dict) and "scheme" in v)
     return {
         "name": m.name,
         "format_version": m.format_version,
         "target": m.target,
         "recipe": _short(m.recipe),
-        "quantization": {"num_entries": len(m.quantization), "schemes": dict(sorted(schemes.items()))},
+        "quantization": {"num_entries": len(linears), "schemes": dict(sorted(schemes.items()))},
         "kv_cache": _short(m.kv_cache),
         "sizes": {
             "weights_bytes": weights_bytes,
@@ -130,7 +131,7 @@ def _format_summary(s: dict) -> list[str]:
         f"name:         {s['name']} (format {s['format_version']})",
         f"target:       {json.dumps(s['target'], sort_keys=True)}",
         f"recipe:       {json.dumps(s['recipe'], sort_keys=True)}",
-        f"quantization: {s['quantization']['num_entries']} entries {json.dumps(s['quantization']['schemes'])}",
+        f"quantization: {s['quantization']['num_entries']} linears {json.dumps(s['quantization']['schemes'])}",
         f"kv cache:     {json.dumps(s['kv_cache'], sort_keys=True)}",
         f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
         f"{sizes['num_tensors']} tensors ({dtypes})",

@@ -96,7 +96,7 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len and len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it")
         seq = Sequence(request_id, ids, params)
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
