@@ -1,0 +1,165 @@
+"""Import a quantized Hugging Face checkpoint as a qkiln artifact: compressed-tensors, GPTQ
+(AutoGPTQ / GPTQModel `qweight/qzeros/scales/g_idx`) and AWQ (AutoAWQ GEMM).
+
+Owns `read_checkpoint` (directory -> QuantizedModel: finds the format, reads the weights, checks
+that they fit the architecture) and `import_checkpoint` (-> a verified artifact through
+`artifact_tensors.to_tensors` and `write_artifact`). The layouts themselves are decoded in
+`checkpoint_layouts.py`. Pure torch: needs no compressed-tensors, AutoGPTQ or AutoAWQ installed.
+
+Invariants: every imported linear dequantizes to the source's (q - zero) * scale, computed in
+fp32 from the stored integers and scales, bit for bit (a reader that multiplies in fp16 rounds
+that product). Non-quantized tensors take the artifact's storage dtypes (bf16, norms fp32), as
+in a build. The format comes from `quantization_config.quant_method` in config.json, or from
+AutoGPTQ's quantize_config.json / AutoAWQ's quant_config.json beside it; nothing is guessed from
+tensor names. An imported artifact records the source's quantization_config in
+`recipe.imported_from`; its `recipe.scheme` is nominal (the first fp8, else first, layer's), and
+`quantization.linears` is what the runtime builds from, as for a build.
+"""
+
+import dataclasses
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qkiln.errors import SourceModelError
+from qkiln.quant import Fp8Weight
+from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
+from qkiln.runtime.config import ModelConfig
+from qkiln.runtime.model import CausalLM
+from qkiln.runtime.source import file_sha256
+from qkiln.runtime.tokenizer import Tokenizer
+
+from .artifact import Manifest, toolchain_versions
+from .artifact_tensors import to_tensors
+from .artifact_writer import write_artifact
+from .checkpoint_layouts import decode_awq, decode_compressed_tensors, decode_gptq, decode_kv
+from .quantized_model import QuantizedModel
+
+FORMATS = ("compressed-tensors", "gptq", "awq")
+
+
+@dataclass
+class ImportedCheckpoint:
+    format: str  # one of FORMATS
+    quantization_config: dict  # as the checkpoint states it
+    qm: QuantizedModel
+    sha256: str  # of the weight files, in name order
+
+
+def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False) -> Path:
+    """Read the quantized checkpoint at `path` and write it as a verified artifact at `out`."""
+    src = Path(path)
+    ckpt = read_checkpoint(src)
+    tensors, quantization = to_tensors(ckpt.qm)
+    config = ckpt.qm.config
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in CausalLM(config).parameters())
+    kv = ckpt.qm.scheme.kv_cache
+    manifest = Manifest(
+        name=Path(out).name, architecture=config.to_dict(),
+        target={"device": target, "min_compute_capability": "8.0" if target == "cuda" else None},
+        recipe={"name": f"import:{ckpt.format}", "scheme": ckpt.qm.scheme.to_dict(), "target": target,
+                "imported_from": {"format": ckpt.format, "quantization_config": ckpt.quantization_config},
+                "fallbacks": {}},
+        quantization=quantization, kv_cache=None if kv is None else dataclasses.asdict(kv), calibration=None,
+        source={"name": src.name, "kind": ckpt.format, "sha256": ckpt.sha256}, toolchain=toolchain_versions(),
+        accuracy={"skipped": "imported checkpoint: run `qkiln eval` on the artifact"},
+        num_parameters=num_params, source_bytes_bf16=2 * num_params)
+    return write_artifact(out, manifest, tensors, _tokenizer_files(src), {}, overwrite=overwrite)
+
+
+def _tokenizer_files(src: Path) -> dict[str, bytes]:
+    tokenizer = Tokenizer.from_dir(src)  # the artifact stores the normalised pair, as a build does
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save(Path(tmp))
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
+
+
+def read_checkpoint(path) -> ImportedCheckpoint:
+    src = Path(path)
+    hf = _read_json(src / "config.json")
+    config = ModelConfig.from_hf(hf)
+    fmt, qc = _quantization_config(src, hf)
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise SourceModelError(f"{src} has no *.safetensors weights (pickled .bin weights are not loaded)")
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    act_dynamic, act_scales, kv_scheme, kv = None, {}, None, {}
+    if fmt == "gptq":
+        weights = decode_gptq(tensors, shapes, qc)
+    elif fmt == "awq":
+        weights = decode_awq(tensors, shapes, qc)
+    else:
+        weights, act_dynamic, act_scales = decode_compressed_tensors(tensors, shapes, qc)
+        kv_scheme, kv = decode_kv(tensors, qc.get("kv_cache_scheme"), config)
+    if not weights:
+        raise SourceModelError(f"{src}: no quantized linear found for {fmt}; is this the right checkpoint?")
+    fp_tensors = _remaining_tensors(src, tensors, model, weights, config)
+    scheme = _scheme(weights, act_dynamic, kv_scheme, fmt, shapes)
+    qm = QuantizedModel(config, scheme, fp_tensors, weights, act_scales, kv)
+    return ImportedCheckpoint(fmt, qc, qm, file_sha256(files))
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise SourceModelError(f"{path.parent} has no {path.name}; is this a Hugging Face model directory?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SourceModelError(f"{path} is not valid JSON ({e}); re-download it") from None
+
+
+def _quantization_config(src: Path, hf: dict) -> tuple[str, dict]:
+    """(format, its config) from config.json, else AutoGPTQ's quantize_config.json / AutoAWQ's quant_config.json."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        for name, fmt in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            if (src / name).is_file():
+                return fmt, _read_json(src / name)
+        raise SourceModelError(f"{src}: config.json has no quantization_config; an unquantized model is "
+                               "built with `qkiln build`, not imported")
+    fmt = qc.get("quant_method")
+    if fmt not in FORMATS:
+        raise SourceModelError(f"{src}: quant_method {fmt!r} cannot be imported; supported: {', '.join(FORMATS)}")
+    if fmt == "compressed-tensors" and (qc.get("transform_config") or qc.get("sparsity_config")):
+        raise SourceModelError(f"{src}: the checkpoint uses compressed-tensors transforms or sparsity, whose "
+                               "weights are not plain (q - zero) * scale; import a checkpoint without them")
+    return fmt, qc
+
+
+def _remaining_tensors(src: Path, tensors: dict, model: CausalLM, weights: dict, config: ModelConfig) -> dict:
+    """The high-precision tensors, checked against what the model needs (no more, no less)."""
+    expected = {k for k in model.state_dict() if k.removesuffix(".weight") not in weights}
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    unexpected, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+    if unexpected or missing:
+        raise SourceModelError(f"{src}: tensors do not fit a {config.architecture} model with these quantized layers: "
+                               f"unexpected {unexpected[:4]}, missing {missing[:4]}; the checkpoint, its "
+                               "config.json and its quantization_config disagree")
+    return tensors
+
+
+def _scheme(weights: dict, act_dynamic: bool | None, kv: KVCacheScheme | None, fmt: str, shapes: dict) -> QuantScheme:
+    """A nominal recipe for the manifest; `quantization.linears` is what the runtime builds from."""
+    # mixed checkpoints (int4 MLP + fp8 attention) are named by their fp8 part: activations need it
+    fp8 = [w for _, w in sorted(weights.items()) if isinstance(w, Fp8Weight)]
+    first = fp8[0] if fp8 else weights[sorted(weights)[0]]
+    if isinstance(first, Fp8Weight):
+        ws = WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None)
+    else:
+        ws = WeightScheme(num_bits=first.num_bits, symmetric=first.zeros is None, group_size=first.group_size,
+                          scale_dtype="float32")
+    acts = None if act_dynamic is None else ActivationScheme(dynamic=act_dynamic)
+    return QuantScheme(weights=ws, activations=acts, kv_cache=kv, ignore=tuple(n for n in shapes if n not in weights),
+                       algorithm={"gptq": "gptq", "awq": "awq"}.get(fmt, "rtn"))

@@ -1,0 +1,389 @@
+"""Interop on real files: artifact -> compressed-tensors (read back by compressed-tensors and by
+transformers), and compressed-tensors / GPTQ / AWQ checkpoints -> verified artifacts, every
+quantized weight compared bit for bit with an independent reading of the source.
+
+Independent readers: compressed-tensors' own compressors (its QuantizationConfig, decompress,
+and its AutoAWQ converter), transformers' CompressedTensors loader, and a GPTQ reference written
+here from AutoGPTQ's QuantLinear (pack / forward), whose packer this test follows because
+AutoGPTQ and GPTQModel cannot be installed without CUDA; AutoAWQ's `WQLinear_GEMM.from_linear`
+packing is followed the same way (its package needs old transformers and `datasets` to import).
+"""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qkiln.compile.artifact import verify_artifact
+from qkiln.compile.build import build
+from qkiln.compile.export_compressed_tensors import (check_export, export_compressed_tensors, hf_config_dict,
+                                                     load_artifact_quantized)
+from qkiln.compile.import_checkpoint import import_checkpoint
+from qkiln.compile.recipe import Recipe, preset
+from qkiln.errors import ArtifactError, SourceModelError
+from qkiln.quant import KVCacheScheme, QuantScheme, WeightScheme
+from qkiln.quant.rtn import quantize_rtn
+from qkiln.runtime.config import ModelConfig
+from qkiln.runtime.loader import load_for_serving
+from tiny_models import hf_config, write_tiny_hf_model
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def linear_names(num_layers=2):
+    return [f"model.layers.{i}.{part}.{p}" for i in range(num_layers)
+            for part, projs in (("self_attn", ATTENTION), ("mlp", MLP)) for p in projs]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == torch.float32 and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interop")
+    model = write_tiny_hf_model(root / "model", "llama")
+    text = root / "calib.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 200)
+    return root, model, text
+
+
+def _build(tiny, name, scheme: QuantScheme, monkeypatch_env=None):
+    root, model, text = tiny
+    recipe = Recipe(name, scheme)
+    recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, source=str(text),
+                                                                         num_samples=4, seq_len=64))
+    out = root / name
+    if not out.exists():
+        build(str(model), recipe, out, use_cache=False, progress=False, log=lambda m: None)
+    return out
+
+
+SCHEMES = {
+    "w4a16-asym": preset("w4a16-rtn").scheme,
+    # group 96 leaves a partial last group in every layer (in_features 128 and 256)
+    "w4a16-sym-g96": QuantScheme(weights=WeightScheme(num_bits=4, symmetric=True, group_size=96)),
+    "w8a16": preset("w8a16").scheme,
+    "fp8-static-kv": dataclasses.replace(preset("fp8-w8a8-static").scheme,
+                                         kv_cache=KVCacheScheme(dtype="fp8", key_smoothing=False)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_export_reads_back_bit_exact_with_compressed_tensors_and_transformers(tiny, tmp_path, name):
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    artifact = _build(tiny, name, SCHEMES[name])
+    result = export_compressed_tensors(artifact, tmp_path / "ct")
+    qm = load_artifact_quantized(artifact)
+    assert check_export(artifact, result.path) == len(qm.weights) == 14
+    qc = json.loads((result.path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert qc["ignore"] == ["lm_head"]  # tied head: a Linear in transformers, kept in high precision
+    assert qc["format"] == ("float-quantized" if name.startswith("fp8") else "pack-quantized")
+    if name == "w4a16-sym-g96":
+        assert result.group_size == 32  # gcd(96, 128, 256): the same scales, repeated
+    if name == "fp8-static-kv":
+        assert qc["kv_cache_scheme"]["strategy"] == result.kv_strategy == "attn_head"
+    # transformers' own loader decompresses with compressed-tensors into fp32 weights
+    model = AutoModelForCausalLM.from_pretrained(result.path, dtype=torch.float32,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    state = model.state_dict()
+    for layer, w in qm.weights.items():
+        assert same_bits(state[layer + ".weight"], w.dequantize()), layer
+    assert torch.equal(state["model.norm.weight"], qm.fp_tensors["model.norm.weight"])
+    stored = load_file(str(result.path / "model.safetensors"))
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16  # as the artifact stores it
+
+
+def test_export_refuses_what_compressed_tensors_cannot_store(tiny, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    fractional = _build(tiny, "w4-float-zero", QuantScheme(
+        weights=WeightScheme(num_bits=4, symmetric=False, group_size=64, zero_point="float")))
+    with pytest.raises(ArtifactError, match=r"linear model\.layers\.0\.mlp\.down_proj: .*fractional"):
+        export_compressed_tensors(fractional, tmp_path / "a")
+    int4_kv = _build(tiny, "kv-int4", preset("w4a16-rtn+kv-int4").scheme)
+    with pytest.raises(ArtifactError, match="int4 KV cache.*--drop-kv"):
+        export_compressed_tensors(int4_kv, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    weights_only = export_compressed_tensors(int4_kv, tmp_path / "b", drop_kv=True)
+    assert json.loads((weights_only.path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"] is None
+
+
+def test_hf_config_round_trips():
+    for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3"):
+        hf = hf_config(arch)
+        config = ModelConfig.from_hf(hf.to_dict() | {"architectures": [type(hf).__name__.replace("Config", "ForCausalLM")]})
+        assert ModelConfig.from_hf(hf_config_dict(config)) == config, arch
+
+
+def test_export_import_round_trip_serves_identical_logits(tiny, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    artifact = _build(tiny, "w4a16-asym", SCHEMES["w4a16-asym"])
+    exported = export_compressed_tensors(artifact, tmp_path / "ct").path
+    imported = import_checkpoint(exported, tmp_path / "back")
+    verify_artifact(imported)
+    a, b = load_artifact_quantized(artifact), load_artifact_quantized(imported)
+    for layer, w in a.weights.items():
+        assert same_bits(b.weights[layer].dequantize(), w.dequantize()), layer
+    again = export_compressed_tensors(artifact, tmp_path / "ct2").path
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (exported / name).read_bytes() == (again / name).read_bytes(), name  # reproducible
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    logits = [load_for_serving(str(p), dtype="fp32").model(ids) for p in (artifact, imported)]
+    assert torch.equal(logits[0], logits[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints written by other tools' layouts
+
+
+def _source_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _write_checkpoint(directory: Path, model_dir: Path, tensors: dict, quantization_config: dict | None,
+                      extra_files: dict | None = None) -> Path:
+    directory.mkdir(parents=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(model_dir / name, directory / name)
+    for name, text in (extra_files or {}).items():
+        (directory / name).write_text(text)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def _pack_rows(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """AutoGPTQ / AutoAWQ packing: word k of a row holds values k*n .. k*n+n-1 of that row,
+    value order[i] in bits i*b .. i*b+b-1 (n = 32 / b). values [rows, cols] non-negative."""
+    per_word = 32 // bits
+    order = order or list(range(per_word))
+    v = values.to(torch.int64)
+    words = torch.zeros(v.shape[0], v.shape[1] // per_word, dtype=torch.int64)
+    for col in range(words.shape[1]):
+        for i in range(per_word):
+            words[:, col] |= (v[:, col * per_word + order[i]] & ((1 << bits) - 1)) << (bits * i)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def _unsigned_quantization(W, bits, symmetric, group_size):
+    """qkiln RTN with fp16 scales -> unsigned codes [out, in], zeros [out, groups], scales [out, groups]."""
+    w = quantize_rtn(W, WeightScheme(num_bits=bits, symmetric=symmetric, group_size=group_size,
+                                     scale_dtype="float16"))
+    mid = 1 << (bits - 1)
+    if symmetric:
+        return (w.qweight.to(torch.int16) + mid), torch.full_like(w.scales, mid, dtype=torch.int16), w.scales
+    return w.qweight.to(torch.int16), w.zeros.to(torch.int16), w.scales
+
+
+def write_gptq(directory, model_dir, bits, group_size, sym, checkpoint_format, act_order_layer=None):
+    """AutoGPTQ's QuantLinear.pack layout: qweight [in*b/32, out] packed along in, qzeros
+    [groups, out*b/32] along out holding zero - 1 for v1 (masked, as GPTQModel writes it),
+    scales fp16 [groups, out], g_idx int32."""
+    tensors = _source_weights(model_dir)
+    for name in linear_names():
+        W = tensors.pop(name + ".weight")
+        codes, zeros, scales = _unsigned_quantization(W, bits, sym, None if group_size == -1 else group_size)
+        in_features = W.shape[1]
+        g_idx = torch.arange(in_features, dtype=torch.int32) // (in_features if group_size == -1 else group_size)
+        if name == act_order_layer:  # columns quantized in a permuted order: groups no longer consecutive
+            g_idx = g_idx[torch.randperm(in_features, generator=torch.Generator().manual_seed(0))]
+        stored_zeros = (zeros - 1) & ((1 << bits) - 1) if checkpoint_format == "gptq" else zeros
+        tensors[name + ".qweight"] = _pack_rows(codes, bits).t().contiguous()  # [in*b/32, out]
+        tensors[name + ".qzeros"] = _pack_rows(stored_zeros.t().contiguous(), bits)
+        tensors[name + ".scales"] = scales.t().contiguous().half()
+        tensors[name + ".g_idx"] = g_idx
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym, "desc_act": False,
+          "checkpoint_format": checkpoint_format}
+    return _write_checkpoint(Path(directory), model_dir, tensors, qc)
+
+
+def gptq_reference(tensors, name, bits, checkpoint_format):
+    """AutoGPTQ's torch dequantization (QuantLinear.forward without kernels), in fp32."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    mask = (1 << bits) - 1
+    qweight = tensors[name + ".qweight"].to(torch.int64) & 0xFFFFFFFF
+    qzeros = tensors[name + ".qzeros"].to(torch.int64) & 0xFFFFFFFF
+    zeros = ((qzeros[:, :, None] >> shifts) & mask).reshape(qzeros.shape[0], -1)  # [groups, out]
+    if checkpoint_format == "gptq":
+        zeros = (zeros + 1) & mask
+    weight = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, qweight.shape[1])  # [in, out]
+    g_idx = tensors[name + ".g_idx"].long()
+    scales = tensors[name + ".scales"].float()
+    return (scales[g_idx] * (weight - zeros[g_idx]).float()).t()  # [out, in]
+
+
+@pytest.mark.parametrize("bits, group_size, sym, checkpoint_format", [
+    (4, 32, True, "gptq"), (4, 64, False, "gptq"), (4, 32, False, "gptq_v2"), (8, -1, True, "gptq")])
+def test_import_gptq_is_bit_exact(tiny, tmp_path, bits, group_size, sym, checkpoint_format):
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, bits, group_size, sym, checkpoint_format)
+    artifact = import_checkpoint(src, tmp_path / "a")
+    verify_artifact(artifact)
+    tensors = load_file(str(src / "model.safetensors"))
+    qm = load_artifact_quantized(artifact)
+    assert sorted(qm.weights) == sorted(linear_names())
+    for name in linear_names():
+        assert same_bits(qm.weights[name].dequantize(), gptq_reference(tensors, name, bits, checkpoint_format)), name
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    entry = manifest["quantization"]["linears"]["model.layers.1.mlp.down_proj"]
+    assert entry["format"] == f"int{bits}" and entry["symmetric"] == sym
+    assert manifest["source"]["kind"] == "gptq" and manifest["recipe"]["scheme"]["algorithm"] == "gptq"
+
+
+def test_import_gptq_refuses_act_order_g_idx(tiny, tmp_path):
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, True, "gptq", act_order_layer="model.layers.1.mlp.up_proj")
+    with pytest.raises(SourceModelError, match=r"model\.layers\.1\.mlp\.up_proj: act-order g_idx"):
+        import_checkpoint(src, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_import_refuses_a_checkpoint_that_disagrees_with_its_config(tiny, tmp_path):
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, True, "gptq")
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.q_proj.qzeros"]
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(SourceModelError, match=r"q_proj\.qzeros is missing"):
+        import_checkpoint(src, tmp_path / "a")
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def write_awq(directory, model_dir, group_size):
+    """AutoAWQ's WQLinear_GEMM.from_linear layout: qweight [in, out/8] and qzeros [groups, out/8]
+    packed along out in the order 0,2,4,6,1,3,5,7; scales fp16 [groups, out]; zero as is."""
+    tensors = _source_weights(model_dir)
+    for name in linear_names():
+        codes, zeros, scales = _unsigned_quantization(tensors.pop(name + ".weight"), 4, False, group_size)
+        tensors[name + ".qweight"] = _pack_rows(codes.t().contiguous(), 4, AWQ_ORDER)
+        tensors[name + ".qzeros"] = _pack_rows(zeros.t().contiguous(), 4, AWQ_ORDER)
+        tensors[name + ".scales"] = scales.t().contiguous().half()
+    qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+    return _write_checkpoint(Path(directory), model_dir, tensors, qc)
+
+
+def test_import_awq_matches_compressed_tensors_autoawq_converter(tiny, tmp_path):
+    root, model_dir, _ = tiny
+    src = write_awq(tmp_path / "awq", model_dir, 32)
+    artifact = import_checkpoint(src, tmp_path / "a")
+    verify_artifact(artifact)
+    qm = load_artifact_quantized(artifact)
+    assert qm.weights["model.layers.0.self_attn.q_proj"].zeros is not None
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.entrypoints.convert import AutoAWQConverter
+
+    converter = AutoAWQConverter.from_autoawq_config(json.loads((src / "config.json").read_text())["quantization_config"])
+    converted = converter.process(load_file(str(src / "model.safetensors")))
+    scheme = converter.update_config(None).config_groups["config_group_0"]
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    for name in linear_names():
+        state = {p: converted[f"{name}.{p}"] for p in compressor.compression_param_names(scheme)}
+        state["weight_scale"] = state["weight_scale"].float()  # fp32 arithmetic: the product is exact
+        expected = compressor.decompress(state, scheme)["weight"]
+        assert same_bits(qm.weights[name].dequantize(), expected), name
+
+
+def test_import_checkpoint_made_by_compressed_tensors_compressors(tiny, tmp_path):
+    """int4 asymmetric groups (MLP) and fp8 W8A8 dynamic (attention) in one checkpoint, an fp8 KV
+    cache scheme, all quantized and packed by compressed-tensors' own functions."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    root, model_dir, _ = tiny
+    int4 = QuantizationScheme(targets=["re:.*mlp\\..*"], format="pack-quantized", weights=dict(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32))
+    fp8 = QuantizationScheme(targets=["re:.*self_attn\\..*"], format="float-quantized",
+                             weights=dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                             input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True))
+    config = QuantizationConfig(config_groups={"group_0": int4, "group_1": fp8}, ignore=["lm_head"],
+                                format="mixed-precision", quantization_status="compressed",
+                                kv_cache_scheme=dict(num_bits=8, type="float", strategy="tensor", dynamic=False))
+    tensors = _source_weights(model_dir)
+    for name in linear_names():
+        scheme = int4 if ".mlp." in name else fp8
+        W = tensors.pop(name + ".weight")
+        grouped = W.reshape(W.shape[0], -1, 32) if scheme is int4 else W.unsqueeze(1)  # [out, groups, size]
+        scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), scheme.weights)
+        state = {"weight": W, "weight_scale": scale, "weight_zero_point": zero_point}
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        tensors.update({f"{name}.{k}": v for k, v in compressor.compress(state, scheme).items()})
+    for i in range(2):
+        for j, key in enumerate(("k_scale", "v_scale")):
+            tensors[f"model.layers.{i}.self_attn.{key}"] = torch.tensor([0.01 * (1 + i + 2 * j)])
+    src = _write_checkpoint(tmp_path / "ct", model_dir, tensors, None)
+    ModelCompressor(quantization_config=config).update_config(str(src))
+
+    artifact = import_checkpoint(src, tmp_path / "a")
+    verify_artifact(artifact)
+    qm = load_artifact_quantized(artifact)
+    for name in linear_names():
+        scheme = int4 if ".mlp." in name else fp8
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        state = {p: tensors[f"{name}.{p}"] for p in compressor.compression_param_names(scheme)}
+        assert same_bits(qm.weights[name].dequantize(), compressor.decompress(state, scheme)["weight"].float()), name
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    formats = {e["format"] for e in manifest["quantization"]["linears"].values()}
+    assert formats == {"int4", "fp8"} and manifest["kv_cache"]["dtype"] == "fp8"
+    assert torch.equal(qm.kv[1][1].scale, torch.tensor([0.04, 0.04]))  # per tensor -> every KV head
+    # and back out: two config groups naming their layers, per-channel fp8 beside grouped int4
+    back = export_compressed_tensors(artifact, tmp_path / "back")
+    qc = json.loads((back.path / "config.json").read_text())["quantization_config"]
+    assert sorted(len(g["targets"]) for g in qc["config_groups"].values()) == [6, 8]
+    assert back.kv_strategy == "tensor" and check_export(artifact, back.path) == 14
+
+
+def test_runtime_generates_from_an_imported_artifact(tiny, tmp_path):
+    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.sampling_params import SamplingParams
+
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, False, "gptq")
+    artifact = import_checkpoint(src, tmp_path / "a")
+    again = import_checkpoint(src, tmp_path / "b")
+    shard = "weights/model-00001-of-00001.safetensors"
+    assert (artifact / shard).read_bytes() == (again / shard).read_bytes()  # reproducible
+    llm = LLM(str(artifact), dtype="fp32", num_kv_blocks=32)
+    out = llm.generate(["hello"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5 and all(0 <= t < 260 for t in out[0].token_ids)
+
+
+def run_cli(*args):
+    from typer.testing import CliRunner
+
+    from qkiln.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_export_and_import(tiny, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    artifact = _build(tiny, "w4a16-asym", SCHEMES["w4a16-asym"])
+    done = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
+    assert done.exit_code == 0 and "verified with compressed-tensors" in done.stdout, done.output
+    again = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
+    assert again.exit_code == 2 and again.stderr.startswith("error:") and "already exists" in again.stderr
+    bad = run_cli("export", artifact, "--format", "gguf", "-o", tmp_path / "x")
+    assert bad.exit_code == 2 and "compressed-tensors" in bad.stderr and not (tmp_path / "x").exists()
+    imported = run_cli("import", tmp_path / "ct", "-o", tmp_path / "a")
+    assert imported.exit_code == 0, imported.output
+    assert run_cli("verify", tmp_path / "a").exit_code == 0
+    inspected = run_cli("inspect", tmp_path / "a", "--json")
+    assert inspected.exit_code == 0 and json.loads(inspected.stdout)["source"]["kind"] == "compressed-tensors"
+    missing = run_cli("import", tmp_path / "nope", "-o", tmp_path / "b")
+    assert missing.exit_code == 2 and "config.json" in missing.stderr
