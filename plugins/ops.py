@@ -158,9 +158,16 @@ def _(*args) -> Tensor:
 
 @_fp8_w8a8_linear.register_kernel("cuda")
 def _(x, weight, weight_scale, bias):
+    from qkiln.plugins import triton_fp8
+
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
-    x_q, x_scale = reference.fake_quantize_fp8_per_token(rows)  # [M, in] fp8, [M, 1] fp32
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if 0 < rows.shape[0] <= triton_fp8.GEMV_MAX_ROWS:  # decode: quantize + GEMV in one launch
+        out = triton_fp8.triton_fp8_gemv(rows, weight, weight_scale, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    x_q, x_scale = triton_fp8.triton_quantize_fp8_per_token(rows)  # [M, in] fp8, [M, 1] fp32
     if in_features % 16 or out_features % 16:  # _scaled_mm's alignment rule; rare shapes
         out = (x_q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
     else:  # row-wise scaled fp8 GEMM: scale_a per token, scale_b per output channel
