@@ -15,6 +15,7 @@ from qkiln.errors import RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
 
 from .block_manager import KVCacheManager
+from .cuda_graphs import GraphRunner
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM
 from .runner import ModelRunner
@@ -79,7 +80,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len=self.max_model_len),
             self.kv_manager, eos_token_ids=tuple(mc.eos_token_ids))
-        self.runner = ModelRunner(model, self.caches, config.block_size, config.device)
+        if str(config.device).startswith("cuda"):  # decode steps replay CUDA graphs there
+            self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
+                                      max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs)
+        else:
+            self.runner = ModelRunner(model, self.caches, config.block_size, config.device)
         self.sampler = Sampler()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
