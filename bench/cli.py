@@ -123,7 +123,7 @@ def quality_command(
     calib: Annotated[str, typer.Option(help="calibration source for the main rows")] = "self:128",
     num_samples: Annotated[int, typer.Option(help="calibration samples of 512 tokens")] = 128,
     max_tokens: Annotated[int, typer.Option(help="evaluation tokens (wiki.test.raw)")] = 16384,
-    only: Annotated[Optional[str], typer.Option(help="comma-separated substrings of row names")] = None,
+    only: Annotated[Optional[str], typer.Option(help="comma-separated row names (exact)")] = None,
 ):
     """Quantization quality on SmolLM2-135M: one row per recipe (ppl, KL, top-1, time, RSS)."""
     argv = ["--json", str(json_out), "--calib", calib, "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]

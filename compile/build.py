@@ -33,6 +33,9 @@ from .self_generate import make_self_generator
 from .simulate import simulated_kv_backend
 
 
+KV_CALIBRATION_SAMPLES = 16
+
+
 @dataclass
 class BuildResult:
     path: Path
@@ -66,7 +69,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
     qm.scheme = recipe.scheme
     if recipe.scheme.kv_cache is not None:
-        calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids, progress=progress)
+        # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
+        calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)
     accuracy = _accuracy(source, model, qm, recipe, progress)
     tensors, quantization = to_tensors(qm)
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)

@@ -90,7 +90,11 @@ def _linear_loss(weights: Sequence[torch.Tensor], quantized: Sequence[torch.Tens
 def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], scheme: WeightScheme, *,
                   grid_size: int = 20, duo_scaling: bool = True,
                   forward_fn: ForwardFn | None = None) -> AWQScaleResult:
-    """Best per-input-channel scale for linears [out_i, in] that all read x [..., in] (Sec. 3.2)."""
+    """Best per-input-channel scale for linears [out_i, in] that all read x [..., in] (Sec. 3.2).
+
+    `forward_fn(x, weights)` receives x in the shape given here (scaled by 1/s on the last dim) and
+    the weights in the order given, fake-quantized; without it the loss is the linears' own output.
+    """
     weights = [w.float() for w in weights]
     x2 = x.reshape(-1, x.shape[-1]).float()  # [N, in]
     x_mean, w_mean = activation_mean(x2), weight_mean(weights, scheme.group_size)
@@ -100,10 +104,11 @@ def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Weig
         def loss_of(s: torch.Tensor) -> float:
             return _linear_loss(weights, [fake_quantize_rtn(W * s, scheme) / s for W in weights], G)
     else:
-        reference = forward_fn(x2, weights).float()
+        x_in = x.float()  # the caller's shape, e.g. [batch, seq, in] for a module with attention
+        reference = forward_fn(x_in, weights).float()
 
         def loss_of(s: torch.Tensor) -> float:
-            out = forward_fn(x2 / s, [fake_quantize_rtn(W * s, scheme) for W in weights]).float()
+            out = forward_fn(x_in / s, [fake_quantize_rtn(W * s, scheme) for W in weights]).float()
             return float((out - reference).pow(2).mean())
 
     identity = torch.ones_like(x_mean)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qkiln.quant.rtn import (QuantizedWeight, code_dtype, dequantize_codes, group_minmax, num_groups,
-                             qparams_from_minmax, qrange, quantize_codes, quantize_rtn)
+from qkiln.quant.rtn import (QuantizedWeight, code_dtype, compute_qparams, dequantize_codes, num_groups, qrange,
+                             quantize_codes, quantize_rtn)
 from qkiln.quant.scheme import GPTQOptions, WeightScheme
 
 
@@ -81,11 +81,6 @@ def _inverse_cholesky(H: torch.Tensor, dampening_frac: float) -> torch.Tensor | 
     return U
 
 
-def _static_qparams(W: torch.Tensor, scheme: WeightScheme):
-    wmin, wmax = group_minmax(W, scheme.group_size)
-    return qparams_from_minmax(wmin, wmax, scheme)  # [out, num_groups] each
-
-
 def quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme: WeightScheme,
                     options: GPTQOptions = GPTQOptions()) -> tuple[QuantizedWeight, GPTQInfo]:
     """Quantize W [out, in] minimising tr((W - Q) H (W - Q)^T): GPTQ, Algorithm 1."""
@@ -117,7 +112,7 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme: WeightScheme,
     static = None
     if options.act_order or scheme.group_size is None:
         # per-channel params, and act-order's static groups, come from the unpermuted weights
-        static = _static_qparams(W, scheme)
+        static = compute_qparams(W, scheme, scheme.group_size)  # [out, num_groups] each
     codes, scales, zeros = _gptq_loop(W if perm is None else W[:, perm], U, scheme, options.block_size,
                                       perm, static)
     if perm is not None:
@@ -160,8 +155,8 @@ def _gptq_loop(W: torch.Tensor, U: torch.Tensor, scheme: WeightScheme, block_siz
         for i in range(i2 - i1):
             col, group = i1 + i, group_of[i1 + i]
             if static is None and col % group_size == 0:
-                group_cols = W1[:, i:i + group_size]
-                s, z = qparams_from_minmax(group_cols.amin(dim=1), group_cols.amax(dim=1), scheme)
+                s, z = compute_qparams(W1[:, i:i + group_size], scheme, None)
+                s, z = s[:, 0], None if z is None else z[:, 0]
                 scales[:, group] = s
                 if zeros is not None:
                     zeros[:, group] = z

@@ -17,8 +17,11 @@ Groups run along in_features; the last group is shorter when group_size does not
     in_features = 576, group_size = 128
     | g0: 0..127 | g1: 128..255 | g2: 256..383 | g3: 384..511 | g4: 512..575 (64 wide) |
 
-Invariant: every element's dequantization error is at most scale/2 of its group (no clipping
-outside the [min, max] the parameters were computed from).
+Observers: "minmax" takes each group's [min, max]; "mse" shrinks it over a grid and keeps the
+factor with the least weight error (llm-compressor's MSE observer), clipping a few outliers.
+
+Invariant: with "minmax" every element's dequantization error is at most scale/2 of its group
+(nothing is clipped); with "mse" that holds for the elements inside the shrunk range.
 """
 
 from __future__ import annotations
@@ -141,6 +144,52 @@ def qparams_from_minmax(wmin: torch.Tensor, wmax: torch.Tensor, scheme: WeightSc
     return scale, zero
 
 
+# MSE observer grid (llm-compressor's defaults): shrink factors 1, 0.99, ..., 0.81; error |w - w_hat|^2.4
+_MSE_GRID, _MSE_MAX_SHRINK, _MSE_NORM = 100, 0.2, 2.4
+
+
+def compute_qparams(W: torch.Tensor, scheme: WeightScheme, group_size: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-group scale and zero [out, num_groups] for W [out, in] with the scheme's observer.
+
+    `group_size` overrides the scheme's (GPTQ passes None for the one group it is looking at).
+    "mse" shrinks each group's [min, max] over a grid and keeps the factor with the least
+    sum |w - w_hat|^2.4 over the group (a clipping search on the weights alone).
+    """
+    W = W.float()
+    wmin, wmax = group_minmax(W, group_size)
+    scales, zeros = qparams_from_minmax(wmin, wmax, scheme)
+    if scheme.observer == "minmax":
+        return scales, zeros
+    qmin, qmax = qrange(scheme.num_bits, scheme.symmetric)
+    best_err = None
+    for i in range(int(_MSE_MAX_SHRINK * _MSE_GRID) + 1):
+        shrink = 1.0 - i / _MSE_GRID
+        s, z = qparams_from_minmax(wmin * shrink, wmax * shrink, scheme)
+        s_full = expand_groups(s, group_size, W.shape[1])
+        z_full = None if z is None else expand_groups(z, group_size, W.shape[1])
+        err = (dequantize_codes(quantize_codes(W, s_full, z_full, qmin, qmax), s_full, z_full) - W).abs()
+        err = group_sums(err.pow(_MSE_NORM), group_size)  # [out, num_groups]
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        scales = torch.where(better, s, scales)
+        if zeros is not None:
+            zeros = torch.where(better, z, zeros)
+    return scales, zeros
+
+
+def group_sums(values: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Sum of values [out, in] over each group -> [out, num_groups] (partial last group included)."""
+    out_features, in_features = values.shape
+    size = in_features if group_size is None else group_size
+    num = num_groups(in_features, group_size)
+    padded = torch.nn.functional.pad(values, (0, num * size - in_features))  # zeros add nothing
+    return padded.reshape(out_features, num, size).sum(dim=2)
+
+
 def quantize_codes(W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                    qmin: int, qmax: int) -> torch.Tensor:
     """Codes (still fp32) for W given per-element (or broadcastable) scale and zero."""
@@ -170,12 +219,11 @@ def quantize_with_qparams(W: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def quantize_rtn(W: torch.Tensor, scheme: WeightScheme) -> QuantizedWeight:
-    """Round-to-nearest: group parameters from each group's min / max, then nearest codes."""
+    """Round-to-nearest: group parameters from the scheme's observer, then nearest codes."""
     if scheme.type != "int":
         raise ValueError("quantize_rtn handles integer schemes; use quant.fp8 for float weights")
     W = W.float()
-    wmin, wmax = group_minmax(W, scheme.group_size)
-    scales, zeros = qparams_from_minmax(wmin, wmax, scheme)
+    scales, zeros = compute_qparams(W, scheme, scheme.group_size)
     return quantize_with_qparams(W, scales, zeros, scheme)
 
 

@@ -1,0 +1,100 @@
+"""AWQ: the scale search never loses to no scaling, folding keeps the function, clipping helps."""
+
+import pytest
+import torch
+
+from qkiln.quant.awq import (apply_clip, fold_scales_into_linear, fold_scales_into_norm, scale_weights,
+                             search_clip, search_scales)
+from qkiln.quant.rtn import fake_quantize_rtn
+from qkiln.quant.scheme import WeightScheme
+
+
+def _inputs(num_tokens=256, in_features=96, outlier_gain=None):
+    x = torch.randn(num_tokens, in_features) * (torch.rand(in_features) + 0.2)
+    if outlier_gain:
+        x[:, :3] *= outlier_gain  # a few salient channels, as after an RMSNorm in a real LLM
+    return x
+
+
+def _linears(in_features=96):
+    return [torch.randn(48, in_features) * 0.1, torch.randn(16, in_features) * 0.1]
+
+
+def _linear_forward(x, weights):
+    return torch.cat([x @ w.t() for w in weights], dim=-1)
+
+
+@pytest.mark.parametrize("scheme", [WeightScheme(4, symmetric=False, group_size=32),
+                                    WeightScheme(4, symmetric=True, group_size=None),
+                                    WeightScheme(4, symmetric=False, group_size=64)], ids=str)
+def test_scale_search_never_above_identity(scheme):
+    for outlier_gain in (None, 20.0):
+        result = search_scales(_inputs(outlier_gain=outlier_gain), _linears(), scheme, grid_size=10)
+        assert result.loss <= result.identity_loss
+        assert result.losses[0] == (None, result.identity_loss)
+        assert len(result.losses) == 11
+        assert result.scales.shape == (96,) and torch.isfinite(result.scales).all()
+
+
+def test_scale_search_helps_with_salient_channels_and_loss_is_reproducible():
+    x, weights = _inputs(outlier_gain=20.0), _linears()
+    scheme = WeightScheme(4, symmetric=False, group_size=32)
+    result = search_scales(x, weights, scheme)
+    assert result.alpha is not None and result.loss < 0.8 * result.identity_loss
+    s = result.scales
+    quantized_out = _linear_forward(x / s, [fake_quantize_rtn(w, scheme) for w in scale_weights(weights, s)])
+    mse = (quantized_out - _linear_forward(x, weights)).pow(2).mean()
+    assert float(mse) == pytest.approx(result.loss, rel=1e-3)
+
+
+def test_forward_fn_loss_matches_the_gram_shortcut():
+    x, weights = _inputs(outlier_gain=10.0), _linears()
+    scheme = WeightScheme(4, symmetric=True, group_size=32)
+    gram_result = search_scales(x, weights, scheme, grid_size=5)
+    forward_result = search_scales(x, weights, scheme, grid_size=5, forward_fn=_linear_forward)
+    for (a1, l1), (a2, l2) in zip(gram_result.losses, forward_result.losses):
+        assert a1 == a2 and l1 == pytest.approx(l2, rel=1e-3)
+
+
+def test_folding_into_norm_and_previous_linear_keeps_the_function():
+    hidden, s = 32, torch.rand(32) * 3 + 0.2
+    x, norm_weight, W = torch.randn(10, hidden), torch.rand(hidden) + 0.5, torch.randn(8, hidden)
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected = (normed * norm_weight) @ W.t()
+    folded = (normed * fold_scales_into_norm(norm_weight, s)) @ scale_weights([W], s)[0].t()
+    assert torch.allclose(folded, expected, rtol=1e-4, atol=1e-4)
+
+    prev_W, prev_b = torch.randn(hidden, 12), torch.randn(hidden)  # e.g. up_proj feeding down_proj
+    h = torch.randn(10, 12)
+    new_W, new_b = fold_scales_into_linear(prev_W, s, prev_b)
+    expected = (h @ prev_W.t() + prev_b) @ W.t()
+    assert torch.allclose((h @ new_W.t() + new_b) @ scale_weights([W], s)[0].t(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", [WeightScheme(4, symmetric=True, group_size=32),
+                                    WeightScheme(4, symmetric=False, group_size=None)], ids=str)
+def test_clip_search_never_above_unclipped_and_helps_heavy_tails(scheme):
+    x = _inputs(in_features=80)  # partial last group with group 32
+    W = torch.randn(24, 80) * 0.1
+    W[torch.rand(24, 80) < 0.02] *= 8  # heavy tails: clipping a few outliers pays
+    result = search_clip(x, W, scheme, grid_size=20, max_shrink=0.5)
+    assert result.loss < result.loss_unclipped
+    org_max = torch.stack([W[:, a:b].abs().amax(1) for a, b in ((0, 32), (32, 64), (64, 80))], 1)
+    org_max = org_max if scheme.group_size else W.abs().amax(1, keepdim=True)
+    assert (result.max_val <= org_max).all() and (result.max_val >= 0.5 * org_max - 1e-6).all()
+    clipped = apply_clip(W, result.max_val, scheme.group_size)
+    assert clipped.shape == W.shape and (clipped.abs() <= W.abs()).all()
+
+
+def test_awq_pipeline_beats_rtn_on_salient_inputs():
+    x, weights = _inputs(outlier_gain=20.0), _linears()
+    scheme = WeightScheme(4, symmetric=False, group_size=32)
+    reference = _linear_forward(x, weights)
+    rtn_mse = (_linear_forward(x, [fake_quantize_rtn(w, scheme) for w in weights]) - reference).pow(2).mean()
+    s = search_scales(x, weights, scheme).scales
+    quantized = []
+    for w in scale_weights(weights, s):
+        clip = search_clip(x / s, w, scheme)
+        quantized.append(fake_quantize_rtn(apply_clip(w, clip.max_val, scheme.group_size), scheme))
+    awq_mse = (_linear_forward(x / s, quantized) - reference).pow(2).mean()
+    assert awq_mse < rtn_mse
