@@ -58,7 +58,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
         text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress), spec.seed)
         tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
         log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
-    weight_scheme = dataclasses.replace(recipe.scheme, kv_cache=None)
+    weight_scheme = recipe.scheme  # quantize_model ignores kv_cache: KV is calibrated below
     needs_tokens_for_weights = weight_scheme.algorithm != "rtn" or (
         weight_scheme.activations is not None and not weight_scheme.activations.dynamic)
     token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
@@ -67,7 +67,6 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
-    qm.scheme = recipe.scheme
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
         calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)

@@ -74,6 +74,15 @@ def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_pat
     assert w_c != a["weights/model-00001-of-00001.safetensors"]  # KV scales differ, weights reused
 
 
+def test_kv_only_recipe_keeps_weights_in_high_precision(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(str(model), _recipe("kv-int4", text), tmp_path / "kv", progress=False, log=lambda m: None)
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert manifest["quantization"]["linears"] == {} and manifest["kv_cache"]["dtype"] == "int4"
+    assert manifest["accuracy"]["perplexity_change"] < 0.05
+
+
 def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     root, model, text = tiny
     with pytest.raises(RecipeError, match="unknown preset"):
