@@ -30,7 +30,9 @@ DEFAULT_IGNORE = ("lm_head",)
 _INT4 = WeightScheme(num_bits=4, type="int", symmetric=False, group_size=128)
 _WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
     "w4a16-rtn": dict(weights=_INT4, algorithm="rtn"),
-    "w4a16-gptq": dict(weights=_INT4, algorithm="gptq"),
+    # GPTQ with act-order and an MSE-searched per-group range closed 52% of RTN's gap on SmolLM2
+    # (vs 35% with min/max); the MSE range makes plain RTN worse, so only GPTQ uses it.
+    "w4a16-gptq": dict(weights=dataclasses.replace(_INT4, observer="mse"), algorithm="gptq"),
     "w4a16-awq": dict(weights=_INT4, algorithm="awq"),
     "w8a16": dict(weights=WeightScheme(num_bits=8, type="int", symmetric=True, group_size=None), algorithm="rtn"),
     "fp8-w8a8": dict(weights=WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None),

@@ -88,3 +88,15 @@ def test_from_dict_refuses_unknown_fields():
     data["weights"]["groupsize"] = 64
     with pytest.raises(RecipeError, match="groupsize"):
         QuantScheme.from_dict(data)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: WeightScheme(symmetric="yes"),
+    lambda: WeightScheme(group_size=True),
+    lambda: WeightScheme(group_size="128"),
+    lambda: GPTQOptions(dampening_frac="0.01"),
+    lambda: KVCacheScheme(key_smoothing=1),
+])
+def test_wrong_field_types_from_yaml_are_refused(make):
+    with pytest.raises(RecipeError, match="must be"):
+        make()
