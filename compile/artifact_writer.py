@@ -43,11 +43,7 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
     _check_destination(out, overwrite)
     replace(manifest, files={}).to_json()  # schema errors before any work
     blobs = _collect_blobs(tokenizer_files, reports, engines or {})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = fresh_partial_dir(out)
     try:
         write_weights(tmp / WEIGHTS_DIR, tensors, shard_bytes)
         for rel, data in sorted(blobs.items()):
@@ -73,6 +69,16 @@ def _check_destination(out: Path, overwrite: bool) -> None:
     if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise ArtifactError(f"{out}: exists and is not a qkiln artifact, refusing to replace it; "
                             "choose another output path")
+
+
+def fresh_partial_dir(out: Path) -> Path:
+    """An empty `.NAME.partial-PID` sibling of `out` to build in, after clearing dead builds' leftovers."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
 
 
 def remove_stale_partials(out: Path) -> list[Path]:
@@ -264,11 +270,7 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
     if not archive.is_file():
         raise ArtifactError(f"{archive}: archive not found")
     _check_destination(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = fresh_partial_dir(out)
     try:
         _extract_members(archive, tmp)
         try:

@@ -44,7 +44,7 @@ from qkiln.runtime.model import CausalLM
 
 from .artifact import load_tensors, read_manifest
 from .artifact_tensors import from_tensors
-from .artifact_writer import remove_stale_partials
+from .artifact_writer import fresh_partial_dir
 from .quantized_model import QuantizedModel
 
 INSTALL_HINT = "install the interop extra: pip install 'qkiln[interop]' (compressed-tensors==0.20.0)"
@@ -81,11 +81,7 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     qm, stored = _load(artifact)
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
     tensors.update({k: stored[k] for k in qm.fp_tensors})  # as the artifact stores them (bf16, norms fp32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = fresh_partial_dir(out)
     try:
         _write_checkpoint(tmp, qm.config, tensors, quant_config, Path(artifact) / "tokenizer")
         if verify:
