@@ -124,7 +124,7 @@ def _restore_layer(layer, prefix: str, tensors: dict, report: dict, qm: Quantize
 
 @torch.no_grad()
 def _run_layer(layer, hidden, positions, rope, backend, batch_size):
-    out = [layer(hidden[s : s + batch_size], positions[s : s + batch_size], rope, backend)
+    out = [layer(hidden[s : s + batch_size], rope.cos_sin(positions[s : s + batch_size], hidden.dtype), backend)
            for s in range(0, hidden.shape[0], batch_size)]
     return torch.cat(out)
 

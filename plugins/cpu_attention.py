@@ -1,9 +1,9 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
-for decode shapes (DESIGN.md). Here each step gathers the used blocks through the block table
-(one index_select per tensor on the block dimension), dequantizes them to fp32 and runs batched
-matmuls with an fp32 softmax. Intra-op parallelism is torch's own (torch.get_num_threads()).
+for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block
+table (one index_select per tensor), dequantizes them to fp32 and runs batched matmuls with an
+fp32 softmax. Intra-op parallelism is torch's own (torch.get_num_threads()).
 
     query rows of one kv head h (GQA, group = Hq / Hkv; no repeat_interleave of K/V):
         q[S, Hkv, group, D] @ K[S, Hkv, T, D]^T -> scores[S, Hkv, group, T]
@@ -13,6 +13,12 @@ Scales that are constant along the dot product are folded into the query instead
 Sequences with one query row (decodes) run as one padded batch; longer ones (prefill chunks)
 run one by one in query chunks of at most QUERY_CHUNK rows, each seeing only the keys its causal
 mask allows. Every sequence must own at least one query row.
+
+Per-step work is done once, not once per layer: every layer of a step passes the same
+block_tables / seq_lens / query_start_loc / slot_mapping tensors, so the slot indices, masks and
+row lists derived from them are memoised on those tensor objects (`_StepIndex`). A decode row's
+padding (shorter sequences in a batch) gathers the sequence's own first slot, which is always
+written, so no stale or NaN bytes ever enter P @ V; its scores are masked to -inf.
 """
 
 import torch
@@ -23,16 +29,45 @@ from qkiln.plugins.kv_cache import quantize_int4_groups
 QUERY_CHUNK = 256
 
 
+class _Memo:
+    """The last value derived from a set of tensors, valid while they are the same objects.
+
+    Identity, not contents: the runner builds fresh metadata tensors every step and never writes
+    into them (inference tensors have no version counter to detect that). Holding the tensors
+    keeps their ids from being reused by new objects.
+    """
+
+    def __init__(self):
+        self.tensors, self.extra, self.value = (), None, None
+
+    def get(self, tensors: tuple, extra, make):
+        if len(self.tensors) != len(tensors) or self.extra != extra or \
+                any(a is not b for a, b in zip(self.tensors, tensors)):
+            self.tensors, self.extra, self.value = tensors, extra, make()
+        return self.value
+
+
+_write_memo, _step_memo = _Memo(), _Memo()
+
+
+def _valid_slots(slot_mapping):
+    """(slots, row index or None when every row is written)."""
+    valid = slot_mapping >= 0
+    if bool(valid.all()):
+        return slot_mapping, None
+    return slot_mapping[valid], valid.nonzero().flatten()
+
+
 def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scale, k_group_min,
                     v_group_scale, v_group_min, k_channel_scale, slot_mapping) -> None:
     """Vectorized write of key/value [N, Hkv, D] into slots slot_mapping [N] (-1 skipped)."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    k, v = key[valid].float(), value[valid].float()  # [num_valid, Hkv, D]
+    slots, rows = _write_memo.get((slot_mapping,), None, lambda: _valid_slots(slot_mapping))
+    if rows is not None:
+        key, value = key.index_select(0, rows), value.index_select(0, rows)
     if k_channel_scale is not None:
-        k = k / k_channel_scale
-    for x, cache, head_scale, g_scale, g_min in ((k, k_cache, k_scale, k_group_scale, k_group_min),
-                                                 (v, v_cache, v_scale, v_group_scale, v_group_min)):
+        key = key.float() / k_channel_scale
+    for x, cache, head_scale, g_scale, g_min in ((key, k_cache, k_scale, k_group_scale, k_group_min),
+                                                 (value, v_cache, v_scale, v_group_scale, v_group_min)):
         if cache.dtype == torch.uint8:
             packed, scale, minimum = quantize_int4_groups(x, x.shape[-1] // g_scale.shape[-1])
             cache.flatten(0, 1).index_copy_(0, slots, packed)
@@ -46,27 +81,61 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
             cache.flatten(0, 1).index_copy_(0, slots, x.to(cache.dtype))
 
 
-def _gather(cache, g_scale, g_min, blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks [S, nb] of one cache -> float32 [S, Hkv, nb * block_size, D] (raw, unscaled)."""
-    num_seqs, num_blocks = blocks.shape
-    tokens = num_blocks * cache.shape[1]
-    flat_ids = blocks.flatten()
+class _StepIndex:
+    """What every layer of one step derives from the step's metadata, computed once."""
 
-    def take(t):  # [S, T, Hkv, X] -> [S, Hkv, T, X]
-        return t.index_select(0, flat_ids).view(num_seqs, tokens, *t.shape[2:]).transpose(1, 2)
+    def __init__(self, block_tables, seq_lens, query_start_loc, block_size: int):
+        self.starts, self.lens = query_start_loc.tolist(), seq_lens.tolist()
+        num_seqs = len(self.lens)
+        self.decode_ids = [s for s in range(num_seqs) if self.starts[s + 1] - self.starts[s] == 1]
+        self.prefill_ids = [s for s in range(num_seqs) if self.starts[s + 1] - self.starts[s] > 1]
+        tables = block_tables.long()
+        self.decode_slots = self.decode_mask = self.decode_rows = None
+        if self.decode_ids:
+            ids = torch.tensor(self.decode_ids)
+            lens = seq_lens.long()[ids]  # [S_d]
+            positions = torch.arange(max(self.lens[s] for s in self.decode_ids))  # [T]
+            masked = positions[None, :] >= lens[:, None]  # [S_d, T]
+            positions = positions.masked_fill(masked, 0)  # padding reads the sequence's position 0
+            self.decode_slots = _slots(tables[ids], positions, block_size)  # [S_d, T]
+            if bool(masked.any()):
+                self.decode_mask = masked[:, None, None, :]  # [S_d, 1, 1, T]
+            if len(self.decode_ids) != num_seqs:
+                self.decode_rows = query_start_loc.long()[ids]
+        self.prefill_slots = {s: _slots(tables[s:s + 1], torch.arange(self.lens[s]), block_size)
+                              for s in self.prefill_ids}  # [1, T]
+
+
+def _slots(tables, positions, block_size: int) -> torch.Tensor:
+    """tables [S, max_blocks] long, positions [S, T] or [T] -> slot ids [S, T]."""
+    return tables.gather(1, (positions // block_size).expand(tables.shape[0], -1)) * block_size \
+        + positions % block_size
+
+
+def _gather(cache, g_scale, g_min, slots: torch.Tensor) -> torch.Tensor:
+    """Slots [S, T] of one cache -> float32 [S, Hkv, T, D] (raw, unscaled)."""
+    num_seqs, tokens = slots.shape
+    flat = slots.flatten()
+
+    def take(t):  # [blocks, block_size, Hkv, X] -> [S, Hkv, T, X]
+        return t.flatten(0, 1).index_select(0, flat).view(num_seqs, tokens, *t.shape[2:]).transpose(1, 2)
 
     if cache.dtype == torch.uint8:
         # Transpose the small packed bytes, so dequantization writes the fp32 result in order.
         return dequantize_int4_groups(take(cache).contiguous(), take(g_scale).contiguous(),
                                       take(g_min).contiguous())
-    gathered = take(cache)
+    if cache.dtype == FP8_DTYPE:
+        cache = cache.view(torch.uint8)  # index_select has no fp8 kernel on CPU either
+        gathered = take(cache).view(FP8_DTYPE)
+    else:
+        gathered = take(cache)
     out = torch.empty(gathered.shape, dtype=torch.float32)  # [S, Hkv, T, D]
     return out.copy_(gathered)
 
 
 def _fold_query(query, k_scale, k_channel_scale, num_kv_heads: int, scale: float):
     """query [N, Hq, D] -> float32 [N, Hkv, group, D] carrying every per-key constant scale."""
-    q = query.float().unflatten(1, (num_kv_heads, -1)) * scale  # [N, Hkv, group, D]
+    q = query.unflatten(1, (num_kv_heads, -1)).float() * scale  # [N, Hkv, group, D]
     if k_scale is not None:
         q = q * k_scale[None, :, None, None]
     if k_channel_scale is not None:
@@ -75,9 +144,10 @@ def _fold_query(query, k_scale, k_channel_scale, num_kv_heads: int, scale: float
 
 
 def _attend(q, k, v, masked):
-    """q [B, Hkv, R, D], k/v [B, Hkv, T, D], masked [B, 1, R, T] (True: hidden) -> q's shape."""
+    """q [B, Hkv, R, D], k/v [B, Hkv, T, D], masked [B, 1, R, T] or None (True: hidden) -> q's shape."""
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, R, T]
-    scores.masked_fill_(masked, float("-inf"))
+    if masked is not None:
+        scores.masked_fill_(masked, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -86,41 +156,30 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
                         query_start_loc, scale: float):
     """Same contract as reference_paged_attention; fp32 math, output in query's dtype."""
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
+                          lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))
     q = _fold_query(query, k_scale, k_channel_scale, num_kv_heads, scale)
-    out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hkv, group, D]
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode_ids = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
     kv = (k_cache, k_group_scale, k_group_min), (v_cache, v_group_scale, v_group_min)
-
-    def gather(seq_ids, ctx_len):
-        num_blocks = -(-ctx_len // block_size)
-        blocks = block_tables[seq_ids, :num_blocks].long().clamp(min=0)  # padding ids may be -1
-        return [_gather(cache, s, m, blocks) for cache, s, m in kv]
-
-    if decode_ids:
-        is_all_decode = len(decode_ids) == len(lens)  # the common step: no row indexing at all
-        ids = slice(None) if is_all_decode else torch.tensor(decode_ids)
-        rows = slice(None) if is_all_decode else query_start_loc[ids].long()
-        k, v = gather(ids, max(lens[s] for s in decode_ids))
-        positions = torch.arange(k.shape[2])
-        masked = positions[None, :] >= seq_lens[ids].long()[:, None]  # [S_d, T]
-        # Slots past a sequence's end hold stale bytes (maybe NaN); 0 * NaN would leak into P @ V.
-        v.masked_fill_(masked[:, None, :, None], 0.0)
-        # One decode row per sequence: a kv head's rows are its `group` query heads.
-        out[rows] = _attend(q[rows], k, v, masked[:, None, None, :])
-    for seq_id in sorted(set(range(len(lens))) - set(decode_ids)):
-        _prefill(q, out, seq_id, starts, lens[seq_id], gather)
+    if not step.prefill_ids:  # the common step: decodes only, no row indexing at all
+        k, v = (_gather(cache, s, m, step.decode_slots) for cache, s, m in kv)
+        out = _attend(q, k, v, step.decode_mask)  # [S, Hkv, group, D]
+    else:
+        out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hkv, group, D]
+        if step.decode_ids:
+            k, v = (_gather(cache, s, m, step.decode_slots) for cache, s, m in kv)
+            out[step.decode_rows] = _attend(q[step.decode_rows], k, v, step.decode_mask)
+        for seq_id in step.prefill_ids:
+            k, v = (_gather(cache, s, m, step.prefill_slots[seq_id]) for cache, s, m in kv)
+            _prefill(q, out, seq_id, step.starts, step.lens[seq_id], k, v)
     if v_scale is not None:
         out *= v_scale[None, :, None, None]
     return out.flatten(1, 2).to(query.dtype)
 
 
-def _prefill(q, out, seq_id: int, starts, ctx_len: int, gather) -> None:
-    """One sequence's query rows [q_len] against its context, causal, in chunks of QUERY_CHUNK."""
+def _prefill(q, out, seq_id: int, starts, ctx_len: int, k, v) -> None:
+    """One sequence's query rows [q_len] against its context k/v [1, Hkv, T, D], causal, chunked."""
     q_begin, q_end = starts[seq_id], starts[seq_id + 1]
     first_pos = ctx_len - (q_end - q_begin)  # context position of the first query row
-    k, v = gather([seq_id], ctx_len)  # [1, Hkv, T, D]
     for chunk in range(q_begin, q_end, QUERY_CHUNK):
         rows = slice(chunk, min(chunk + QUERY_CHUNK, q_end))
         last_pos = first_pos + rows.stop - q_begin - 1

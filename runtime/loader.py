@@ -13,6 +13,7 @@ from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError
 
 from .config import ModelConfig
+from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
 from .quantized_linear import make_quantized_linear
 from .source import build_model, load_source
@@ -41,21 +42,28 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu") -> ServingModel:
+def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: bool = True) -> ServingModel:
+    """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules."""
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
     if path.is_dir() and (path / "manifest.json").exists():
-        return load_artifact(path, torch_dtype, device)
+        return load_artifact(path, torch_dtype, device, fuse)
     src = load_source(name)
-    return ServingModel(str(name), build_model(src.config, src.state_dict, torch_dtype).to(device), src.tokenizer)
+    weights = dict(src.state_dict)
+    fused = fuse_tensors(weights, {}, src.config.num_hidden_layers, projection_out_sizes(src.config)) if fuse \
+        else frozenset()
+    model = build_model(src.config, weights, torch_dtype, fused=fused).to(device)
+    return ServingModel(str(name), model, src.tokenizer)
 
 
-def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu") -> ServingModel:
+def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True) -> ServingModel:
     verify_artifact(path)  # hashes, version, target: refuse before loading anything
     manifest = read_manifest(path)
     config = ModelConfig.from_dict(manifest.architecture)
     tensors = load_tensors(path, manifest, verify=False)
-    linears = manifest.quantization.get("linears", {})
+    linears = dict(manifest.quantization.get("linears", {}))
+    fused = fuse_tensors(tensors, linears, config.num_hidden_layers, projection_out_sizes(config)) if fuse \
+        else frozenset()
     target = "cuda" if str(device).startswith("cuda") else "cpu"
 
     def make_linear(name, in_features, out_features, bias):
@@ -66,7 +74,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu") -> Servin
                                      None if b is None else b.to(dtype))
 
     plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
-    model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears))
+    model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)
     model = model.to(device)
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None

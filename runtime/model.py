@@ -6,6 +6,11 @@ dense evaluation passes ids [B, T]; the paged runtime passes flattened ids [N]. 
 come from a `linear_factory`, so quantized or simulated layers replace `nn.Linear` without
 touching this file. Numerics follow HF's eager implementation (RMSNorm in fp32, RoPE tables
 in fp32) so fp32 logits match within 1e-4 relative.
+
+Serving may build q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` per layer (names in
+`fused`, see fusion.py); evaluation and calibration use the separate HF projections. Decode runs
+this file's Python once per layer per step, so forward paths avoid ops that are not needed: the
+RoPE tables are gathered once per forward, q and k are rotated together when fused.
 """
 
 from collections.abc import Callable
@@ -15,7 +20,7 @@ from torch import nn
 
 from .attention import DenseAttention
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rope
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
 
@@ -33,12 +38,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * x.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return self.weight * x.to(dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory, fused=frozenset()):
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -46,69 +51,91 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
         prefix = f"model.layers.{layer_id}.self_attn."
-        self.q_proj = make_linear(prefix + "q_proj", hidden, self.num_heads * self.head_dim, bias)
-        self.k_proj = make_linear(prefix + "k_proj", hidden, self.num_kv_heads * self.head_dim, bias)
-        self.v_proj = make_linear(prefix + "v_proj", hidden, self.num_kv_heads * self.head_dim, bias)
-        self.o_proj = make_linear(prefix + "o_proj", self.num_heads * self.head_dim, hidden, False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if prefix + "qkv_proj" in fused:
+            self.qkv_proj = make_linear(prefix + "qkv_proj", hidden, q_size + 2 * kv_size, bias)
+        else:
+            self.qkv_proj = None
+            self.q_proj = make_linear(prefix + "q_proj", hidden, q_size, bias)
+            self.k_proj = make_linear(prefix + "k_proj", hidden, kv_size, bias)
+            self.v_proj = make_linear(prefix + "v_proj", hidden, kv_size, bias)
+        self.o_proj = make_linear(prefix + "o_proj", q_size, hidden, False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, positions, rope: RotaryEmbedding, backend) -> torch.Tensor:
-        lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+    def forward(self, x, cos_sin, backend) -> torch.Tensor:
+        lead, hq, hkv = x.shape[:-1], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(*lead, hq + 2 * hkv, self.head_dim)
+            q, k, v = qkv[..., :hq, :], qkv[..., hq:hq + hkv, :], qkv[..., hq + hkv:, :]
+        else:
+            q = self.q_proj(x).view(*lead, hq, self.head_dim)
+            k = self.k_proj(x).view(*lead, hkv, self.head_dim)
+            v = self.v_proj(x).view(*lead, hkv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
+        if self.qkv_proj is not None and self.q_norm is None:
+            qk = apply_rope(qkv[..., :hq + hkv, :], cos_sin)  # q and k heads in one pass
+            q, k = qk[..., :hq, :], qk[..., hq:, :]
+        else:
+            q, k = apply_rope(q, cos_sin), apply_rope(k, cos_sin)
         out = backend.attend(self.layer_id, q, k, v)  # [..., Hq, D]
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(*lead, hq * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory, fused=frozenset()):
         super().__init__()
         hidden, inter = config.hidden_size, config.intermediate_size
         prefix = f"model.layers.{layer_id}.mlp."
-        self.gate_proj = make_linear(prefix + "gate_proj", hidden, inter, False)
-        self.up_proj = make_linear(prefix + "up_proj", hidden, inter, False)
+        if prefix + "gate_up_proj" in fused:
+            self.gate_up_proj = make_linear(prefix + "gate_up_proj", hidden, 2 * inter, False)
+        else:
+            self.gate_up_proj = None
+            self.gate_proj = make_linear(prefix + "gate_proj", hidden, inter, False)
+            self.up_proj = make_linear(prefix + "up_proj", hidden, inter, False)
         self.down_proj = make_linear(prefix + "down_proj", inter, hidden, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory):
+    def __init__(self, config: ModelConfig, layer_id: int, make_linear: LinearFactory, fused=frozenset()):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_id, make_linear)
+        self.self_attn = Attention(config, layer_id, make_linear, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, layer_id, make_linear)
+        self.mlp = MLP(config, layer_id, make_linear, fused)
 
-    def forward(self, x, positions, rope, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend)
+    def forward(self, x, cos_sin, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
     """`model.*` in HF naming: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig, make_linear: LinearFactory):
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory, fused=frozenset()):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear, fused)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, make_linear: LinearFactory = default_linear):
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory = default_linear, fused=frozenset()):
         super().__init__()
         self.config = config
-        self.model = Backbone(config, make_linear)
+        self.model = Backbone(config, make_linear, fused)
         self.rope = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -118,8 +145,9 @@ class CausalLM(nn.Module):
     def hidden_states(self, input_ids, positions, backend) -> torch.Tensor:
         """[...] ids -> [..., hidden] after the final norm."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)  # shared by every layer
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, backend)
+            x = layer(x, cos_sin, backend)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,13 +61,26 @@ class RotaryEmbedding(torch.nn.Module):
             self._cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, max_pos, head_dim]
         return self._cos_sin
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [...] -> (cos, signed sin) [..., 1, D] in `dtype`; computed once per forward.
+
+        The sin's first half is negated, so rotate_half(x) * sin == x.roll(D/2) * signed_sin:
+        one roll instead of slice, negate and concatenate (this runs for every layer).
+        """
+        cos, sin = self._table(positions.device)[:, positions].unsqueeze(-2)  # [..., 1, D] each
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.to(dtype), signed_sin.to(dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [..., Hq, D], k: [..., Hkv, D], positions: [...] -> rotated (q, k) in input dtype."""
-        cos, sin = self._table(q.device)[:, positions].unsqueeze(-2).to(q.dtype)  # [..., 1, D]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos_sin = self.cos_sin(positions, q.dtype)
+        return apply_rope(q, cos_sin), apply_rope(k, cos_sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated_half * sin
+def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [..., H, D] (any heads, e.g. q and k side by side) -> x rotated (rotate-half layout)."""
+    cos, signed_sin = cos_sin
+    # Not addcmul: rounding the two products separately, like HF's eager code, keeps bf16 results
+    # identical to the reference (one fused rounding flipped SmolLM2's greedy first token).
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

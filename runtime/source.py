@@ -39,16 +39,17 @@ class SourceModel:
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
-                make_linear=None, strict_quantized: set[str] = frozenset()) -> CausalLM:
+                make_linear=None, strict_quantized: set[str] = frozenset(), fused=frozenset()) -> CausalLM:
     """Instantiate on the meta device, then assign the weights: no double allocation.
 
     `make_linear` builds (already materialised) quantized linears; their names are in
-    `strict_quantized` and their parameters are not expected in `state_dict`.
+    `strict_quantized` and their parameters are not expected in `state_dict`. `fused`: names of
+    fused projections (runtime/fusion.py) whose tensors `state_dict` holds already concatenated.
     """
     with torch.device("meta"):
-        model = CausalLM(config) if make_linear is None else None
+        model = CausalLM(config, fused=fused) if make_linear is None else None
     if model is None:  # quantized linears hold real tensors: build them off the meta device
-        model = CausalLM(config, make_linear=make_linear)
+        model = CausalLM(config, make_linear=make_linear, fused=fused)
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
