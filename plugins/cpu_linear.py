@@ -1,10 +1,14 @@
 """CPU quantized linears over the "cpu" layouts of packed_weights.py.
 
-Few rows (decode, <= SMALL_M): torch's packed kernels, which are fast only with bf16 activations
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), so activations are cast to bf16 and the
-result cast back. Many rows (prefill): a bf16 GEMM on dequantized weights, where those kernels
-lose to it (DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional
-cached `dequantized` copy: without it tinygemm stays in use, because dequantizing the packed
+Few rows (decode, <= SMALL_M): qkiln's own kernels (cpu_native.py, csrc/cpu_gemv.cpp) when the
+weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
+native int4 kernel is exact W4A16 (bf16 activations, fp32 products and sums) and streams the
+nibbles once for up to 4 rows; the native int8 kernel computes in fp32. Otherwise torch's packed
+kernels, fast only with bf16 activations (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`),
+so activations are cast to bf16 and the result cast back.
+Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernels lose to it
+(DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional cached
+`dequantized` copy: without it the packed kernel stays in use, because dequantizing the packed
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
@@ -12,6 +16,7 @@ are fake-quantized per token (quantize to fp8 and back) so results match the GPU
 
 import torch
 
+from qkiln.plugins import cpu_native
 from qkiln.plugins.reference import fake_quantize_fp8_per_token
 
 SMALL_M = 16
@@ -25,10 +30,15 @@ def _finish(out, x, bias, out_features: int):
 
 def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int,
                      out_features: int, bias=None, dequantized=None):
-    """x [..., in] -> [..., out]; `scales` is tinygemm's scale_and_zero, `zeros` is unused."""
-    rows = x.reshape(-1, in_features).to(torch.bfloat16)
+    """x [..., in] -> [..., out]; native layout (fp32 scales, `zeros` = zero term) or tinygemm's
+    (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
+    rows = x.reshape(-1, in_features)
     if dequantized is not None and rows.shape[0] > SMALL_M:
-        return _finish(rows @ dequantized.t(), x, bias, out_features)
+        return _finish(rows.to(torch.bfloat16) @ dequantized.t(), x, bias, out_features)
+    if cpu_native.is_native_w4a16(scales):
+        out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)
+        return out.reshape(*x.shape[:-1], out_features)
+    rows = rows.to(torch.bfloat16)
     in_padded = scales.shape[0] * group_size
     if in_padded > in_features:
         rows = torch.nn.functional.pad(rows, (0, in_padded - in_features))
@@ -39,7 +49,11 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
 def cpu_w8a16_linear(x, weight, scales, bias=None):
     """x [..., in] @ (int8 weight [out, in] * scales [out])^T."""
     out_features, in_features = weight.shape
-    rows = x.reshape(-1, in_features).to(torch.bfloat16)
+    rows = x.reshape(-1, in_features)
+    if rows.shape[0] <= SMALL_M and scales.dtype == torch.float32:  # native layout
+        return cpu_native.w8a16_gemm(rows, weight, scales, bias).reshape(*x.shape[:-1],
+                                                                          out_features)
+    rows = rows.to(torch.bfloat16)
     if rows.shape[0] <= SMALL_M:
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight

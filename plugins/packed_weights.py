@@ -15,7 +15,20 @@ Target "cuda" (Triton W4A16 kernel, triton_w4a16.py; pure torch here, so a CPU m
     w8a16: weight int8 [in, out], scales [1, out]  (the same kernel with 8-bit, one group)
     fp8:   weight float8_e4m3fn [out, in], weight_scale fp32 [out]  (torch._scaled_mm)
 
-Target "cpu" (torch's tinygemm, `_weight_int4pack_mm_for_cpu`):
+Target "cpu", native (plugins/cpu_native.py + csrc/cpu_gemv.cpp; used whenever that extension
+builds, `in` and group_size are multiples of 32):
+
+    packed uint8 [out_p / 4, in_p / 64, 4, 32]: tiles of 4 output rows, 64 nibbles per row per
+           chunk (layout diagram in cpu_gemv.cpp), out_p / in_p pad to multiples of 4 / 64.
+    scales fp32 [out_p / 4, num_groups, 4]  (fp32 and 3-D: this marks the native layout)
+    zeros  fp32 [out_p, num_groups] = scales * (16 + z)  (z = 8 when symmetric): the kernel's
+           zero term, not the canonical zero point.
+    group_size is the canonical one (any multiple of 32; the shorter last group is exact).
+    Exact W4A16: activations are rounded to bf16 and every product is exact in fp32.
+    w8a16: weight int8 [out, in] (canonical), scales fp32 [out] (fp32 marks the native kernel).
+
+Target "cpu", torch's tinygemm (`_weight_int4pack_mm_for_cpu`; the fallback without the native
+extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
 
     packed = _convert_weight_to_int4pack_for_cpu(q + offset) [out_p, in_p / 2] uint8, an opaque
              layout that depends on the CPU's vector ISA (AVX-512 / AVX2): prepare it on the
@@ -27,9 +40,11 @@ Target "cpu" (torch's tinygemm, `_weight_int4pack_mm_for_cpu`):
     (group 128 over in=576 becomes group 64 with each scale repeated twice); in_p pads `in` to a
     multiple of 32 only when even that is impossible (the op pads x with zero columns to match),
     and out_p pads `out` to a multiple of 16 with zero rows (q = 8, scale = 0, zero = 0).
-    dequantized (optional) bf16 [out, in]: used instead of tinygemm for > SMALL_M rows, where
-    tinygemm is slower than a bf16 GEMM (DESIGN.md); costs 2 bytes per weight of memory.
     w8a16: weight int8 [out, in], scales bf16 [out] (`_weight_int8pack_mm`).
+
+Both cpu layouts:
+    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > SMALL_M rows,
+    where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.
 """
@@ -39,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from qkiln.errors import RecipeError
+from qkiln.plugins import cpu_native
 
 TARGETS = ("cpu", "cuda")
 CPU_GROUP_SIZES = (256, 128, 64, 32)
@@ -88,10 +104,11 @@ def _unsigned_int4(qweight: torch.Tensor, zeros: torch.Tensor | None):
 
 def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
                   keep_dequantized: bool = False,
-                  dtype: torch.dtype = torch.bfloat16) -> W4A16Weight:
+                  dtype: torch.dtype = torch.bfloat16, use_native: bool = True) -> W4A16Weight:
     """Canonical grouped int4 -> W4A16Weight for `target` (layouts in the module docstring).
 
     dtype: the activation dtype the cuda kernel will see (scales/zeros are stored in it).
+    use_native: False keeps torch's tinygemm on target cpu (benchmarks and A/B checks).
     """
     _check_target(target)
     out_features, in_features = qweight.shape
@@ -101,7 +118,7 @@ def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
     q, zero_point = _unsigned_int4(qweight, zeros)
     if target == "cuda":
         return _prepare_w4a16_cuda(q, scales, zero_point, group_size, dtype)
-    return _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized)
+    return _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized, use_native)
 
 
 def _prepare_w4a16_cuda(q, scales, zero_point, group_size: int, dtype) -> W4A16Weight:
@@ -127,8 +144,12 @@ def _cpu_group_size(group_size: int, in_features: int) -> tuple[int, int]:
     raise AssertionError("unreachable: 32 divides both group_size and the padded width")
 
 
-def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized: bool):
+def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized: bool,
+                       use_native: bool):
     out_features, in_features = q.shape
+    if use_native and in_features % 32 == 0 and group_size % 32 == 0 and \
+            cpu_native.native_extension():
+        return _prepare_w4a16_native(q, scales, zero_point, group_size, keep_dequantized)
     kernel_group, in_padded = _cpu_group_size(group_size, in_features)
     out_padded = -(-out_features // 16) * 16
     # Per-column scale and tinygemm zero, then one value per kernel group (first column of it).
@@ -153,13 +174,31 @@ def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized:
     return weight
 
 
-def prepare_w8a16(qweight, scales, target: str) -> W8A16Weight:
-    """Canonical int8 [out, in] with per-channel scales [out] -> W8A16Weight for `target`."""
+def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantized: bool):
+    out_features, in_features = q.shape
+    packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size)
+    weight = W4A16Weight(packed, tiled_scales, zero_term, group_size, in_features, out_features,
+                         "cpu")
+    if keep_dequantized:
+        z = 8.0 if zero_point is None else \
+            zero_point.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+        s = scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+        weight.dequantized = ((q.float() - z) * s).to(torch.bfloat16).contiguous()  # [out, in]
+    return weight
+
+
+def prepare_w8a16(qweight, scales, target: str, use_native: bool = True) -> W8A16Weight:
+    """Canonical int8 [out, in] with per-channel scales [out] -> W8A16Weight for `target`.
+
+    use_native: False keeps torch's `_weight_int8pack_mm` on target cpu.
+    """
     _check_target(target)
     if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
         raise RecipeError("w8a16 needs int8 weights [out, in] and per-channel scales [out]")
     if target == "cuda":
         return W8A16Weight(qweight.t().contiguous(), scales.float()[None].contiguous(), "cuda")
+    if use_native and cpu_native.native_extension():
+        return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu")
     return W8A16Weight(qweight.contiguous(), scales.to(torch.bfloat16), "cpu")
 
 

@@ -1,0 +1,132 @@
+"""qkiln's own CPU kernels (cpu_native.py, csrc/cpu_gemv.cpp) against the fp32 references.
+
+Error bounds: the int4 kernel rounds activations to bf16 and is otherwise exact up to fp32
+summation, so against the reference fed the same bf16-rounded activations it must agree to
+EXACT_TOLERANCE; against unrounded fp32 activations, and with bf16 outputs, to BF16_TOLERANCE.
+The int8 kernel computes in fp32 throughout. Skips (saying why) when the extension cannot build.
+"""
+
+import pytest
+import torch
+from plugins_testlib import rel_error
+
+from qkiln.plugins import cpu_native, prepare_w4a16, prepare_w8a16, w4a16_linear, w8a16_linear
+from qkiln.plugins.reference import reference_w4a16_linear, reference_w8a16_linear
+
+EXACT_TOLERANCE = 2e-5  # fp32 sums over <= 1536 exact products
+BF16_TOLERANCE = 1.5e-2  # bf16 activations or outputs: 2^-8 relative per value
+# (out, in, group): in=576/group 128 ends in a 64-wide group; in=96/group 64 ends in a half
+# chunk; group 32 splits every 64-weight chunk into two groups; out=37 pads the last tile.
+SHAPES = [(40, 576, 128), (37, 576, 64), (37, 96, 64), (16, 256, 32), (12, 1536, 128)]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_native.native_extension()
+    if module is None:
+        pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
+    return module
+
+
+def canonical_int4(out_features, in_features, group_size, is_symmetric):
+    num_groups = -(-in_features // group_size)
+    scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
+    if is_symmetric:
+        return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
+    qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    return qweight, scales, torch.rand(out_features, num_groups) * 15
+
+
+def unsigned(qweight, zeros):
+    return qweight.int() + 8 if zeros is None else qweight.int()
+
+
+def test_packing_places_each_nibble_where_the_layout_says():
+    q = torch.randint(0, 16, (6, 96), dtype=torch.int32)
+    packed, scales, zero_term = cpu_native.pack_w4a16(q, torch.rand(6, 2), None, 64)
+    assert packed.shape == (2, 2, 4, 32) and scales.shape == (2, 2, 4)
+    assert zero_term.shape == (8, 2) and (zero_term[6:] == 0).all()  # padded rows add nothing
+    words = packed.int()[..., 0::2] | (packed.int()[..., 1::2] << 8)  # [tile, chunk, row, 16]
+    for o in range(6):
+        for k in range(96):
+            chunk, n, j = k // 64, (k % 64) // 16, k % 16
+            word = words[o // 4, chunk, o % 4, j].item()
+            assert (word >> (4 * n)) & 15 == q[o, k].item()
+
+
+@pytest.mark.parametrize("is_symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("out_features,in_features,group_size", SHAPES)
+def test_int4_kernel_is_exact_for_bf16_activations(ext, out_features, in_features, group_size,
+                                                   is_symmetric):
+    qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
+    packed, tiled, zero_term = cpu_native.pack_w4a16(unsigned(qweight, zeros), scales, zeros,
+                                                     group_size)
+    bias = torch.randn(out_features)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, in_features)
+        x_bf16 = x.to(torch.bfloat16).float()  # what the kernel multiplies
+        expected = reference_w4a16_linear(x_bf16, qweight, scales, zeros, group_size, bias)
+        actual = cpu_native.w4a16_gemm(x, packed, tiled, zero_term, bias, group_size,
+                                       out_features)
+        assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
+        assert rel_error(actual, expected) < EXACT_TOLERANCE
+        unrounded = reference_w4a16_linear(x, qweight, scales, zeros, group_size, bias)
+        assert rel_error(actual, unrounded) < BF16_TOLERANCE
+        out_bf16 = cpu_native.w4a16_gemm(x.to(torch.bfloat16), packed, tiled, zero_term, bias,
+                                         group_size, out_features)
+        assert out_bf16.dtype == torch.bfloat16
+        assert rel_error(out_bf16, expected) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_w4a16_op_uses_the_native_layout(ext, rows):
+    qweight, scales, zeros = canonical_int4(40, 576, 128, is_symmetric=False)
+    weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True)
+    assert cpu_native.is_native_w4a16(weight.scales) and weight.zeros.dtype == torch.float32
+    x = torch.randn(2, rows, 576).to(torch.bfloat16)  # leading dims are kept
+    bias = torch.randn(40)
+    actual = w4a16_linear(x, weight, bias)
+    assert actual.shape == (2, rows, 40) and actual.dtype == torch.bfloat16
+    expected = reference_w4a16_linear(x.float(), qweight, scales, zeros, 128, bias)
+    assert rel_error(actual, expected) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_kernel_matches_reference(ext, rows, dtype):
+    qweight = torch.randint(-128, 128, (37, 200), dtype=torch.int8)  # 200: an 8-wide tail
+    scales = torch.rand(37) * 0.01 + 0.001
+    bias = torch.randn(37)
+    weight = prepare_w8a16(qweight, scales, "cpu")
+    assert weight.scales.dtype == torch.float32  # the native kernel's marker
+    x = torch.randn(rows, 200).to(dtype)
+    expected = reference_w8a16_linear(x.float(), qweight, scales, bias)
+    actual = w8a16_linear(x, weight, bias)
+    assert actual.dtype == dtype
+    assert rel_error(actual, expected) < (EXACT_TOLERANCE if dtype == torch.float32
+                                          else BF16_TOLERANCE)
+
+
+def test_disabled_by_environment(ext, monkeypatch, capsys):
+    monkeypatch.setenv("QKILN_NATIVE_CPU", "0")
+    monkeypatch.setattr(cpu_native, "_extension", cpu_native._MISSING)
+    assert cpu_native.native_extension() is None
+    assert "QKILN_NATIVE_CPU=0" in capsys.readouterr().err
+    weight = prepare_w4a16(*canonical_int4(16, 64, 32, is_symmetric=True), 32, "cpu")
+    assert weight.scales.dtype == torch.bfloat16  # torch's tinygemm layout instead
+
+
+def test_portable_build_matches_reference(ext):
+    """The C++ fallback for CPUs without AVX512-BF16 (built without AVX-512; cached after once)."""
+    portable = cpu_native.build_portable_extension()
+    assert portable.int4_kernel_isa() == "portable"
+    qweight, scales, zeros = canonical_int4(37, 576, 128, is_symmetric=False)
+    packed, tiled, zero_term = cpu_native.pack_w4a16(qweight.int(), scales, zeros, 128)
+    x = torch.randn(3, 576)
+    expected = reference_w4a16_linear(x.to(torch.bfloat16).float(), qweight, scales, zeros, 128)
+    actual = portable.w4a16_gemm(x, packed, tiled, zero_term, None, 128, 37)
+    assert rel_error(actual, expected) < EXACT_TOLERANCE
+    q8, s8 = torch.randint(-128, 128, (37, 100), dtype=torch.int8), torch.rand(37)
+    x8 = torch.randn(2, 100)
+    assert rel_error(portable.w8a16_gemm(x8, q8, s8, None),
+                     reference_w8a16_linear(x8, q8, s8)) < EXACT_TOLERANCE
