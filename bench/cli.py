@@ -116,6 +116,26 @@ def cpu_compare_command(
     _run("cpu_compare", locals())
 
 
+@bench_app.command("kernels")
+def kernels_command(
+    threads: Annotated[int, typer.Option(help="torch threads")] = 2,
+    repeats: Annotated[int, typer.Option(help="timed repeats per kernel (median and spread)")] = 15,
+    rows: Annotated[str, typer.Option(help="activation rows per call, e.g. 1,16")] = "1,16",
+    num_layers: Annotated[int, typer.Option(help="distinct layers in the decode-step figure")] = 30,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+):
+    """CPU quantized-GEMM kernels on SmolLM2 shapes: qkiln's native vs torch's tinygemm / int8pack / bf16."""
+    from qkiln.bench.throughput import parse_int_list
+
+    try:
+        from qkiln.bench.cpu_kernels import run_cpu_kernels
+
+        run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers)
+    except QkilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(e.exit_code) from None
+
+
 @bench_app.command("quality")
 def quality_command(
     json_out: Annotated[Path, typer.Option("--json", help="write the JSON report here")] = Path("quant_quality.json"),

@@ -172,3 +172,17 @@ def test_cli_wiring_and_errors(tiny):
     bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--input-len", "0"])
     assert bad.exit_code == 2 and "error: input_len must be" in bad.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
+
+
+def test_cpu_kernels_report(tmp_path):
+    from qkiln.cli import app
+
+    out = tmp_path / "kernels.json"
+    result = CliRunner().invoke(app, ["bench", "kernels", "--repeats", "1", "--num-layers", "1", "--rows", "1",
+                                      "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    per_shape = report["results"]["per_shape"]
+    assert any("49152" in key for key in per_shape)  # the lm_head shape is measured
+    for stats in per_shape.values():
+        assert stats["tinygemm"]["median"] > 0 and stats["bf16"]["median"] > 0
