@@ -75,6 +75,9 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
 
     plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
     model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)
+    if model.lm_head is None and "lm_head" in linears:
+        # A tied head quantized as its own copy: logits use it, embedding lookups stay exact.
+        model.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
     model = model.to(device)
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None
