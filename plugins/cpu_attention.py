@@ -1,5 +1,9 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
+Native first: for float caches (bf16/fp16/fp32) without key smoothing, the decode rows and the
+cache write run csrc/cpu_ops.cpp (cpu_native.native_ops(): reads K/V through the block tables,
+no gather copies); prefill rows, fp8/int4 caches and key smoothing keep the torch code below.
+
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
 for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block
 table (one index_select per tensor), dequantizes them to fp32 and runs batched matmuls with an
@@ -23,6 +27,7 @@ written, so no stale or NaN bytes ever enter P @ V; its scores are masked to -in
 
 import torch
 
+from qkiln.plugins.cpu_native import native_ops
 from qkiln.plugins.kv_cache import FP8_DTYPE, dequantize_int4_groups, quantize_fp8
 from qkiln.plugins.kv_cache import quantize_int4_groups
 
@@ -61,6 +66,11 @@ def _valid_slots(slot_mapping):
 def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scale, k_group_min,
                     v_group_scale, v_group_min, k_channel_scale, slot_mapping) -> None:
     """Vectorized write of key/value [N, Hkv, D] into slots slot_mapping [N] (-1 skipped)."""
+    ops = _native_for(k_cache, k_channel_scale)
+    if ops is not None and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and \
+            value.stride(-1) == 1 and value.stride(-2) == value.shape[-1]:
+        ops.cache_write(key, value, k_cache, v_cache, slot_mapping)
+        return
     slots, rows = _write_memo.get((slot_mapping,), None, lambda: _valid_slots(slot_mapping))
     if rows is not None:
         key, value = key.index_select(0, rows), value.index_select(0, rows)
@@ -79,6 +89,17 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
             cache.view(torch.uint8).flatten(0, 1).index_copy_(0, slots, stored)
         else:
             cache.flatten(0, 1).index_copy_(0, slots, x.to(cache.dtype))
+
+
+_NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _native_for(k_cache, k_channel_scale):
+    """The native ops when they serve this cache (float storage, no key smoothing), else None."""
+    if k_cache.dtype not in _NATIVE_CACHE_DTYPES or k_channel_scale is not None or \
+            k_cache.shape[-1] % 16:
+        return None
+    return native_ops()
 
 
 class _StepIndex:
@@ -156,6 +177,13 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
                         query_start_loc, scale: float):
     """Same contract as reference_paged_attention; fp32 math, output in query's dtype."""
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    ops = _native_for(k_cache, k_channel_scale)
+    dense_heads = query.stride(-1) == 1 and query.stride(-2) == query.shape[-1]
+    if ops is not None and dense_heads and query.shape[0] == seq_lens.shape[0]:
+        out = torch.empty(query.shape, dtype=query.dtype)  # every sequence owns one row: decodes
+        ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                   query_start_loc, scale, out)
+        return out
     step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
                           lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))
     q = _fold_query(query, k_scale, k_channel_scale, num_kv_heads, scale)
@@ -165,7 +193,10 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
         out = _attend(q, k, v, step.decode_mask)  # [S, Hkv, group, D]
     else:
         out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hkv, group, D]
-        if step.decode_ids:
+        if step.decode_ids and ops is not None and dense_heads:
+            ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                       query_start_loc, scale, out.view(query.shape))
+        elif step.decode_ids:
             k, v = (_gather(cache, s, m, step.decode_slots) for cache, s, m in kv)
             out[step.decode_rows] = _attend(q[step.decode_rows], k, v, step.decode_mask)
         for seq_id in step.prefill_ids:

@@ -1,13 +1,18 @@
-"""qkiln's own CPU kernels (csrc/cpu_gemv.cpp): lazy JIT build, native weight packing, wrappers.
+"""qkiln's own CPU kernels (csrc/cpu_gemv.cpp, csrc/cpu_ops.cpp): lazy JIT builds, native weight
+packing, wrappers.
 
-Owns: building the C++ extension once per process (torch.utils.cpp_extension.load, cached in the
+Owns: building the C++ extensions once per process (torch.utils.cpp_extension.load, cached in the
 torch extensions dir, so later processes only load the .so), converting canonical quantized
 weights (packed_weights.py) into the layouts the kernels read, and thin calls into them.
+Two extensions, so a failure in one never costs the other: `native_extension()` (int4/int8
+GEMVs) and `native_ops()` (decode attention, cache write, fused norm / SiLU / RoPE).
 
-Invariants: nothing is compiled at import time; `native_extension()` returns None, after one line
-on stderr saying why, when the build fails or QKILN_NATIVE_CPU=0, and callers then keep torch's
-kernels. The packed bytes depend only on the canonical weights (not on the CPU), but they are
-still a runtime layout: never stored in an artifact. Layouts and math: the header of cpu_gemv.cpp.
+Invariants: nothing is compiled at import time; each accessor returns None, after one line on
+stderr saying why, when its build fails or QKILN_NATIVE_CPU=0 (QKILN_NATIVE_CPU_OPS=0 turns off
+only the ops), and callers then keep torch's code. `use_native_ops(False)` switches the ops off
+at run time (same-process A/B measurements and tests). The packed bytes depend only on the
+canonical weights (not on the CPU), but they are still a runtime layout: never stored in an
+artifact. Layouts and math: the headers of the .cpp files.
 """
 
 import os
@@ -16,11 +21,16 @@ from pathlib import Path
 
 import torch
 
+from qkiln.plugins import reference_small_ops
+
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemv.cpp"
+_OPS_SOURCE = _SOURCE.parent / "cpu_ops.cpp"
 TILE_ROWS = 4  # output rows per tile (kRows in cpu_gemv.cpp)
 CHUNK = 64  # weights per row per chunk (kChunk)
 _MISSING = object()
 _extension = _MISSING
+_ops = _MISSING
+_ops_enabled = True
 
 
 def _build(extra_cflags: list[str]):
@@ -54,6 +64,37 @@ def native_extension():
                       "using torch's kernels", file=sys.stderr)
                 _extension = None
     return _extension
+
+
+def native_ops():
+    """The compiled cpu_ops extension, or None (reason logged once, or switched off)."""
+    global _ops
+    if _ops is _MISSING:
+        if os.environ.get("QKILN_NATIVE_CPU", "1") == "0" or \
+                os.environ.get("QKILN_NATIVE_CPU_OPS", "1") == "0":
+            print("qkiln: native CPU ops disabled by the environment; using torch's", file=sys.stderr)
+            _ops = None
+        else:
+            from torch.utils.cpp_extension import load
+
+            try:
+                # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA.
+                _ops = load(name="qkiln_cpu_ops", sources=[str(_OPS_SOURCE)],
+                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                            extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:
+                print(f"qkiln: native CPU ops unavailable ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
+                      "using torch's code", file=sys.stderr)
+                _ops = None
+    return _ops if _ops_enabled else None
+
+
+def use_native_ops(enabled: bool) -> bool:
+    """Turn the native ops on or off for this process; returns the previous setting."""
+    global _ops_enabled
+    previous, _ops_enabled = _ops_enabled, enabled
+    return previous
 
 
 def build_portable_extension():
@@ -100,3 +141,47 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
 def w8a16_gemm(x2d, weight, scales, bias):
     """x [M, in] @ (int8 weight [out, in] * fp32 scales [out])^T (+ bias) in x's dtype."""
     return native_extension().w8a16_gemm(x2d.contiguous(), weight, scales, bias)
+
+
+# ---- CPU kernels of the small fused ops (ops.py registers them): native when the extension is
+# up and the layout is one it reads, else the plain-torch reference (same results).
+
+_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _rows_native(x: torch.Tensor, weight: torch.Tensor):
+    ops = native_ops()
+    ok = ops is not None and x.dtype in _NATIVE_DTYPES and x.dtype == weight.dtype and \
+        x.is_contiguous() and weight.is_contiguous() and weight.dim() == 1
+    return ops if ok else None
+
+
+def cpu_rms_norm(x, weight, eps: float):
+    ops = _rows_native(x, weight)
+    return ops.rms_norm(x, weight, eps) if ops else reference_small_ops.reference_rms_norm(x, weight, eps)
+
+
+def cpu_fused_add_rms_norm(x, residual, weight, eps: float) -> None:
+    ops = _rows_native(x, weight)
+    if ops and residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape:
+        ops.fused_add_rms_norm(x, residual, weight, eps)
+    else:
+        reference_small_ops.reference_fused_add_rms_norm(x, residual, weight, eps)
+
+
+def cpu_silu_and_mul(gate_up):
+    ops = native_ops()
+    if ops is not None and gate_up.dtype in _NATIVE_DTYPES and gate_up.is_contiguous():
+        return ops.silu_and_mul(gate_up)
+    return reference_small_ops.reference_silu_and_mul(gate_up)
+
+
+def cpu_rotary_embedding(qkv, cos, signed_sin, num_heads: int) -> None:
+    ops = native_ops()
+    rows = qkv if qkv.dim() == 3 else qkv.flatten(0, -3) if qkv.is_contiguous() else None
+    if ops is not None and rows is not None and qkv.dtype in _NATIVE_DTYPES and \
+            cos.dtype == signed_sin.dtype == qkv.dtype and cos.is_contiguous() and \
+            signed_sin.is_contiguous() and rows.stride(-1) == 1 and rows.stride(-2) == rows.shape[-1]:
+        ops.rotary_embedding(rows, cos, signed_sin, num_heads)
+    else:
+        reference_small_ops.reference_rotary_embedding(qkv, cos, signed_sin, num_heads)

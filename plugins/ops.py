@@ -15,6 +15,13 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
         int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor
     qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor
     qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
+    qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
+    qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
+    qkiln::silu_and_mul(Tensor gate_up) -> Tensor
+    qkiln::rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads) -> ()
+
+The small fused ops (the last four) follow Hugging Face's eager rounding (reference_small_ops.py);
+on CPU they run csrc/cpu_ops.cpp when it built, on every other device the reference.
 
 The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attention(query, cache,
 ...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
@@ -25,7 +32,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from qkiln.plugins import cpu_attention, cpu_linear, reference
+from qkiln.plugins import cpu_attention, cpu_linear, cpu_native, reference
+from qkiln.plugins import reference_small_ops as small
 from qkiln.plugins.kv_cache import KVCache
 from qkiln.plugins.packed_weights import FP8Weight, W4A16Weight, W8A16Weight
 
@@ -46,6 +54,10 @@ _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros,
             "int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor")
 _LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
+_LIB.define("silu_and_mul(Tensor gate_up) -> Tensor")
+_LIB.define("rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads) -> ()")
 
 
 def _register(name: str, cpu, cuda, other) -> None:
@@ -148,6 +160,35 @@ def _(x, weight, weight_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+_register("rms_norm", cpu_native.cpu_rms_norm, small.reference_rms_norm, small.reference_rms_norm)
+_register("fused_add_rms_norm", cpu_native.cpu_fused_add_rms_norm,
+          small.reference_fused_add_rms_norm, small.reference_fused_add_rms_norm)
+_register("silu_and_mul", cpu_native.cpu_silu_and_mul, small.reference_silu_and_mul,
+          small.reference_silu_and_mul)
+_register("rotary_embedding", cpu_native.cpu_rotary_embedding, small.reference_rotary_embedding,
+          small.reference_rotary_embedding)
+
+
+@torch.library.register_fake("qkiln::rms_norm")
+def _(x, weight, eps):
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.register_fake("qkiln::fused_add_rms_norm")
+def _(x, residual, weight, eps) -> None:
+    return None
+
+
+@torch.library.register_fake("qkiln::silu_and_mul")
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.register_fake("qkiln::rotary_embedding")
+def _(qkv, cos, signed_sin, num_heads) -> None:
+    return None
+
+
 def cache_write(key: Tensor, value: Tensor, cache: KVCache, slot_mapping: Tensor) -> None:
     """Quantize key/value [N, Hkv, D] into `cache` at slot_mapping [N] int64 (-1 = skip)."""
     torch.ops.qkiln.cache_write(key, value, *cache.op_tensors(), slot_mapping)
@@ -176,3 +217,23 @@ def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> 
 
 def fp8_w8a8_linear(x: Tensor, weight: FP8Weight, bias: Tensor | None = None) -> Tensor:
     return torch.ops.qkiln.fp8_w8a8_linear(x, weight.weight, weight.weight_scale, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., H] -> RMSNorm(x) * weight [..., H], Hugging Face's rounding."""
+    return torch.ops.qkiln.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place: residual = x + residual (rounded); x = RMSNorm(residual) * weight."""
+    torch.ops.qkiln.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+    return torch.ops.qkiln.silu_and_mul(gate_up)
+
+
+def rotary_embedding(qkv: Tensor, cos: Tensor, signed_sin: Tensor, num_heads: int) -> None:
+    """Rotate heads [0, num_heads) of qkv [..., H, D] in place (rope.py's cos / signed sin)."""
+    torch.ops.qkiln.rotary_embedding(qkv, cos, signed_sin, num_heads)

@@ -11,6 +11,10 @@ Serving may build q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` per 
 `fused`, see fusion.py); evaluation and calibration use the separate HF projections. Decode runs
 this file's Python once per layer per step, so forward paths avoid ops that are not needed: the
 RoPE tables are gathered once per forward, q and k are rotated together when fused.
+
+For bf16/fp16 activations on CPU (cpu_fast_ops.use_fused_ops) a forward runs the layers'
+`fused=True` path instead: vLLM-style residual stream (fused add + RMSNorm in place), RoPE in
+place on the qkv output, fused SiLU-and-mul; same rounding as the torch path, fewer ops.
 """
 
 from collections.abc import Callable
@@ -18,8 +22,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from qkiln.plugins import ops
+
 from .attention import DenseAttention
 from .config import ModelConfig
+from .cpu_fast_ops import use_fused_ops
 from .rope import RotaryEmbedding, apply_rope
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
@@ -66,7 +73,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos_sin, backend) -> torch.Tensor:
+    def forward(self, x, cos_sin, backend, fused: bool = False) -> torch.Tensor:
         lead, hq, hkv = x.shape[:-1], self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(*lead, hq + 2 * hkv, self.head_dim)
@@ -77,7 +84,12 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(*lead, hkv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.qkv_proj is not None and self.q_norm is None:
+        if fused and self.qkv_proj is not None and self.q_norm is None:
+            ops.rotary_embedding(qkv, *cos_sin, hq + hkv)  # in place: q and k heads in one call
+        elif fused:
+            ops.rotary_embedding(q, *cos_sin, hq)
+            ops.rotary_embedding(k, *cos_sin, hkv)
+        elif self.qkv_proj is not None and self.q_norm is None:
             qk = apply_rope(qkv[..., :hq + hkv, :], cos_sin)  # q and k heads in one pass
             q, k = qk[..., :hq, :], qk[..., hq:, :]
         else:
@@ -99,7 +111,9 @@ class MLP(nn.Module):
             self.up_proj = make_linear(prefix + "up_proj", hidden, inter, False)
         self.down_proj = make_linear(prefix + "down_proj", inter, hidden, False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused and self.gate_up_proj is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
@@ -118,6 +132,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos_sin, backend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, h, residual, cos_sin, backend):
+        """vLLM-style: (h, residual) -> (h, residual), where the torch path's x is h + residual
+        (rounded); residual None: h is the embedding. Mutates its inputs."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = h, ops.rms_norm(h, norm.weight, norm.eps)
+        else:
+            ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos_sin, backend, fused=True)
+        norm = self.post_attention_layernorm
+        ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, fused=True), residual
 
 
 class Backbone(nn.Module):
@@ -146,6 +173,12 @@ class CausalLM(nn.Module):
         """[...] ids -> [..., hidden] after the final norm."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)  # shared by every layer
+        if use_fused_ops(x):
+            residual, norm = None, self.model.norm
+            for layer in self.model.layers:
+                x, residual = layer.forward_fused(x, residual, cos_sin, backend)
+            ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            return x
         for layer in self.model.layers:
             x = layer(x, cos_sin, backend)
         return self.model.norm(x)
