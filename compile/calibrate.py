@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from qkiln.quant import Fp8Weight, QuantizedWeight, awq, fp8, gptq
+from qkiln.quant import Fp8Weight, QuantizedWeight, awq, fake_quantize_activation, fp8, gptq
 from qkiln.quant.rtn import quantize_rtn
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
@@ -135,6 +135,7 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
     needs_h = scheme.algorithm == "gptq"
     needs_x = scheme.algorithm == "awq"
     needs_amax = scheme.activations is not None and not scheme.activations.dynamic
+    quantize_input = scheme.activations is not None and scheme.activations.dynamic
     stats: dict = {"H": {}, "n": {}, "x": {}, "amax": {}}
     modules = {name: layer.get_submodule(name) for name in _LINEARS}
     hooks = []
@@ -142,12 +143,14 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
         def hook(mod, args, name=name):
             x = args[0]
             if needs_h:
+                # GPTQ for dynamic W8A8: minimise the output error on what the GEMM will multiply
+                x_h = fake_quantize_activation(x, scheme.activations) if quantize_input else x
                 H = stats["H"].get(name)
                 if H is None:
                     H = gptq.make_empty_hessian(x.shape[-1])
-                stats["H"][name], stats["n"][name] = gptq.accumulate_hessian(H, x, stats["n"].get(name, 0))
+                stats["H"][name], stats["n"][name] = gptq.accumulate_hessian(H, x_h, stats["n"].get(name, 0))
             if needs_x:
-                stats["x"].setdefault(name, []).append(x.reshape(-1, x.shape[-1]).clone())
+                stats["x"].setdefault(name, []).append(x.clone())  # [batch, seq, in]
             if needs_amax:
                 stats["amax"][name] = fp8.update_amax(stats["amax"].get(name), x)
         hooks.append(module.register_forward_pre_hook(hook))
@@ -157,7 +160,8 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    stats["x"] = {k: torch.cat(v) for k, v in stats["x"].items()}
+    stats["x"] = {k: torch.cat(v) for k, v in stats["x"].items()}  # [num_samples, seq, in]
+    stats["positions"], stats["rope"] = positions, rope  # AWQ's module-level loss reruns attention
     return stats
 
 
@@ -166,10 +170,10 @@ def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel) -> None
     if scheme.weights is None:
         return
     if scheme.algorithm == "awq":
-        _apply_awq(layer, prefix, scheme, stats)
+        _apply_awq(layer, prefix, scheme, stats, config.num_hidden_layers)
     for name in _LINEARS:
         full = prefix + name
-        if scheme.is_ignored(full):
+        if scheme.is_ignored(full, config.num_hidden_layers):
             continue
         module = layer.get_submodule(name)
         if scheme.algorithm == "gptq":
@@ -192,16 +196,18 @@ def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) ->
     qm.report.setdefault(full, {"algorithm": scheme.algorithm if scheme.algorithm == "awq" else "rtn"})
 
 
-def _apply_awq(layer, prefix, scheme, stats) -> None:
+def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> None:
     """Scale search per input-sharing group, fold 1/s into the producer, then clip search."""
     opts = scheme.awq
     for names, producer_name in _AWQ_GROUPS:
-        if any(scheme.is_ignored(prefix + n) for n in names):
+        if any(scheme.is_ignored(prefix + n, num_layers) for n in names):
             continue
-        x = stats["x"][names[0]]  # [N, in]
+        x = stats["x"][names[0]]  # [num_samples, seq, in]
         linears = [layer.get_submodule(n) for n in names]
-        result = awq.search_scales(x, [m.weight.data for m in linears], scheme.weights,
-                                   grid_size=opts.grid_size, duo_scaling=opts.duo_scaling)
+        forward_fn = _awq_module_forward(layer, names, stats) if opts.module_loss else None
+        x_search = x[: opts.loss_samples] if forward_fn is not None else x
+        result = awq.search_scales(x_search, [m.weight.data for m in linears], scheme.weights,
+                                   grid_size=opts.grid_size, duo_scaling=opts.duo_scaling, forward_fn=forward_fn)
         s = result.scales
         producer = layer.get_submodule(producer_name)
         if isinstance(producer, nn.Linear):
@@ -217,4 +223,30 @@ def _apply_awq(layer, prefix, scheme, stats) -> None:
                     continue
                 clip = awq.search_clip(xs, m.weight.data, scheme.weights, grid_size=opts.clip_grid_size,
                                        max_shrink=opts.clip_max_shrink)
-                m.weight.data = awq.apply_clip(m.weight.data, clip.max_val, scheme.weights.group_size)
+                m.weight.data = awq.apply_clip(m.weight.data, clip.max_val, scheme.weights.group_size, clip.min_val)
+
+
+def _awq_module_forward(layer, names, stats):
+    """AutoAWQ's `module2inspect`: score q/k/v scales on the attention block's output and gate/up on
+    the MLP's, with the other linears in full precision; a lone linear (down_proj) scores itself."""
+    if len(names) == 1:
+        return None
+    block_name = names[0].split(".")[0]  # "self_attn" or "mlp"
+    block = layer.get_submodule(block_name)
+    linears = [layer.get_submodule(n) for n in names]
+
+    @torch.no_grad()
+    def forward(x, weights):
+        saved = [m.weight.data for m in linears]
+        for m, w in zip(linears, weights):
+            m.weight.data = w
+        try:
+            if block_name == "self_attn":
+                cos_sin = stats["rope"].cos_sin(stats["positions"][: x.shape[0]], x.dtype)
+                return block(x, cos_sin, DenseAttention())
+            return block(x)
+        finally:
+            for m, w in zip(linears, saved):
+                m.weight.data = w
+
+    return forward

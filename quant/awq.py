@@ -12,7 +12,7 @@ Per group of linears sharing one input x [N, in] (e.g. q/k/v after input_layerno
      `fold_scales_into_norm` (RMSNorm weight) or `fold_scales_into_linear` (a previous linear's
      rows, e.g. up_proj before down_proj). The full-precision function is unchanged.
   3. `search_clip` (AutoAWQ's weight clipping, the paper's released recipe): per output channel
-     and group, shrink the max |w| over a grid and keep what minimises that group's share of the
+     and group, shrink the range over a grid and keep what minimises that group's share of the
      output error on x / s; `apply_clip` clamps. Then quantize (RTN or GPTQ) as usual.
 
 Loss without a `forward_fn`: the linears' outputs are linear in W, so the MSE over all tokens
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qkiln.quant.rtn import expand_groups, fake_quantize_rtn, group_ranges, num_groups
+from qkiln.quant.rtn import expand_groups, fake_quantize_rtn, group_minmax, group_ranges, num_groups
 from qkiln.quant.scheme import WeightScheme
 
 ForwardFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
@@ -46,9 +46,10 @@ class AWQScaleResult:
 
 @dataclass
 class AWQClipResult:
-    max_val: torch.Tensor  # [out, num_groups] clip threshold on |w|
+    max_val: torch.Tensor  # [out, num_groups] upper clip threshold
     loss: float  # output error with clipping (same units as loss_unclipped)
     loss_unclipped: float
+    min_val: torch.Tensor | None = None  # [out, num_groups] lower threshold; None: -max_val
 
 
 def activation_mean(x: torch.Tensor) -> torch.Tensor:
@@ -143,23 +144,32 @@ def fold_scales_into_linear(prev_W: torch.Tensor, s: torch.Tensor, prev_bias: to
 
 def search_clip(x: torch.Tensor, W: torch.Tensor, scheme: WeightScheme, *, grid_size: int = 20,
                 max_shrink: float = 0.5) -> AWQClipResult:
-    """Per (output channel, group) clip threshold minimising that group's output error on x [..., in].
+    """Per (output channel, group) clip range minimising that group's output error on x [..., in].
 
-    Candidates: max|w| * (1 - i/grid) for i < max_shrink * grid (i = 0 is no clipping). A group's
-    error is mean_t (x_t,g . (q_g - w_g))^2, from the group's block of the Gram matrix.
+    Candidates, for i < max_shrink * grid (i = 0 is no clipping), f = 1 - i/grid:
+    [-f * max|w|, f * max|w|] (AutoAWQ's, the only family for symmetric grids) and, for asymmetric
+    grids, also [f * min w, f * max w] (both ends shrink, as llm-compressor's MSE observer does),
+    which AutoAWQ's symmetric clamp cannot reach when a group's min and max differ in size.
+    A group's error is mean_t (x_t,g . (q_g - w_g))^2, from the group's block of the Gram matrix.
     """
     W = W.float()
     out_features, in_features = W.shape
     ranges = group_ranges(in_features, scheme.group_size)
     G = gram(x)
     blocks = [G[a:b, a:b] for a, b in ranges]
-    org_max = torch.stack([W[:, a:b].abs().amax(dim=1) for a, b in ranges], dim=1)  # [out, num_groups]
+    wmin, wmax = group_minmax(W, scheme.group_size)  # [out, num_groups]
+    org_max = torch.maximum(wmin.abs(), wmax.abs())
     best_err = torch.full((out_features, num_groups(in_features, scheme.group_size)), float("inf"), device=W.device)
-    best_max = org_max.clone()
+    best_min, best_max = -org_max, org_max.clone()
     unclipped = None
+    candidates = []
     for i in range(max(1, int(max_shrink * grid_size))):
-        max_val = org_max * (1.0 - i / grid_size)
-        Q = fake_quantize_rtn(apply_clip(W, max_val, scheme.group_size), scheme)
+        f = 1.0 - i / grid_size
+        candidates.append((-org_max * f, org_max * f))
+        if not scheme.symmetric and i > 0:
+            candidates.append((wmin * f, wmax * f))
+    for lo, hi in candidates:
+        Q = fake_quantize_rtn(apply_clip(W, hi, scheme.group_size, lo), scheme)
         D = Q - W  # [out, in]
         err = torch.stack([((D[:, a:b] @ block) * D[:, a:b]).sum(dim=1) for (a, b), block in zip(ranges, blocks)],
                           dim=1)  # [out, num_groups]
@@ -167,11 +177,13 @@ def search_clip(x: torch.Tensor, W: torch.Tensor, scheme: WeightScheme, *, grid_
             unclipped = float(err.sum()) / out_features
         better = err < best_err
         best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better, max_val, best_max)
-    return AWQClipResult(best_max, float(best_err.sum()) / out_features, unclipped)
+        best_min, best_max = torch.where(better, lo, best_min), torch.where(better, hi, best_max)
+    return AWQClipResult(best_max, float(best_err.sum()) / out_features, unclipped, best_min)
 
 
-def apply_clip(W: torch.Tensor, max_val: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """Clamp W [out, in] to +-max_val [out, num_groups] of its group."""
-    limit = expand_groups(max_val.to(W.dtype), group_size, W.shape[1])
-    return torch.maximum(torch.minimum(W, limit), -limit)
+def apply_clip(W: torch.Tensor, max_val: torch.Tensor, group_size: int | None,
+               min_val: torch.Tensor | None = None) -> torch.Tensor:
+    """Clamp W [out, in] to [min_val, max_val] [out, num_groups] of its group (min_val = -max_val if None)."""
+    upper = expand_groups(max_val.to(W.dtype), group_size, W.shape[1])
+    lower = -upper if min_val is None else expand_groups(min_val.to(W.dtype), group_size, W.shape[1])
+    return torch.maximum(torch.minimum(W, upper), lower)

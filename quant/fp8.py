@@ -47,13 +47,18 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def weight_scales(W: torch.Tensor, group_size: int | None = None, scale_dtype: str = "float32") -> torch.Tensor:
+    """amax / 448 per output channel (or per group) of W [out, in] -> [out, num_groups] fp32."""
+    wmin, wmax = group_minmax(W.float(), group_size)
+    amax = torch.maximum(wmin.abs(), wmax.abs())  # [out, num_groups]
+    return round_up_to((amax / FP8_MAX).clamp(min=_EPS), scale_dtype)
+
+
 def quantize_weight_fp8(W: torch.Tensor, group_size: int | None = None,
                         scale_dtype: str = "float32") -> Fp8Weight:
-    """Per-channel (or per-group) e4m3 quantization of W [out, in]."""
+    """Per-channel (or per-group) e4m3 round-to-nearest quantization of W [out, in]."""
     W = W.float()
-    wmin, wmax = group_minmax(W, group_size)
-    amax = torch.maximum(wmin.abs(), wmax.abs())  # [out, num_groups]
-    scales = round_up_to((amax / FP8_MAX).clamp(min=_EPS), scale_dtype)
+    scales = weight_scales(W, group_size, scale_dtype)
     q = cast_to_fp8(W, expand_groups(scales, group_size, W.shape[1]))
     return Fp8Weight(q, scales, group_size)
 

@@ -164,9 +164,17 @@ class AWQOptions:
     clip: bool = True
     clip_grid_size: int = 20
     clip_max_shrink: float = 0.5
+    # Score scales on the block's output (attention / MLP), AutoAWQ's module2inspect, on the first
+    # `loss_samples` calibration sequences. Off by default: on SmolLM2 (W4 asym g128, 32 x 512
+    # wikitext-2 valid, 4096 test tokens) it closed 34% of RTN's gap vs 37% for the linears' own
+    # output over every token, at 3x the calibration time.
+    module_loss: bool = False
+    loss_samples: int = 8
 
     def __post_init__(self) -> None:
         _check_field_types(self)
+        if self.loss_samples < 1:
+            _fail(f"awq.loss_samples must be a positive integer, got {self.loss_samples!r}")
         if self.grid_size < 1:
             _fail(f"awq.grid_size must be a positive integer, got {self.grid_size!r}")
         if self.clip_grid_size < 1:
@@ -185,6 +193,9 @@ class QuantScheme:
 
     `ignore` entries match a layer name exactly, as a dotted suffix ("lm_head" matches
     "model.lm_head"), or as a regular expression with the prefix "re:" (compressed-tensors style).
+    Decoder layers may be counted from the end, Python style, so a recipe fits any depth:
+    "re:model\\.layers\\.-1\\.mlp\\." matches every MLP linear of the last layer (the name is also
+    tried with its layer index i rewritten as i - num_layers, when the caller gives num_layers).
     """
 
     weights: WeightScheme | None = None
@@ -213,26 +224,37 @@ class QuantScheme:
                     _fail(f"ignore pattern {pattern!r} is not a valid regular expression: {exc}")
         if self.algorithm not in ("rtn", "gptq", "awq"):
             _fail(f"algorithm must be 'rtn', 'gptq' or 'awq', got {self.algorithm!r}")
-        if self.algorithm != "rtn" and (self.weights is None or self.weights.type != "int"):
-            _fail(f"algorithm {self.algorithm!r} quantizes integer weights: use algorithm 'rtn' for fp8 "
+        if self.algorithm == "awq" and (self.weights is None or self.weights.type != "int"):
+            _fail("algorithm 'awq' quantizes integer weights: use algorithm 'rtn' or 'gptq' for fp8 "
                   "or add an integer weights scheme")
+        if self.algorithm == "gptq" and self.weights is None:
+            _fail("algorithm 'gptq' quantizes weights: add a weights scheme")
         if self.activations is not None and (self.weights is None or self.weights.type != "float"):
             _fail("activation quantization is implemented for FP8 W8A8 only: set weights.type 'float'")
         if self.weights is None and self.activations is None and self.kv_cache is None:
             _fail("the scheme quantizes nothing: set weights, activations or kv_cache")
 
-    def is_ignored(self, name: str) -> bool:
-        for pattern in self.ignore:
-            if pattern.startswith("re:"):
-                if re.match(pattern[3:], name):
+    def is_ignored(self, name: str, num_layers: int | None = None) -> bool:
+        """Whether `name` stays in high precision; `num_layers` enables layer indices from the end."""
+        names = [name]
+        found = _LAYER_INDEX.search(name) if num_layers is not None else None
+        if found:
+            from_end = int(found.group(2)) - num_layers
+            names.append(f"{name[:found.start()]}{found.group(1)}{from_end}.{name[found.end():]}")
+        for candidate in names:
+            for pattern in self.ignore:
+                if pattern.startswith("re:"):
+                    if re.match(pattern[3:], candidate):
+                        return True
+                elif candidate == pattern or candidate.endswith("." + pattern):
                     return True
-            elif name == pattern or name.endswith("." + pattern):
-                return True
         return False
 
     def targets(self, names) -> list[str]:
         """The layer names this scheme quantizes, in the given order."""
-        return [name for name in names if not self.is_ignored(name)]
+        names = list(names)
+        num_layers = count_layers(names)
+        return [name for name in names if not self.is_ignored(name, num_layers)]
 
     def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int | None = None) -> None:
         """Check the scheme against the model's linears ({name: (out_features, in_features)}).
@@ -282,6 +304,15 @@ class QuantScheme:
             _check_keys(sub_cls, value, key)
             kwargs[key] = sub_cls(**value)
         return cls(**kwargs)
+
+
+_LAYER_INDEX = re.compile(r"((?:^|\.)layers\.)(\d+)\.")  # group 1: "...layers.", group 2: the index
+
+
+def count_layers(names) -> int | None:
+    """Number of decoder layers named in `names` ("...layers.{i}..."), None if none is."""
+    indices = [int(m.group(2)) for m in map(_LAYER_INDEX.search, names) if m]
+    return max(indices) + 1 if indices else None
 
 
 def _check_keys(cls, data: dict, where: str) -> None:

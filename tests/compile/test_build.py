@@ -130,3 +130,35 @@ def test_artifact_serves_without_transformers(tiny, tmp_path, monkeypatch):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+def test_fp8_gptq_preset_keeps_the_last_mlp_in_bf16_and_serves(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    art = build(str(model), _recipe("fp8-w8a8", text), tmp_path / "a", progress=False, log=lambda m: None).path
+    manifest = json.loads((art / "manifest.json").read_text())
+    linears = manifest["quantization"]["linears"]
+    assert manifest["recipe"]["scheme"]["algorithm"] == "gptq" and manifest["calibration"]["token_sha256"]
+    last = {f"model.layers.1.mlp.{n}_proj" for n in ("gate", "up", "down")}  # the tiny model has 2 layers
+    assert last.isdisjoint(linears) and len(linears) == 2 * 7 - 3
+    assert all(e["format"] == "fp8" and e["algorithm"] == "gptq" and e["group_size"] is None for e in linears.values())
+    assert manifest["accuracy"]["perplexity_change"] < 0.05
+    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.sampling_params import SamplingParams
+
+    out = LLM(str(art), num_kv_blocks=16).generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+
+
+def test_awq_module_level_loss_builds(tiny, tmp_path, monkeypatch):
+    import dataclasses
+
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    r = _recipe("w4a16-awq", text)
+    r = dataclasses.replace(r, scheme=dataclasses.replace(
+        r.scheme, awq=dataclasses.replace(r.scheme.awq, module_loss=True, loss_samples=2)))
+    manifest = build(str(model), r, tmp_path / "a", progress=False, log=lambda m: None).manifest
+    assert manifest.recipe["scheme"]["awq"]["module_loss"] is True
+    assert manifest.quantization["linears"]["model.layers.1.self_attn.q_proj"]["algorithm"] == "awq"
+    assert manifest.accuracy["perplexity_change"] < 0.5

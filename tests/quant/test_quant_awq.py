@@ -79,11 +79,41 @@ def test_clip_search_never_above_unclipped_and_helps_heavy_tails(scheme):
     W[torch.rand(24, 80) < 0.02] *= 8  # heavy tails: clipping a few outliers pays
     result = search_clip(x, W, scheme, grid_size=20, max_shrink=0.5)
     assert result.loss < result.loss_unclipped
-    org_max = torch.stack([W[:, a:b].abs().amax(1) for a, b in ((0, 32), (32, 64), (64, 80))], 1)
-    org_max = org_max if scheme.group_size else W.abs().amax(1, keepdim=True)
-    assert (result.max_val <= org_max).all() and (result.max_val >= 0.5 * org_max - 1e-6).all()
-    clipped = apply_clip(W, result.max_val, scheme.group_size)
+    groups = ((0, 32), (32, 64), (64, 80)) if scheme.group_size else ((0, 80),)
+    org_max = torch.stack([W[:, a:b].abs().amax(1) for a, b in groups], 1)
+    org_min = torch.stack([W[:, a:b].amin(1) for a, b in groups], 1)
+    lower = -result.max_val if result.min_val is None else result.min_val
+    assert (result.max_val <= org_max).all() and (lower >= -org_max).all()
+    if scheme.symmetric:  # +-f*max|w| with f >= 0.5
+        assert result.min_val is None or torch.equal(result.min_val, -result.max_val)
+        assert (result.max_val >= 0.5 * org_max - 1e-6).all()
+    else:  # either family (+-f*max|w| or f*[min, max]): each end at most halved
+        org_top = torch.stack([W[:, a:b].amax(1) for a, b in groups], 1)
+        assert (result.max_val >= 0.5 * org_top.clamp(min=0) - 1e-6).all()
+        assert (lower <= 0.5 * org_min.clamp(max=0) + 1e-6).all()
+    clipped = apply_clip(W, result.max_val, scheme.group_size, result.min_val)
     assert clipped.shape == W.shape and (clipped.abs() <= W.abs()).all()
+    assert awq_clip_error(x, W, clipped, scheme) == pytest.approx(result.loss, rel=1e-4)
+
+
+def awq_clip_error(x, W, clipped, scheme):
+    """Sum over groups of mean_t (x_g . (Q(clipped)_g - w_g))^2, per output channel (search_clip's loss)."""
+    D = fake_quantize_rtn(clipped, scheme) - W
+    x2 = x.reshape(-1, x.shape[-1])
+    size = scheme.group_size or W.shape[1]
+    total = sum(((x2[:, a:a + size] @ D[:, a:a + size].t()) ** 2).mean(0).sum() for a in range(0, W.shape[1], size))
+    return float(total) / W.shape[0]
+
+
+def test_asymmetric_clip_can_shrink_both_ends():
+    # groups far off-centre: clipping +-max|w| can only cut the large side; f*[min, max] cuts both
+    x = _inputs(in_features=64)
+    W = torch.rand(16, 64) * 0.1 + 0.02
+    W[torch.rand(16, 64) < 0.03] = -0.3
+    scheme = WeightScheme(4, symmetric=False, group_size=32)
+    result = search_clip(x, W, scheme)
+    symmetric_only = search_clip(x, W, WeightScheme(4, symmetric=False, group_size=32), max_shrink=0.0)
+    assert result.loss <= symmetric_only.loss_unclipped and result.min_val is not None
 
 
 def test_awq_pipeline_beats_rtn_on_salient_inputs():
@@ -95,6 +125,6 @@ def test_awq_pipeline_beats_rtn_on_salient_inputs():
     quantized = []
     for w in scale_weights(weights, s):
         clip = search_clip(x / s, w, scheme)
-        quantized.append(fake_quantize_rtn(apply_clip(w, clip.max_val, scheme.group_size), scheme))
+        quantized.append(fake_quantize_rtn(apply_clip(w, clip.max_val, scheme.group_size, clip.min_val), scheme))
     awq_mse = (_linear_forward(x / s, quantized) - reference).pow(2).mean()
     assert awq_mse < rtn_mse

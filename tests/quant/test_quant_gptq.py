@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from qkiln.quant.fp8 import FP8_DTYPE, quantize_weight_fp8
 from qkiln.quant.gptq import accumulate_hessian, make_empty_hessian, quantize_weight, reconstruction_error
 from qkiln.quant.rtn import quantize_rtn
 from qkiln.quant.scheme import GPTQOptions, WeightScheme
@@ -150,3 +151,24 @@ def test_matches_textbook_algorithm():
     close = torch.isclose(qw.dequantize(), reference, rtol=1e-4, atol=1e-5)
     assert close.float().mean() > 0.99
     assert info.loss == pytest.approx(reconstruction_error(W, reference, H), rel=1e-3)
+
+
+@pytest.mark.parametrize("group_size,act_order", [(None, True), (None, False), (32, True)])
+def test_fp8_gptq_keeps_rtn_scales_and_beats_rtn(group_size, act_order):
+    scheme = WeightScheme(8, "float", group_size=group_size)
+    for _ in range(3):
+        H, _x = _hessian(80)
+        W = torch.randn(24, 80)
+        qw, info = quantize_weight(W, H, scheme, GPTQOptions(act_order=act_order))
+        rtn = quantize_weight_fp8(W, group_size)
+        assert qw.weight.dtype == FP8_DTYPE and qw.group_size == group_size
+        assert torch.equal(qw.scales, rtn.scales)  # same scales: kernels take a GPTQ'd weight unchanged
+        assert info.fallback is None and info.loss == pytest.approx(reconstruction_error(W, qw.dequantize(), H))
+        assert info.loss < reconstruction_error(W, rtn.dequantize(), H)
+
+
+def test_fp8_gptq_falls_back_to_fp8_rtn():
+    W = torch.randn(8, 16)
+    H = torch.full((16, 16), float("nan"))
+    qw, info = quantize_weight(W, H, WeightScheme(8, "float", group_size=None), GPTQOptions(max_damp_retries=0))
+    assert info.fallback == "rtn" and torch.equal(qw.weight.float(), quantize_weight_fp8(W).weight.float())

@@ -30,7 +30,9 @@ SMOLLM2_LAYER0 = {
     (lambda: GPTQOptions(act_order=True, static_groups=False), "static_groups"),
     (lambda: GPTQOptions(dampening_frac=0), "dampening_frac"),
     (lambda: AWQOptions(clip_max_shrink=1.0), "clip_max_shrink"),
-    (lambda: QuantScheme(WeightScheme(8, "float", group_size=None), algorithm="gptq"), "rtn"),
+    (lambda: QuantScheme(WeightScheme(8, "float", group_size=None), algorithm="awq"), "'rtn' or 'gptq'"),
+    (lambda: QuantScheme(kv_cache=KVCacheScheme(), algorithm="gptq"), "weights scheme"),
+    (lambda: AWQOptions(loss_samples=0), "loss_samples"),
     (lambda: QuantScheme(WeightScheme(4), ActivationScheme()), "W8A8"),
     (lambda: QuantScheme(), "quantizes nothing"),
     (lambda: QuantScheme(WeightScheme(4), algorithm="hqq"), "algorithm"),
@@ -100,3 +102,16 @@ def test_from_dict_refuses_unknown_fields():
 def test_wrong_field_types_from_yaml_are_refused(make):
     with pytest.raises(RecipeError, match="must be"):
         make()
+
+
+def test_ignore_counts_decoder_layers_from_the_end():
+    scheme = QuantScheme(WeightScheme(8, "float", group_size=None), ActivationScheme(), algorithm="gptq",
+                         ignore=("lm_head", r"re:model\.layers\.-1\.mlp\.", "layers.-2.self_attn.o_proj"))
+    assert scheme.is_ignored("model.layers.3.mlp.down_proj", num_layers=4)
+    assert scheme.is_ignored("model.layers.2.self_attn.o_proj", num_layers=4)
+    assert not scheme.is_ignored("model.layers.2.mlp.down_proj", num_layers=4)
+    assert not scheme.is_ignored("model.layers.3.self_attn.q_proj", num_layers=4)
+    assert not scheme.is_ignored("model.layers.3.mlp.down_proj")  # depth unknown: no match from the end
+    names = [f"model.layers.{i}.{n}" for i in range(3) for n in ("self_attn.o_proj", "mlp.up_proj")]
+    assert scheme.targets(names) == ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.up_proj",
+                                     "model.layers.1.mlp.up_proj", "model.layers.2.self_attn.o_proj"]
