@@ -12,8 +12,8 @@ Measures, in one process and on the same token ids (random ids, `ignore_eos`, gr
 - memory bandwidth (a large copy) and each batch-1 decode as % of its weights-plus-KV roofline;
 - the ratios the issue sets targets for: W4A16 decode >= 8x HF, W4A16 throughput >= 4x best HF.
 
-The W4A16 artifact is `--artifact`, or built once with the `w4a16-rtn` preset (no calibration)
-under `--work-dir` and reused while its manifest's source hash and recipe still match.
+The W4A16 artifact is `--artifact`, or built once with the `w4a16-rtn` preset (no calibration;
+int8 lm_head) under `--work-dir` and reused while its manifest's source hash and scheme still match.
 Every figure is a median over `--repeats` with min/max; progress goes to stderr, the table to
 stdout. Takes ~10 minutes on 2 threads (the HF static-batch sweep dominates); measure on a quiet machine.
 """
@@ -51,7 +51,7 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
     files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
     if (out / "manifest.json").is_file():
         m = read_manifest(out)
-        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("name") == W4A16_RECIPE:
+        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("scheme") == preset(W4A16_RECIPE).scheme.to_dict():
             log(f"reusing artifact {out}")
             return out
     log(f"building {out} ({W4A16_RECIPE})")

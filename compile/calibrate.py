@@ -27,7 +27,7 @@ from qkiln.runtime.model import CausalLM
 
 from .layer_cache import LayerCache
 from .quantized_model import QuantizedModel
-from .simulate import install_layer_simulation
+from .simulate import attach_lm_head, install_layer_simulation
 
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -63,21 +63,30 @@ def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batc
     cached = [cache.get(k) if k else None for k in keys]
     # inputs are only needed up to the last layer that must be calibrated
     last_needed = max((i for i, c in enumerate(cached) if c is None), default=-1)
+    # AWQ's fp_inputs: the next layer reads the unquantized layer's outputs (AutoAWQ's protocol)
+    fp_stream = scheme.algorithm == "awq" and scheme.awq.fp_inputs
     for i, layer in enumerate(tqdm(layers, desc="quantize", unit="layer", disable=not progress)):
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
+        fp_out = None
         if cached[i] is not None:
+            if fp_stream and hidden is not None and i < last_needed:
+                fp_out = _run_layer(layer, hidden, positions, model.rope, DenseAttention(), batch_size)
             _restore_layer(layer, prefix, *cached[i], qm)
         else:
             stats = _capture(layer, hidden, positions, model.rope, scheme, batch_size) if hidden is not None else {}
+            fp_out = stats.get("out")
             _quantize_layer(i, layer, model.config, scheme, stats, qm)
             if keys[i]:
                 cache.put(keys[i], *_layer_entry(layer, prefix, qm))
         install_layer_simulation(layer, i, qm)
         if hidden is not None and i < last_needed:
-            hidden = _run_layer(layer, hidden, positions, model.rope, DenseAttention(), batch_size)
+            hidden = fp_out if fp_stream else _run_layer(layer, hidden, positions, model.rope, DenseAttention(),
+                                                         batch_size)
         qm.timings[prefix.rstrip(".")] = {"seconds": time.perf_counter() - start, "cached": cached[i] is not None}
-    if model.lm_head is not None and not scheme.is_ignored("lm_head") and scheme.weights is not None:
+    if scheme.lm_head is not None:
+        _quantize_lm_head(model, scheme.lm_head, qm)
+    elif model.lm_head is not None and not scheme.is_ignored("lm_head") and scheme.weights is not None:
         _quantize_plain(model.lm_head, "lm_head", scheme, qm)
         model.lm_head.weight.data = qm.weights["lm_head"].dequantize()
     qm.fp_tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
@@ -156,7 +165,7 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
         hooks.append(module.register_forward_pre_hook(hook))
 
     try:
-        _run_layer(layer, hidden, positions, rope, DenseAttention(), batch_size)
+        stats["out"] = _run_layer(layer, hidden, positions, rope, DenseAttention(), batch_size)
     finally:
         for h in hooks:
             h.remove()
@@ -169,22 +178,35 @@ def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel) -> None
     prefix = f"model.layers.{i}."
     if scheme.weights is None:
         return
-    if scheme.algorithm == "awq":
-        _apply_awq(layer, prefix, scheme, stats, config.num_hidden_layers)
+    awq_scales = _apply_awq(layer, prefix, scheme, stats, config.num_hidden_layers) if scheme.algorithm == "awq" else {}
+    awq_gptq = scheme.algorithm == "awq" and scheme.awq.quantizer == "gptq"
     for name in _LINEARS:
         full = prefix + name
         if scheme.is_ignored(full, config.num_hidden_layers):
             continue
         module = layer.get_submodule(name)
-        if scheme.algorithm == "gptq":
-            qw, info = gptq.quantize_weight(module.weight.data, stats["H"][name], scheme.weights, scheme.gptq)
+        if scheme.algorithm == "gptq" or awq_gptq:
+            # AWQ then GPTQ: the scaled weights read x / s, so the Hessian is that of x / s
+            H = stats["H"][name] if not awq_gptq else awq.gram(stats["x"][name] / awq_scales.get(name, 1.0))
+            qw, info = gptq.quantize_weight(module.weight.data, H, scheme.weights, scheme.gptq)
             qm.weights[full] = qw
-            qm.report[full] = {"algorithm": "gptq", "loss": info.loss, "fallback": info.fallback,
+            qm.report[full] = {"algorithm": scheme.algorithm, "loss": info.loss, "fallback": info.fallback,
                                "dampening_frac": info.dampening_frac, "dead_columns": info.num_dead_columns}
+            if awq_gptq:
+                qm.report[full]["quantizer"] = "gptq"
         else:
             _quantize_plain(module, full, scheme, qm)
         if name in stats.get("amax", {}):
             qm.act_scales[full] = fp8.static_scale(stats["amax"][name])
+
+
+def _quantize_lm_head(model: CausalLM, head_scheme, qm: QuantizedModel) -> None:
+    """RTN of the output projection; a tied head becomes its own (quantized) module, so the
+    embedding lookups keep the exact weights while the logits use the quantized copy."""
+    head = model.lm_head.weight.data if model.lm_head is not None else model.model.embed_tokens.weight.data
+    qm.weights["lm_head"] = quantize_rtn(head, head_scheme)
+    qm.report["lm_head"] = {"algorithm": "rtn"}
+    attach_lm_head(model, qm.weights["lm_head"].dequantize())
 
 
 def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) -> None:
@@ -196,9 +218,13 @@ def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) ->
     qm.report.setdefault(full, {"algorithm": scheme.algorithm if scheme.algorithm == "awq" else "rtn"})
 
 
-def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> None:
-    """Scale search per input-sharing group, fold 1/s into the producer, then clip search."""
+def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> dict[str, torch.Tensor]:
+    """Scale search per input-sharing group, fold 1/s into the producer, then clip search.
+
+    Returns {linear name: s} for every scaled linear (its input is now x / s).
+    """
     opts = scheme.awq
+    scales = {}
     for names, producer_name in _AWQ_GROUPS:
         if any(scheme.is_ignored(prefix + n, num_layers) for n in names):
             continue
@@ -216,6 +242,7 @@ def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> None:
             producer.weight.data = awq.fold_scales_into_norm(producer.weight.data, s)
         for m, W in zip(linears, awq.scale_weights([m.weight.data for m in linears], s)):
             m.weight.data = W
+        scales.update(dict.fromkeys(names, s))
         if opts.clip:
             xs = x / s
             for n, m in zip(names, linears):
@@ -224,6 +251,7 @@ def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> None:
                 clip = awq.search_clip(xs, m.weight.data, scheme.weights, grid_size=opts.clip_grid_size,
                                        max_shrink=opts.clip_max_shrink)
                 m.weight.data = awq.apply_clip(m.weight.data, clip.max_val, scheme.weights.group_size, clip.min_val)
+    return scales
 
 
 def _awq_module_forward(layer, names, stats):

@@ -27,6 +27,7 @@ Refused, naming the layer: fractional zero points (`zero_point: float`), which C
 int4 KV and key smoothing (no CT equivalent) unless `drop_kv`, which exports the weights only.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -80,10 +81,15 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
                             + ("" if overwrite else " or pass --force to replace an export"))
     qm, stored = _load(artifact)
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
-    tensors.update({k: stored[k] for k in qm.fp_tensors})  # as the artifact stores them (bf16, norms fp32)
+    # as the artifact stores them (bf16, norms fp32); a dequantized head as computed
+    tensors.update({k: stored.get(k, qm.fp_tensors[k]) for k in qm.fp_tensors})
     tmp = fresh_partial_dir(out)
     try:
-        _write_checkpoint(tmp, qm.config, tensors, quant_config, Path(artifact) / "tokenizer")
+        config = qm.config
+        if config.tie_word_embeddings and "lm_head.weight" in qm.fp_tensors:
+            # the head was quantized as its own copy: an untied checkpoint carries it
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+        _write_checkpoint(tmp, config, tensors, quant_config, Path(artifact) / "tokenizer")
         if verify:
             check_export(artifact, tmp, qm)
         if out.exists():
@@ -105,7 +111,12 @@ def _load(artifact) -> tuple[QuantizedModel, dict[str, torch.Tensor]]:
     tensors = load_tensors(artifact, manifest)
     scheme = QuantScheme.from_dict(manifest.recipe["scheme"])
     config = ModelConfig.from_dict(manifest.architecture)
-    return from_tensors(config, scheme, tensors, manifest.quantization), tensors
+    qm = from_tensors(config, scheme, tensors, manifest.quantization)
+    if scheme.lm_head is not None and "lm_head" in qm.weights:
+        # An int8 head beside int4 layers makes a two-group config that transformers' loader cannot
+        # dequantize; the head is written as its exact dequantized fp32 values instead (untied).
+        qm.fp_tensors["lm_head.weight"] = qm.weights.pop("lm_head").dequantize().float()
+    return qm, tensors
 
 
 def _compressed_state(qm: QuantizedModel, drop_kv: bool):

@@ -9,7 +9,7 @@ calibration propagates through so each layer is calibrated on its quantized pred
 import torch
 from torch import nn
 
-from qkiln.quant import fake_quant_kv, fake_quantize_activation
+from qkiln.quant import Fp8Weight, fake_quant_kv, fake_quantize_activation
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
 from qkiln.runtime.source import build_model
@@ -49,11 +49,21 @@ def install_layer_simulation(layer: nn.Module, layer_id: int, qm: QuantizedModel
                 module.register_forward_pre_hook(_act_hook(full, qm))
 
 
+def attach_lm_head(model: CausalLM, weight: torch.Tensor) -> None:
+    """Compute logits with `weight` [vocab, hidden]; a tied model gets its own head module."""
+    if model.lm_head is None:
+        model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    model.lm_head.weight.data = weight.to(model.model.embed_tokens.weight.dtype)
+
+
 def simulated_model(qm: QuantizedModel) -> tuple[CausalLM, DenseAttention]:
     """A whole fp32 model that computes as `qm` would; pass the backend to its forward."""
-    model = build_model(qm.config, qm.dequantized_state_dict(), torch.float32)
-    if qm.scheme.activations is not None:
+    state = qm.dequantized_state_dict()
+    model = build_model(qm.config, state, torch.float32)
+    if "lm_head" in qm.weights and model.lm_head is None:  # tied head quantized as its own copy
+        attach_lm_head(model, state["lm_head.weight"])
+    if qm.scheme.activations is not None:  # fp8 W8A8 linears only (an integer lm_head is W8A16)
         for name, module in model.named_modules():
-            if name in qm.weights:
+            if name in qm.weights and isinstance(qm.weights[name], Fp8Weight):
                 module.register_forward_pre_hook(_act_hook(name, qm))
     return model, simulated_kv_backend(qm)

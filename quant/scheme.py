@@ -170,6 +170,12 @@ class AWQOptions:
     # output over every token, at 3x the calibration time.
     module_loss: bool = False
     loss_samples: int = 8
+    # Take each layer's statistics from the unquantized model's activations (AutoAWQ and
+    # llm-compressor do) instead of from the already-quantized earlier layers.
+    fp_inputs: bool = False
+    # What quantizes the scaled (and clipped) weights: "rtn" (the paper) or "gptq" (the options in
+    # QuantScheme.gptq, on the Hessian of the scaled inputs): AWQ then GPTQ, an explicit combination.
+    quantizer: str = "rtn"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -177,6 +183,8 @@ class AWQOptions:
             _fail(f"awq.loss_samples must be a positive integer, got {self.loss_samples!r}")
         if self.grid_size < 1:
             _fail(f"awq.grid_size must be a positive integer, got {self.grid_size!r}")
+        if self.quantizer not in ("rtn", "gptq"):
+            _fail(f"awq.quantizer must be 'rtn' or 'gptq', got {self.quantizer!r}")
         if self.clip_grid_size < 1:
             _fail(f"awq.clip_grid_size must be a positive integer, got {self.clip_grid_size!r}")
         if not 0.0 <= self.clip_max_shrink < 1.0:
@@ -184,7 +192,7 @@ class AWQOptions:
 
 
 _SUBSCHEMES = {"weights": WeightScheme, "activations": ActivationScheme, "kv_cache": KVCacheScheme,
-               "gptq": GPTQOptions, "awq": AWQOptions}
+               "lm_head": WeightScheme, "gptq": GPTQOptions, "awq": AWQOptions}
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,10 @@ class QuantScheme:
     activations: ActivationScheme | None = None
     kv_cache: KVCacheScheme | None = None
     ignore: tuple[str, ...] = ("lm_head",)
+    # The output projection's own scheme (integer, round-to-nearest), applied even when the head is
+    # tied to the embeddings (a quantized copy; lookups stay exact) and whatever `ignore` says.
+    # It is the largest single GEMV of a small model's decode step (SmolLM2: 28M of 135M weights).
+    lm_head: WeightScheme | None = None
     algorithm: str = "rtn"
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
@@ -231,7 +243,9 @@ class QuantScheme:
             _fail("algorithm 'gptq' quantizes weights: add a weights scheme")
         if self.activations is not None and (self.weights is None or self.weights.type != "float"):
             _fail("activation quantization is implemented for FP8 W8A8 only: set weights.type 'float'")
-        if self.weights is None and self.activations is None and self.kv_cache is None:
+        if self.lm_head is not None and self.lm_head.type != "int":
+            _fail("lm_head supports integer weights (int8 per channel, int4 grouped): set lm_head.type 'int'")
+        if self.weights is None and self.activations is None and self.kv_cache is None and self.lm_head is None:
             _fail("the scheme quantizes nothing: set weights, activations or kv_cache")
 
     def is_ignored(self, name: str, num_layers: int | None = None) -> bool:

@@ -82,10 +82,15 @@ def test_export_reads_back_bit_exact_with_compressed_tensors_and_transformers(ti
     artifact = _build(tiny, name, SCHEMES[name])
     result = export_compressed_tensors(artifact, tmp_path / "ct")
     qm = load_artifact_quantized(artifact)
+    head_quantized = SCHEMES[name].lm_head is not None
     assert check_export(artifact, result.path) == len(qm.weights) == 14
-    qc = json.loads((result.path / "config.json").read_text())["quantization_config"]
+    config = json.loads((result.path / "config.json").read_text())
+    qc = config["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
-    assert qc["ignore"] == ["lm_head"]  # tied head: a Linear in transformers, kept in high precision
+    # a tied head is a Linear in transformers, in high precision; an int8 head is written untied as
+    # its exact dequantized values
+    assert qc["ignore"] == ["lm_head"]
+    assert config["tie_word_embeddings"] is not head_quantized
     assert qc["format"] == ("float-quantized" if name.startswith("fp8") else "pack-quantized")
     if name == "w4a16-sym-g96":
         assert result.group_size == 32  # gcd(96, 128, 256): the same scales, repeated
@@ -97,6 +102,8 @@ def test_export_reads_back_bit_exact_with_compressed_tensors_and_transformers(ti
     state = model.state_dict()
     for layer, w in qm.weights.items():
         assert same_bits(state[layer + ".weight"], w.dequantize()), layer
+    if head_quantized:
+        assert same_bits(state["lm_head.weight"], qm.fp_tensors["lm_head.weight"])
     assert torch.equal(state["model.norm.weight"], qm.fp_tensors["model.norm.weight"])
     stored = load_file(str(result.path / "model.safetensors"))
     assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16  # as the artifact stores it
@@ -125,7 +132,9 @@ def test_hf_config_round_trips():
 
 def test_export_import_round_trip_serves_identical_logits(tiny, tmp_path):
     pytest.importorskip("compressed_tensors")
-    artifact = _build(tiny, "w4a16-asym", SCHEMES["w4a16-asym"])
+    # a bf16 head: an int8 head is exported as dense fp32 values and comes back as a dense head
+    scheme = dataclasses.replace(SCHEMES["w4a16-asym"], lm_head=None)
+    artifact = _build(tiny, "w4a16-asym-bf16-head", scheme)
     exported = export_compressed_tensors(artifact, tmp_path / "ct").path
     imported = import_checkpoint(exported, tmp_path / "back")
     verify_artifact(imported)
