@@ -144,10 +144,12 @@ def quality_command(
     num_samples: Annotated[int, typer.Option(help="calibration samples of 512 tokens")] = 128,
     max_tokens: Annotated[int, typer.Option(help="evaluation tokens (wiki.test.raw)")] = 16384,
     only: Annotated[Optional[str], typer.Option(help="comma-separated row names (exact)")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
 ):
     """Quantization quality on SmolLM2-135M: one row per recipe (ppl, KL, top-1, time, RSS)."""
     argv = ["--json", str(json_out), "--calib", calib, "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]
     argv += (["--plot", str(plot)] if plot else []) + (["--only", only] if only else [])
+    argv += ["--threads", str(threads)] if threads else []
     try:
         importlib.import_module("qkiln.bench.quant_quality").main(argv)
     except QkilnError as e:

@@ -78,9 +78,14 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--only", help="comma-separated row names to run (exact)")
     p.add_argument("--workdir", type=Path)
+    p.add_argument("--threads", type=int, help="torch threads for builds and evaluation (default: all cores)")
     p.add_argument("--build-row", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.build_row:
         print(json.dumps(build_row(json.loads(args.build_row), args.out, args.num_samples)))
         return {}
@@ -91,13 +96,13 @@ def main(argv=None) -> dict:
         print(f"[{i + 1}/{len(selected)}] quantizing {row['name']}", file=sys.stderr)
         out = workdir / f"row{i}"
         cmd = [sys.executable, "-m", "qkiln.bench.quant_quality", "--build-row", json.dumps(row), "--out", str(out),
-               "--num-samples", str(args.num_samples)]
+               "--num-samples", str(args.num_samples)] + (["--threads", str(args.threads)] if args.threads else [])
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
         if done.returncode != 0:
             results[row["name"]] = {"error": f"build failed with exit code {done.returncode}"}
             continue
         results[row["name"]] = json.loads(done.stdout.strip().splitlines()[-1]) | {"artifact": str(out), **row}
-    report = evaluate_rows(results, args.max_tokens)
+    report = evaluate_rows(results, args.max_tokens, args.threads)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     if args.plot:
@@ -105,13 +110,13 @@ def main(argv=None) -> dict:
     return report
 
 
-def evaluate_rows(results: dict, max_tokens: int) -> dict:
+def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) -> dict:
     import torch
 
     from qkiln.compile.evaluate import evaluate_many
     from qkiln.compile.model_ref import open_model
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     reference = open_model("smollm2-135m")
     models = {"unquantized": reference}
     models |= {name: open_model(r["artifact"]) for name, r in results.items() if "artifact" in r}
