@@ -3,7 +3,8 @@
 Few rows (decode, <= SMALL_M): qkiln's own kernels (cpu_native.py, csrc/cpu_gemv.cpp) when the
 weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
 native int4 kernel is exact W4A16 (bf16 activations, fp32 products and sums) and streams the
-nibbles once for up to 4 rows; the native int8 kernel computes in fp32. Otherwise torch's packed
+nibbles once for up to 4 rows; the native int8 kernel is exact too, without rounding
+activations at all (bf16 ones through vdpbf16ps, others widened to fp32). Otherwise torch's packed
 kernels, fast only with bf16 activations (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`),
 so activations are cast to bf16 and the result cast back.
 Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernels lose to it

@@ -26,6 +26,8 @@ builds, `in` and group_size are multiples of 32):
     group_size is the canonical one (any multiple of 32; the shorter last group is exact).
     Exact W4A16: activations are rounded to bf16 and every product is exact in fp32.
     w8a16: weight int8 [out, in] (canonical), scales fp32 [out] (fp32 marks the native kernel).
+           No repacking: the kernel's 4-row tiles are already contiguous blocks of the row-major
+           weight, and it converts int8 -> bf16/fp32 in registers (exact, see cpu_gemv.cpp).
 
 Target "cpu", torch's tinygemm (`_weight_int4pack_mm_for_cpu`; the fallback without the native
 extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
