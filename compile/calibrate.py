@@ -4,7 +4,8 @@
     for each decoder layer (one resident at a time):
         1. run it on `hidden`, hooks capture what the scheme needs: GPTQ Hessians, AWQ inputs,
            static FP8 input amax
-        2. weights: AWQ scale search + fold + clip, then RTN; or GPTQ from the Hessians; or RTN/FP8
+        2. weights: AWQ scale search + fold + clip, then RTN (or GPTQ on x / s: awq.quantizer);
+           or GPTQ from the Hessians; or RTN/FP8
         3. simulate the quantized layer (dequantized weights, fake-quant activations)
            and run it on `hidden`: its outputs are the next layer's inputs
 KV-cache scales are calibrated afterwards (kv_calibrate.py) on the weight-quantized model, so
@@ -13,6 +14,7 @@ Deterministic: fixed order, no sampling, CPU fp32 math. Progress shows one step 
 Owns hooks and layer order; must not implement quantization math itself.
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -37,6 +39,7 @@ _AWQ_GROUPS = (
     (("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
     (("mlp.down_proj",), "mlp.up_proj"),
 )
+_AWQ_V_O = (("self_attn.o_proj",), "self_attn.v_proj")  # AWQOptions.scale_o_proj: after q/k/v
 _AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors are amplified by q.k (AutoAWQ)
 
 
@@ -225,19 +228,26 @@ def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> dict[str, torch
     """
     opts = scheme.awq
     scales = {}
-    for names, producer_name in _AWQ_GROUPS:
+    search_scheme = dataclasses.replace(scheme.weights, observer=opts.search_observer)
+    groups = _AWQ_GROUPS[:1] + (_AWQ_V_O,) + _AWQ_GROUPS[1:] if opts.scale_o_proj else _AWQ_GROUPS
+    for names, producer_name in groups:
         if any(scheme.is_ignored(prefix + n, num_layers) for n in names):
             continue
         x = stats["x"][names[0]]  # [num_samples, seq, in]
         linears = [layer.get_submodule(n) for n in names]
         forward_fn = _awq_module_forward(layer, names, stats) if opts.module_loss else None
         x_search = x[: opts.loss_samples] if forward_fn is not None else x
-        result = awq.search_scales(x_search, [m.weight.data for m in linears], scheme.weights,
-                                   grid_size=opts.grid_size, duo_scaling=opts.duo_scaling, forward_fn=forward_fn)
+        attn = layer.self_attn
+        shared = (awq.gqa_shared_index(attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                  if producer_name == "self_attn.v_proj" else None)
+        result = awq.search_scales(x_search, [m.weight.data for m in linears], search_scheme,
+                                   grid_size=opts.grid_size, duo_scaling=opts.duo_scaling, forward_fn=forward_fn,
+                                   shared=shared)
         s = result.scales
         producer = layer.get_submodule(producer_name)
         if isinstance(producer, nn.Linear):
-            producer.weight.data, _ = awq.fold_scales_into_linear(producer.weight.data, s)
+            s_rows = s if result.shared_scales is None else result.shared_scales  # v_proj's rows
+            producer.weight.data, _ = awq.fold_scales_into_linear(producer.weight.data, s_rows)
         else:
             producer.weight.data = awq.fold_scales_into_norm(producer.weight.data, s)
         for m, W in zip(linears, awq.scale_weights([m.weight.data for m in linears], s)):
@@ -248,7 +258,7 @@ def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> dict[str, torch
             for n, m in zip(names, linears):
                 if n in _AWQ_NO_CLIP:
                     continue
-                clip = awq.search_clip(xs, m.weight.data, scheme.weights, grid_size=opts.clip_grid_size,
+                clip = awq.search_clip(xs, m.weight.data, search_scheme, grid_size=opts.clip_grid_size,
                                        max_shrink=opts.clip_max_shrink)
                 m.weight.data = awq.apply_clip(m.weight.data, clip.max_val, scheme.weights.group_size, clip.min_val)
     return scales

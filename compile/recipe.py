@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from qkiln.errors import RecipeError
-from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
+from qkiln.quant.scheme import ActivationScheme, AWQOptions, KVCacheScheme, QuantScheme, WeightScheme
 
 DEFAULT_CALIBRATION_SOURCE = "self:128"
 TARGETS = ("cpu", "cuda")
@@ -39,7 +39,11 @@ _WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
     # GPTQ with act-order and an MSE-searched per-group range closed 52% of RTN's gap on SmolLM2
     # (vs 35% with min/max); the MSE range makes plain RTN worse, so only GPTQ uses it.
     "w4a16-gptq": dict(weights=dataclasses.replace(_INT4, observer="mse"), algorithm="gptq", lm_head=_HEAD_INT8),
-    "w4a16-awq": dict(weights=_INT4, algorithm="awq", lm_head=_HEAD_INT8),
+    # AWQ's scales and clipping, then GPTQ (act-order, MSE range) on the scaled weights instead of RTN,
+    # an explicit combination (awq.quantizer "gptq"; plain AWQ: quantizer "rtn", minmax observer).
+    # SmolLM2, 4096 tokens: RTN's gap closed 37% by plain AWQ, 58% by this.
+    "w4a16-awq": dict(weights=dataclasses.replace(_INT4, observer="mse"), algorithm="awq",
+                      awq=AWQOptions(quantizer="gptq"), lm_head=_HEAD_INT8),
     "w8a16": dict(weights=WeightScheme(num_bits=8, type="int", symmetric=True, group_size=None), algorithm="rtn",
                   lm_head=_HEAD_INT8),
     # FP8 W8A8 on SmolLM2 (wiki.test.raw, first 16384 tokens, 512-token windows; calibration 32 x 512

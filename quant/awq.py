@@ -42,6 +42,7 @@ class AWQScaleResult:
     loss: float
     identity_loss: float  # loss with s = 1, the bar the result never exceeds
     losses: list[tuple[float | None, float]]  # (alpha, loss) per candidate, identity first
+    shared_scales: torch.Tensor | None = None  # [num_shared] with `shared`: scales[i] = shared_scales[shared[i]]
 
 
 @dataclass
@@ -88,17 +89,29 @@ def _linear_loss(weights: Sequence[torch.Tensor], quantized: Sequence[torch.Tens
     return total / count
 
 
+def _shared_mean(values: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """Mean of values [in] over the channels sharing each scale: -> [num_shared]."""
+    num = int(shared.max()) + 1
+    sums = torch.zeros(num, dtype=values.dtype).index_add_(0, shared, values)
+    counts = torch.zeros(num, dtype=values.dtype).index_add_(0, shared, torch.ones_like(values))
+    return sums / counts.clamp(min=1)
+
+
 def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], scheme: WeightScheme, *,
                   grid_size: int = 20, duo_scaling: bool = True,
-                  forward_fn: ForwardFn | None = None) -> AWQScaleResult:
+                  forward_fn: ForwardFn | None = None, shared: torch.Tensor | None = None) -> AWQScaleResult:
     """Best per-input-channel scale for linears [out_i, in] that all read x [..., in] (Sec. 3.2).
 
     `forward_fn(x, weights)` receives x in the shape given here (scaled by 1/s on the last dim) and
     the weights in the order given, fake-quantized; without it the loss is the linears' own output.
+    `shared` [in] (long) ties channels to one scale each, e.g. o_proj's channels of the query heads
+    that read one KV head (GQA) share that v_proj row's scale; the statistics are averaged per tie.
     """
     weights = [w.float() for w in weights]
     x2 = x.reshape(-1, x.shape[-1]).float()  # [N, in]
     x_mean, w_mean = activation_mean(x2), weight_mean(weights, scheme.group_size)
+    if shared is not None:
+        x_mean, w_mean = _shared_mean(x_mean, shared), _shared_mean(w_mean, shared)
     if forward_fn is None:
         G = gram(x2)
 
@@ -112,18 +125,31 @@ def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], scheme: Weig
             out = forward_fn(x_in / s, [fake_quantize_rtn(W * s, scheme) for W in weights]).float()
             return float((out - reference).pow(2).mean())
 
+    def expand(s: torch.Tensor) -> torch.Tensor:
+        return s if shared is None else s[shared]
+
     identity = torch.ones_like(x_mean)
-    identity_loss = loss_of(identity)
+    identity_loss = loss_of(expand(identity))
     best = (identity_loss, None, identity)
     losses: list[tuple[float | None, float]] = [(None, identity_loss)]
     for i in range(grid_size):
         alpha = i / grid_size
         s = candidate_scales(x_mean, w_mean, alpha, duo_scaling)
-        loss = loss_of(s)
+        loss = loss_of(expand(s))
         losses.append((alpha, loss))
         if loss == loss and loss < best[0]:  # NaN never wins
             best = (loss, alpha, s)
-    return AWQScaleResult(best[2], best[1], best[0], identity_loss, losses)
+    return AWQScaleResult(expand(best[2]), best[1], best[0], identity_loss, losses,
+                          None if shared is None else best[2])
+
+
+def gqa_shared_index(num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """[num_heads * head_dim] index into v_proj's rows [num_kv_heads * head_dim]: query head h reads
+    KV head h // (num_heads / num_kv_heads) (repeat_interleave), so o_proj's channel (h, d) carries
+    v_proj's row (h // rep, d) and scaling that row by 1/s scales all of them."""
+    rep = num_heads // num_kv_heads
+    heads = torch.arange(num_heads).repeat_interleave(head_dim) // rep  # [num_heads * head_dim]
+    return heads * head_dim + torch.arange(head_dim).repeat(num_heads)
 
 
 def scale_weights(weights: Sequence[torch.Tensor], s: torch.Tensor) -> list[torch.Tensor]:

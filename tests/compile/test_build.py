@@ -162,3 +162,21 @@ def test_awq_module_level_loss_builds(tiny, tmp_path, monkeypatch):
     assert manifest.recipe["scheme"]["awq"]["module_loss"] is True
     assert manifest.quantization["linears"]["model.layers.1.self_attn.q_proj"]["algorithm"] == "awq"
     assert manifest.accuracy["perplexity_change"] < 0.5
+
+
+def test_awq_options_build_and_are_recorded(tiny, tmp_path, monkeypatch):
+    import dataclasses
+
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    r = _recipe("w4a16-awq", text)
+    awq = dataclasses.replace(r.scheme.awq, quantizer="gptq", scale_o_proj=True, fp_inputs=True, grid_size=5)
+    r = dataclasses.replace(r, scheme=dataclasses.replace(
+        r.scheme, awq=awq, weights=dataclasses.replace(r.scheme.weights, observer="mse")))
+    manifest = build(str(model), r, tmp_path / "a", progress=False, log=lambda m: None).manifest
+    recorded = manifest.recipe["scheme"]
+    assert recorded["awq"]["quantizer"] == "gptq" and recorded["awq"]["scale_o_proj"] is True
+    assert recorded["awq"]["fp_inputs"] is True and recorded["weights"]["observer"] == "mse"
+    entry = manifest.quantization["linears"]["model.layers.1.self_attn.o_proj"]
+    assert entry["algorithm"] == "awq" and entry["format"] == "int4"
+    assert manifest.accuracy["perplexity_change"] < 0.5

@@ -26,7 +26,8 @@ def _linear_forward(x, weights):
 
 @pytest.mark.parametrize("scheme", [WeightScheme(4, symmetric=False, group_size=32),
                                     WeightScheme(4, symmetric=True, group_size=None),
-                                    WeightScheme(4, symmetric=False, group_size=64)], ids=str)
+                                    WeightScheme(4, symmetric=False, group_size=64),
+                                    WeightScheme(4, symmetric=False, group_size=64, observer="mse")], ids=str)
 def test_scale_search_never_above_identity(scheme):
     for outlier_gain in (None, 20.0):
         result = search_scales(_inputs(outlier_gain=outlier_gain), _linears(), scheme, grid_size=10)
@@ -128,3 +129,53 @@ def test_awq_pipeline_beats_rtn_on_salient_inputs():
         quantized.append(fake_quantize_rtn(apply_clip(w, clip.max_val, scheme.group_size, clip.min_val), scheme))
     awq_mse = (_linear_forward(x / s, quantized) - reference).pow(2).mean()
     assert awq_mse < rtn_mse
+
+
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_awq_layer_loss_never_above_rtn_and_deterministic(observer):
+    """Scales + clipping, then the scheme's own RTN: the linears' output error on the same inputs is
+    never above plain RTN's (identity is a candidate of both searches), and reruns are bit-identical."""
+    torch.manual_seed(0)
+    x, weights = _inputs(outlier_gain=8.0, in_features=80), [torch.randn(40, 80) * 0.1]
+    scheme = WeightScheme(4, symmetric=False, group_size=32, observer=observer)
+    reference = _linear_forward(x, weights)
+    rtn_mse = (_linear_forward(x, [fake_quantize_rtn(w, scheme) for w in weights]) - reference).pow(2).mean()
+
+    def run():
+        s = search_scales(x, weights, scheme, grid_size=10).scales
+        w = scale_weights(weights, s)[0]
+        clip = search_clip(x / s, w, scheme, grid_size=10)
+        return s, fake_quantize_rtn(apply_clip(w, clip.max_val, scheme.group_size, clip.min_val), scheme)
+
+    (s, q), (s2, q2) = run(), run()
+    assert torch.equal(s, s2) and torch.equal(q, q2)
+    awq_mse = (_linear_forward(x / s, [q]) - reference).pow(2).mean()
+    assert awq_mse <= rtn_mse
+
+
+def test_gqa_shared_scales_fold_into_v_rows_and_keep_attention():
+    """v -> o with GQA: o_proj's channels of the query heads reading one KV head share a scale, so
+    dividing v_proj's rows by it and multiplying o_proj's columns keeps the block's output."""
+    from qkiln.quant.awq import gqa_shared_index
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, hidden, tokens = 4, 2, 8, 24, 10
+    shared = gqa_shared_index(heads, kv_heads, head_dim)
+    assert shared.shape == (heads * head_dim,) and int(shared.max()) == kv_heads * head_dim - 1
+    Wv, Wo = torch.randn(kv_heads * head_dim, hidden), torch.randn(hidden, heads * head_dim)
+    x, probs = torch.randn(tokens, hidden), torch.softmax(torch.randn(heads, tokens, tokens), -1)
+
+    def block(Wv, Wo):
+        v = (x @ Wv.t()).view(tokens, kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, head_dim]
+        v = v.repeat_interleave(heads // kv_heads, dim=0)  # [heads, tokens, head_dim]
+        return (probs @ v).transpose(0, 1).reshape(tokens, -1) @ Wo.t()
+
+    o_in = (probs @ (x @ Wv.t()).view(tokens, kv_heads, head_dim).transpose(0, 1).repeat_interleave(2, 0))
+    o_in = o_in.transpose(0, 1).reshape(tokens, -1)  # [tokens, heads * head_dim]: o_proj's input
+    result = search_scales(o_in, [Wo], WeightScheme(4, symmetric=False, group_size=16), grid_size=5, shared=shared)
+    assert result.shared_scales.shape == (kv_heads * head_dim,)
+    assert torch.equal(result.scales, result.shared_scales[shared]) and result.loss <= result.identity_loss
+    s_rows = torch.rand(kv_heads * head_dim) + 0.5  # any shared scale keeps the function
+    new_Wv, _ = fold_scales_into_linear(Wv, s_rows)
+    new_Wo = scale_weights([Wo], s_rows[shared])[0]
+    assert torch.allclose(block(new_Wv, new_Wo), block(Wv, Wo), rtol=1e-4, atol=1e-4)
