@@ -74,3 +74,13 @@ class PagedBatch:
 
 MIXED = [(37, 37), (50, 1), (33, 9), (16, 1), (5, 1)]  # prefill, decodes, a chunk, full block
 DECODE = [(50, 1), (16, 1), (5, 1), (31, 1)]
+
+
+def canonical_int4(out_features, in_features, group_size, is_symmetric):
+    """Random canonical int4 weights (see packed_weights.py) with realistic scales."""
+    num_groups = -(-in_features // group_size)
+    scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
+    if is_symmetric:
+        return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
+    qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    return qweight, scales, torch.rand(out_features, num_groups) * 15

@@ -9,7 +9,7 @@ to fp32), so it is exact up to fp32 summation and the output rounding. Skips (sa
 
 import pytest
 import torch
-from plugins_testlib import rel_error
+from plugins_testlib import canonical_int4, rel_error
 
 from qkiln.plugins import cpu_native, prepare_w4a16, prepare_w8a16, w4a16_linear, w8a16_linear
 from qkiln.plugins.reference import reference_w4a16_linear, reference_w8a16_linear
@@ -27,15 +27,6 @@ def ext():
     if module is None:
         pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
     return module
-
-
-def canonical_int4(out_features, in_features, group_size, is_symmetric):
-    num_groups = -(-in_features // group_size)
-    scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
-    if is_symmetric:
-        return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
-    qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
-    return qweight, scales, torch.rand(out_features, num_groups) * 15
 
 
 def unsigned(qweight, zeros):

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from plugins_testlib import rel_error
+from plugins_testlib import canonical_int4, rel_error
 
 from qkiln.errors import RecipeError
 from qkiln.plugins import (fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16, prepare_w8a16,
@@ -11,16 +11,6 @@ from qkiln.plugins.reference import (reference_fp8_w8a8_linear, reference_w4a16_
                                      reference_w8a16_linear)
 
 BF16_TOLERANCE = 1.5e-2  # activations and scales go through bf16 on CPU
-
-
-def canonical_int4(out_features, in_features, group_size, is_symmetric):
-    """Random canonical int4 weights (see packed_weights.py) with realistic scales."""
-    num_groups = -(-in_features // group_size)
-    scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
-    if is_symmetric:
-        return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
-    qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
-    return qweight, scales, torch.rand(out_features, num_groups) * 15
 
 
 @pytest.mark.parametrize("is_symmetric", [True, False], ids=["sym", "asym"])
