@@ -33,7 +33,7 @@ _ops = _MISSING
 _ops_enabled = True
 
 
-def _build(extra_cflags: list[str]):
+def _build(name: str, source: Path, extra_cflags: list[str]):
     from torch.utils.cpp_extension import load
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
@@ -41,28 +41,37 @@ def _build(extra_cflags: list[str]):
     flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
     # -march=native code must not be reused on another CPU: the extensions dir is per machine
     # (~/.cache/torch_extensions), and a source or flag change rebuilds.
+    return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                verbose=False)
+
+
+def _build_gemv(extra_cflags: list[str]):
     name = "qkiln_cpu_gemv" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
                                       for f in extra_cflags)
-    return load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    return _build(name, _SOURCE, extra_cflags)
+
+
+def _load_or_none(what: str, switches: tuple[str, ...], build, fallback: str):
+    """build() once, or None after one stderr line saying why (switched off, or the build failed)."""
+    off = [s for s in switches if os.environ.get(s, "1") == "0"]
+    if off:
+        print(f"qkiln: {what} disabled ({off[0]}=0); using torch's", file=sys.stderr)
+        return None
+    try:
+        return build()
+    except Exception as e:  # compiler missing, headers missing, ninja missing, ...
+        last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        print(f"qkiln: {what} unavailable ({type(e).__name__}: {last_line}); using {fallback}",
+              file=sys.stderr)
+        return None
 
 
 def native_extension():
     """The compiled extension module, or None (reason logged once) when it cannot be used."""
     global _extension
     if _extension is _MISSING:
-        if os.environ.get("QKILN_NATIVE_CPU", "1") == "0":
-            print("qkiln: native CPU kernels disabled (QKILN_NATIVE_CPU=0); using torch's",
-                  file=sys.stderr)
-            _extension = None
-        else:
-            try:
-                _extension = _build([])
-            except Exception as e:  # compiler missing, headers missing, ninja missing, ...
-                print(f"qkiln: native CPU kernels unavailable ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
-                      "using torch's kernels", file=sys.stderr)
-                _extension = None
+        _extension = _load_or_none("native CPU kernels", ("QKILN_NATIVE_CPU",), lambda: _build_gemv([]),
+                                   "torch's kernels")
     return _extension
 
 
@@ -70,23 +79,10 @@ def native_ops():
     """The compiled cpu_ops extension, or None (reason logged once, or switched off)."""
     global _ops
     if _ops is _MISSING:
-        if os.environ.get("QKILN_NATIVE_CPU", "1") == "0" or \
-                os.environ.get("QKILN_NATIVE_CPU_OPS", "1") == "0":
-            print("qkiln: native CPU ops disabled by the environment; using torch's", file=sys.stderr)
-            _ops = None
-        else:
-            from torch.utils.cpp_extension import load
-
-            try:
-                # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA.
-                _ops = load(name="qkiln_cpu_ops", sources=[str(_OPS_SOURCE)],
-                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                            extra_ldflags=["-fopenmp"], verbose=False)
-            except Exception as e:
-                print(f"qkiln: native CPU ops unavailable ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); "
-                      "using torch's code", file=sys.stderr)
-                _ops = None
+        # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA.
+        _ops = _load_or_none("native CPU ops", ("QKILN_NATIVE_CPU", "QKILN_NATIVE_CPU_OPS"),
+                             lambda: _build("qkiln_cpu_ops", _OPS_SOURCE, ["-ffp-contract=off"]),
+                             "torch's code")
     return _ops if _ops_enabled else None
 
 
@@ -99,7 +95,7 @@ def use_native_ops(enabled: bool) -> bool:
 
 def build_portable_extension():
     """A second build without AVX-512 (AVX2 only), to test the portable int4 path on any CPU."""
-    return _build(["-mno-avx512f"])
+    return _build_gemv(["-mno-avx512f"])
 
 
 def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,
