@@ -1,7 +1,7 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
 Native first: for float caches (bf16/fp16/fp32) without key smoothing, the decode rows and the
-cache write run csrc/cpu_ops.cpp (cpu_native.native_ops(): reads K/V through the block tables,
+cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V through the block tables,
 no gather copies); prefill rows, fp8/int4 caches and key smoothing keep the torch code below.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax

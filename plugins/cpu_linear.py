@@ -1,6 +1,6 @@
 """CPU quantized linears over the "cpu" layouts of packed_weights.py.
 
-Few rows (decode, <= SMALL_M): qkiln's own kernels (cpu_native.py, csrc/cpu_gemv.cpp) when the
+Few rows (decode, <= SMALL_M): qkiln's own kernels (cpu_native.py, csrc/cpu_gemv_int*.cpp) when the
 weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
 native int4 kernel is exact W4A16 (bf16 activations, fp32 products and sums) and streams the
 nibbles once for up to 4 rows; the native int8 kernel is exact too, without rounding

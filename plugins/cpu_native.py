@@ -1,18 +1,19 @@
-"""qkiln's own CPU kernels (csrc/cpu_gemv.cpp, csrc/cpu_ops.cpp): lazy JIT builds, native weight
-packing, wrappers.
+"""qkiln's own CPU kernels (csrc/): a lazy JIT build, native weight packing, wrappers.
 
-Owns: building the C++ extensions once per process (torch.utils.cpp_extension.load, cached in the
+Owns: building the C++ extension once per process (torch.utils.cpp_extension.load, cached in the
 torch extensions dir, so later processes only load the .so), converting canonical quantized
 weights (packed_weights.py) into the layouts the kernels read, and thin calls into them.
-Two extensions, so a failure in one never costs the other: `native_extension()` (int4/int8
-GEMVs) and `native_ops()` (decode attention, cache write, fused norm / SiLU / RoPE).
+One extension from several sources (csrc/: int4 and int8 GEMVs, decode attention and cache
+write, fused norm / SiLU / RoPE, the decode stack, module.cpp binding them); `native_extension()`
+serves the quantized linears, `native_ops()` the attention and the small ops (the same module,
+switchable on its own).
 
 Invariants: nothing is compiled at import time; each accessor returns None, after one line on
-stderr saying why, when its build fails or QKILN_NATIVE_CPU=0 (QKILN_NATIVE_CPU_OPS=0 turns off
-only the ops), and callers then keep torch's code. `use_native_ops(False)` switches the ops off
-at run time (same-process A/B measurements and tests). The packed bytes depend only on the
-canonical weights (not on the CPU), but they are still a runtime layout: never stored in an
-artifact. Layouts and math: the headers of the .cpp files.
+stderr saying why, when the build fails or QKILN_NATIVE_CPU=0 (QKILN_NATIVE_CPU_OPS=0 turns off
+only the ops and the decode stack), and callers then keep torch's code. `use_native_ops(False)`
+switches the ops off at run time (same-process A/B measurements and tests). The packed bytes
+depend only on the canonical weights (not on the CPU), but they are still a runtime layout: never
+stored in an artifact. Layouts and math: the headers of the .cpp files.
 """
 
 import os
@@ -23,32 +24,30 @@ import torch
 
 from qkiln.plugins import reference_small_ops
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_gemv.cpp"
-_OPS_SOURCE = _SOURCE.parent / "cpu_ops.cpp"
-TILE_ROWS = 4  # output rows per tile (kRows in cpu_gemv.cpp)
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_attention.cpp", "cpu_small_ops.cpp",
+            "decode_stack.cpp", "module.cpp")
+TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
 CHUNK = 64  # weights per row per chunk (kChunk)
 _MISSING = object()
 _extension = _MISSING
-_ops = _MISSING
 _ops_enabled = True
 
 
-def _build(name: str, source: Path, extra_cflags: list[str]):
+def _build(extra_cflags: list[str]):
     from torch.utils.cpp_extension import load
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).
-    flags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+    # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA (small ops); the
+    # GEMVs use explicit intrinsics, so it costs them nothing.
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
     # -march=native code must not be reused on another CPU: the extensions dir is per machine
     # (~/.cache/torch_extensions), and a source or flag change rebuilds.
-    return load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                verbose=False)
-
-
-def _build_gemv(extra_cflags: list[str]):
-    name = "qkiln_cpu_gemv" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
-                                      for f in extra_cflags)
-    return _build(name, _SOURCE, extra_cflags)
+    name = "qkiln_cpu" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
+                                 for f in extra_cflags)
+    return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
 
 
 def _load_or_none(what: str, switches: tuple[str, ...], build, fallback: str):
@@ -70,20 +69,26 @@ def native_extension():
     """The compiled extension module, or None (reason logged once) when it cannot be used."""
     global _extension
     if _extension is _MISSING:
-        _extension = _load_or_none("native CPU kernels", ("QKILN_NATIVE_CPU",), lambda: _build_gemv([]),
+        _extension = _load_or_none("native CPU kernels", ("QKILN_NATIVE_CPU",), lambda: _build([]),
                                    "torch's kernels")
     return _extension
 
 
+_ops_switch_logged = False
+
+
 def native_ops():
-    """The compiled cpu_ops extension, or None (reason logged once, or switched off)."""
-    global _ops
-    if _ops is _MISSING:
-        # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA.
-        _ops = _load_or_none("native CPU ops", ("QKILN_NATIVE_CPU", "QKILN_NATIVE_CPU_OPS"),
-                             lambda: _build("qkiln_cpu_ops", _OPS_SOURCE, ["-ffp-contract=off"]),
-                             "torch's code")
-    return _ops if _ops_enabled else None
+    """The extension for the attention and small ops, or None (built but switched off, or absent)."""
+    global _ops_switch_logged
+    if not _ops_enabled:
+        return None
+    if os.environ.get("QKILN_NATIVE_CPU_OPS", "1") == "0":
+        if not _ops_switch_logged:
+            print("qkiln: native CPU ops disabled (QKILN_NATIVE_CPU_OPS=0); using torch's code",
+                  file=sys.stderr)
+            _ops_switch_logged = True
+        return None
+    return native_extension()
 
 
 def use_native_ops(enabled: bool) -> bool:
@@ -94,15 +99,15 @@ def use_native_ops(enabled: bool) -> bool:
 
 
 def build_portable_extension():
-    """A second build without AVX-512 (AVX2 only), to test the portable int4 path on any CPU."""
-    return _build_gemv(["-mno-avx512f"])
+    """A second build without AVX-512 (AVX2 only), to test the portable kernels on any CPU."""
+    return _build(["-mno-avx512f"])
 
 
 def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,
                group_size: int):
     """Unsigned int4 q [out, in] (0..15), scales [out, G], zero points [out, G] (None: 8) ->
     (packed uint8 [out_p / 4, in_p / 64, 4, 32], scales fp32 [out_p / 4, G, 4],
-     c fp32 [out_p, G]) for cpu_gemv.cpp's int4 kernel, with c = s * (16 + z).
+     c fp32 [out_p, G]) for cpu_gemv_int4.cpp's kernel, with c = s * (16 + z).
     """
     out_features, in_features = q.shape
     num_groups = scales.shape[1]

@@ -21,7 +21,7 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
     qkiln::rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads) -> ()
 
 The small fused ops (the last four) follow Hugging Face's eager rounding (reference_small_ops.py);
-on CPU they run csrc/cpu_ops.cpp when it built, on every other device the reference.
+on CPU they run csrc/cpu_small_ops.cpp when it built, on every other device the reference.
 
 The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attention(query, cache,
 ...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from qkiln.plugins import cpu_attention, cpu_linear, cpu_native, reference
 from qkiln.plugins import reference_small_ops as small
-from qkiln.plugins.kv_cache import KVCache
+from qkiln.plugins.kv_cache import KVCache, offset_key
 from qkiln.plugins.packed_weights import FP8Weight, W4A16Weight, W8A16Weight
 
 # Registered through the low-level `torch.library.Library` rather than `@custom_op`: a decode
@@ -191,7 +191,7 @@ def _(qkv, cos, signed_sin, num_heads) -> None:
 
 def cache_write(key: Tensor, value: Tensor, cache: KVCache, slot_mapping: Tensor) -> None:
     """Quantize key/value [N, Hkv, D] into `cache` at slot_mapping [N] int64 (-1 = skip)."""
-    torch.ops.qkiln.cache_write(key, value, *cache.op_tensors(), slot_mapping)
+    torch.ops.qkiln.cache_write(offset_key(key, cache), value, *cache.op_tensors(), slot_mapping)
 
 
 def paged_attention(query: Tensor, cache: KVCache, block_tables: Tensor, seq_lens: Tensor,

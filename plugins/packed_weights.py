@@ -15,11 +15,11 @@ Target "cuda" (Triton W4A16 kernel, triton_w4a16.py; pure torch here, so a CPU m
     w8a16: weight int8 [in, out], scales [1, out]  (the same kernel with 8-bit, one group)
     fp8:   weight float8_e4m3fn [out, in], weight_scale fp32 [out]  (torch._scaled_mm)
 
-Target "cpu", native (plugins/cpu_native.py + csrc/cpu_gemv.cpp; used whenever that extension
+Target "cpu", native (plugins/cpu_native.py + csrc/cpu_gemv_int4.cpp; used whenever that extension
 builds, `in` and group_size are multiples of 32):
 
     packed uint8 [out_p / 4, in_p / 64, 4, 32]: tiles of 4 output rows, 64 nibbles per row per
-           chunk (layout diagram in cpu_gemv.cpp), out_p / in_p pad to multiples of 4 / 64.
+           chunk (layout diagram in cpu_gemv_int4.cpp), out_p / in_p pad to multiples of 4 / 64.
     scales fp32 [out_p / 4, num_groups, 4]  (fp32 and 3-D: this marks the native layout)
     zeros  fp32 [out_p, num_groups] = scales * (16 + z)  (z = 8 when symmetric): the kernel's
            zero term, not the canonical zero point.
@@ -27,7 +27,7 @@ builds, `in` and group_size are multiples of 32):
     Exact W4A16: activations are rounded to bf16 and every product is exact in fp32.
     w8a16: weight int8 [out, in] (canonical), scales fp32 [out] (fp32 marks the native kernel).
            No repacking: the kernel's 4-row tiles are already contiguous blocks of the row-major
-           weight, and it converts int8 -> bf16/fp32 in registers (exact, see cpu_gemv.cpp).
+           weight, and it converts int8 -> bf16/fp32 in registers (exact, see cpu_gemv_int8.cpp).
 
 Target "cpu", torch's tinygemm (`_weight_int4pack_mm_for_cpu`; the fallback without the native
 extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):

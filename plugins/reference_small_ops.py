@@ -1,5 +1,5 @@
 """Plain-torch references for the small fused ops (rms_norm, fused_add_rms_norm, silu_and_mul,
-rotary_embedding): the definitions csrc/cpu_ops.cpp must reproduce, and the kernels every device
+rotary_embedding): the definitions csrc/cpu_small_ops.cpp must reproduce, and the kernels every device
 without a native one runs.
 
 Numerics are Hugging Face's eager code, op by op: every product or sum HF computes in the

@@ -15,6 +15,7 @@ import torch
 
 from qkiln.plugins import KVCache
 
+from .decode_stack import NativeDecodeStack
 from .model import CausalLM
 from .paged_attention import AttentionMetadata, PagedAttention
 from .scheduler import StepPlan
@@ -26,6 +27,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.backend = PagedAttention(caches, model.config.head_dim)
+        # CPU decode-only steps run every layer in one native call when the model qualifies.
+        self.decode_stack = NativeDecodeStack.build(model, caches) if self.device.type == "cpu" else None
 
     def prepare(self, plan: StepPlan):
         ids, positions, slots, seq_lens, starts, sample_rows = [], [], [], [], [0], []
@@ -58,6 +61,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns fp32 logits [num_sampling_seqs, vocab] in `plan.sampling` order."""
         input_ids, positions, metadata, sample_rows = self.prepare(plan)
-        self.backend.metadata = metadata
-        hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
+        if self.decode_stack is not None and self.decode_stack.applies(input_ids.shape[0], metadata):
+            hidden = self.decode_stack.hidden_states(input_ids, positions, metadata)  # [N, hidden]
+        else:
+            self.backend.metadata = metadata
+            hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
         return self.model.compute_logits(hidden[sample_rows]).float()

@@ -1,4 +1,4 @@
-"""qkiln's own CPU kernels (cpu_native.py, csrc/cpu_gemv.cpp) against the fp32 references.
+"""qkiln's own CPU kernels (cpu_native.py, csrc/cpu_gemv_int4.cpp, cpu_gemv_int8.cpp) against the fp32 references.
 
 Error bounds: the int4 kernel rounds activations to bf16 and is otherwise exact up to fp32
 summation, so against the reference fed the same bf16-rounded activations it must agree to

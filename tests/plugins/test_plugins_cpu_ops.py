@@ -1,4 +1,4 @@
-"""qkiln's native CPU ops (csrc/cpu_ops.cpp) against their plain-torch references.
+"""qkiln's native CPU ops (csrc/cpu_attention.cpp, cpu_small_ops.cpp) against their plain-torch references.
 
 Attention: the decode kernel computes in fp32 like cpu_attention.py's torch path, so against the
 reference it must agree to plugins_testlib.TOLERANCE of the query dtype (fp32: 2e-5), on random
@@ -182,3 +182,26 @@ def test_paged_attention_front_door_uses_the_native_decode(ext):
                                 batch.query_start_loc, batch.scale)
     cpu_native.use_native_ops(previous)
     assert rel_error(out, torch_out) < TOLERANCE[torch.bfloat16]
+
+
+def test_portable_build_ops_match_the_references(ext):
+    """The plain-C++ vector fallback (a build without AVX-512; cached after once) gives the same
+    small-op results and decode attention as the references."""
+    portable = cpu_native.build_portable_extension()
+    x, w = torch.randn(5, 72).to(torch.bfloat16), torch.randn(72).to(torch.bfloat16)
+    assert rel_error(portable.rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)) < 1e-2
+    gate_up = torch.randn(3, 2 * 40).to(torch.bfloat16)
+    assert torch.equal(portable.silu_and_mul(gate_up), reference_silu_and_mul(gate_up))
+    qkv, cos, sin = torch.randn(4, 3, 32), torch.randn(4, 32), torch.randn(4, 32)
+    expected = qkv.clone()
+    reference_rotary_embedding(expected, cos, sin, 2)
+    portable.rotary_embedding(qkv, cos, sin, 2)
+    torch.testing.assert_close(qkv, expected, rtol=1e-6, atol=1e-6)
+    cache = make_cache("fp32", 40, 2, 32, block_size=5)
+    batch = PagedBatch(random_specs(3, 5, prefill=False), cache, 6)
+    args = batch.attention_args(cache, torch.float32)
+    query, (tables, lens, starts, scale) = args[0], args[-4:]
+    out = torch.empty_like(query)
+    portable.paged_decode_attention(query, cache.k, cache.v, tables, lens, starts, scale, out)
+    expected = reference_paged_attention(*args)
+    assert rel_error(out, expected) < TOLERANCE[torch.float32]

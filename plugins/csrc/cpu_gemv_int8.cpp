@@ -1,33 +1,6 @@
-// qkiln CPU GEMV / small-GEMM kernels for quantized linears at few rows (decode, M <= 16).
+// qkiln CPU GEMV / small-GEMM kernels for int8-weight linears at few rows (decode, M <= 16).
 //
-// Built at first use by plugins/cpu_native.py (torch.utils.cpp_extension.load, -O3 -march=native).
-// Threads: at::parallel_for over tiles of output rows (torch's intra-op pool).
-//
-// ---- int4 (W4A16), exact: no activation quantization ------------------------------------------
-// Math: W[o,k] = (q[o,k] - z[o,g]) * s[o,g], g = k / G (the last group may be shorter).
-// Each nibble q becomes the bf16 number 16 + q by bit assembly (16.0 = 0x4180 and the ulp in
-// [16, 32) is 1/8, so OR-ing q << 3 into the mantissa is exact), and the activations are bf16, so
-// every product is exact in fp32 (AVX512-BF16 vdpbf16ps accumulates in fp32):
-//
-//     y[m,o] = sum_g s[o,g] * dot_g(16 + q[o], x[m])  -  sum_g c[o,g] * xsum[m,g]
-//     c[o,g] = s[o,g] * (16 + z[o,g]),  xsum[m,g] = sum_{k in g} x[m,k]
-//
-// Layout (uint8 [out_p / 4, K_p / 64, 4, 32]): tiles of R = 4 output rows, 64 weights ("chunk")
-// per row per step, the 4 rows' chunks contiguous so one activation load serves 4 rows:
-//
-//     chunk of row o at k0 = 64c: 16 little-endian uint16 words, word j holds 4 nibbles
-//         bits  0..3  q[k0 + j]        bits  8..11  q[k0 + 32 + j]
-//         bits  4..7  q[k0 + 16 + j]   bits 12..15  q[k0 + 48 + j]
-//     so nibble set n (shift 4n) lines up with the 16 activations x[k0 + 16n .. k0 + 16n + 15].
-//
-// K_p pads K to a multiple of 64 (K itself is a multiple of 32: a half chunk is skipped),
-// out_p pads out to a multiple of 4 (zero scales). scales: fp32 [out_p / 4, num_groups, 4];
-// c: fp32 [out_p, num_groups]. A group boundary always falls on a half chunk (G % 32 == 0).
-//
-// Why not int8 activations + VNNI (llama.cpp's Q4_0 x Q8_0): at one row this kernel computes
-// ~15 GB/s of int4 weights per core from cache, twice what one core streams from DRAM here
-// (~7 GB/s), so decode is memory-bound either way and exactness costs nothing at M = 1.
-// At M = 16 vdpbf16ps (16 MACs/instruction) is the limit; VNNI would be faster there.
+// Built with the other kernels by plugins/cpu_native.py; threads: at::parallel_for over tiles.
 //
 // ---- int8 (W8A16), exact ----------------------------------------------------------------------
 // weight int8 [out, K] row-major (canonical, no repacking: a tile of 4 output rows is already one
@@ -42,215 +15,9 @@
 // Tiles of 4 output rows share each activation load; accumulators per (row, output row) are split
 // to hide the multiply-add latency at small M; the next tile is software-prefetched.
 // Without AVX-512 (BF16, VL, BW): the AVX2 FMA loop, else plain C++.
-//
-// Without AVX512-BF16 the int4 kernel falls back to portable C++ over the same layout.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <type_traits>
-#include <utility>
-#include <vector>
-
-namespace {
-
-constexpr int64_t kRows = 4;     // output rows per tile
-constexpr int64_t kChunk = 64;   // weights per row per chunk (32 bytes of nibbles)
-constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
-constexpr int64_t kPrefetchBytes = 1024;
-
-// Activations [M, K] of any float dtype -> bf16 bits [M, K_p] (zero padded) and group sums of
-// the bf16-rounded values [M, num_groups].
-void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, std::vector<uint16_t>& xb,
-                       std::vector<float>& xsum) {
-  const int64_t M = x.size(0), K = x.size(1), num_groups = (K + G - 1) / G;
-  xb.assign(M * K_p, 0);
-  xsum.assign(M * num_groups, 0.f);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkiln_x_bf16", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) {
-        c10::BFloat16 v(static_cast<float>(src[m * K + k]));  // round to nearest even
-        xb[m * K_p + k] = v.x;
-        xsum[m * num_groups + k / G] += static_cast<float>(v);
-      }
-    }
-  });
-}
-
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Nibble set N of 16 words -> 16 bf16 values 16 + q (see the header).
-template <int N>
-inline __m256i nibbles_to_bf16(__m256i words) {
-  const __m256i mask = _mm256_set1_epi16(0x78), magic = _mm256_set1_epi16(0x4180);
-  const __m256i v = N == 0 ? _mm256_slli_epi16(words, 3) : _mm256_srli_epi16(words, 4 * N - 3);
-  return _mm256_ternarylogic_epi32(v, mask, magic, 0xEA);  // (v & mask) | magic
-}
-
-// Accumulators of one tile: NACC per (activation row m, output row r) break vdpbf16ps's latency
-// chain when MB is small; all indices are compile-time so they stay in registers.
-template <int MB>
-struct Int4Acc {
-  static constexpr int NACC = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  __m256 group[MB][kRows][NACC];  // this group's dot(16 + q, x), unscaled
-  __m256 total[MB][kRows];        // sum over finished groups of s * group
-
-  // Nibble sets N and N + 1 of the chunk `raw` against x[m][16N .. 16N + 31] of that chunk.
-  template <int N>
-  inline void half(const __m256i raw[kRows], const uint16_t* x, int64_t K_p) {
-    for (int n = N; n < N + 2; ++n) {
-      __m256i wv[kRows];
-      for (int r = 0; r < kRows; ++r)
-        wv[r] = n == N ? nibbles_to_bf16<N>(raw[r]) : nibbles_to_bf16<N + 1>(raw[r]);
-      for (int m = 0; m < MB; ++m) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K_p + n * 16));
-        for (int r = 0; r < kRows; ++r)
-          group[m][r][n % NACC] =
-              _mm256_dpbf16_ps(group[m][r][n % NACC], (__m256bh)wv[r], (__m256bh)xv);
-      }
-    }
-  }
-
-  inline void flush(const float* sg) {  // group end: scale this group's dot once
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 sv = _mm256_set1_ps(sg[r]);
-      for (int m = 0; m < MB; ++m) {
-        __m256 sum = group[m][r][0];
-        for (int a = 1; a < NACC; ++a) sum = _mm256_add_ps(sum, group[m][r][a]);
-        total[m][r] = _mm256_fmadd_ps(sum, sv, total[m][r]);
-        for (int a = 0; a < NACC; ++a) group[m][r][a] = _mm256_setzero_ps();
-      }
-    }
-  }
-};
-
-// One tile of 4 output rows x MB activation rows; dots[m][r] = sum_g s * dot_g(16 + q, x).
-template <int MB>
-void int4_tile(const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p, int64_t K,
-               int64_t G, float dots[kMaxMB][kRows]) {
-  Int4Acc<MB> acc;
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRows; ++r) {
-      acc.total[m][r] = _mm256_setzero_ps();
-      for (int a = 0; a < Int4Acc<MB>::NACC; ++a) acc.group[m][r][a] = _mm256_setzero_ps();
-    }
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    __m256i raw[kRows];
-    for (int r = 0; r < kRows; ++r)
-      raw[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * r));
-    // Decode is DRAM-bound (~7 GB/s per core here vs ~15 GB/s of compute); prefetching a few
-    // tiles ahead measured 0-10% faster when streaming weights that do not fit the L3.
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
-    w += kRows * 32;
-    acc.template half<0>(raw, x + k0, K_p);
-    if ((k0 + 32) % G == 0 || k0 + 32 == K) acc.flush(s + ((k0 + 31) / G) * kRows);
-    if (k0 + 32 == K) break;  // K % 64 == 32: the chunk's second half is padding
-    acc.template half<2>(raw, x + k0, K_p);
-    if ((k0 + 64) % G == 0 || k0 + 64 == K) acc.flush(s + ((k0 + 63) / G) * kRows);
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRows; ++r) dots[m][r] = hsum(acc.total[m][r]);
-}
-
-void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
-                    int64_t K, int64_t G, float dots[kMaxMB][kRows]) {
-  switch (MB) {
-    case 1: int4_tile<1>(w, s, x, K_p, K, G, dots); break;
-    case 2: int4_tile<2>(w, s, x, K_p, K, G, dots); break;
-    case 3: int4_tile<3>(w, s, x, K_p, K, G, dots); break;
-    default: int4_tile<4>(w, s, x, K_p, K, G, dots); break;
-  }
-}
-
-#else  // portable fallback over the same layout
-
-void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
-                    int64_t K, int64_t G, float dots[kMaxMB][kRows]) {
-  for (int m = 0; m < MB; ++m) {
-    for (int r = 0; r < kRows; ++r) {
-      float total = 0.f, group = 0.f;
-      for (int64_t k = 0; k < K; ++k) {
-        const int64_t c = k / kChunk, n = (k % kChunk) / 16, j = k % 16;
-        const uint8_t* words = w + (c * kRows + r) * 32;
-        const int q = ((words[2 * j] | (words[2 * j + 1] << 8)) >> (4 * n)) & 15;
-        group += (16.f + q) * static_cast<float>(c10::BFloat16(x[m * K_p + k], c10::BFloat16::from_bits()));
-        if ((k + 1) % G == 0 || k + 1 == K) {
-          total += group * s[(k / G) * kRows + r];
-          group = 0.f;
-        }
-      }
-      dots[m][r] = total;
-    }
-  }
-}
-
-#endif
-
-template <typename out_t>
-void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
-
-}  // namespace
-
-// x [M, K] float/bf16/fp16 contiguous -> y [M, out_features] in x's dtype (see header for layout).
-at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& c, const c10::optional<at::Tensor>& bias, int64_t G,
-                      int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kRows && packed.size(3) == 32,
-              "packed must be uint8 [out_p / 4, K_p / 64, 4, 32]");
-  const int64_t M = x.size(0), K = x.size(1), K_p = packed.size(1) * kChunk;
-  const int64_t num_tiles = packed.size(0), num_groups = scales.size(1);
-  TORCH_CHECK(K % 32 == 0 && K <= K_p && K_p < K + kChunk && G % 32 == 0 &&
-              num_groups == (K + G - 1) / G && scales.dtype() == at::kFloat &&
-              c.size(0) == num_tiles * kRows && out_features <= num_tiles * kRows,
-              "w4a16_gemm: tensors do not match the native int4 layout");
-  std::vector<uint16_t> xb;
-  std::vector<float> xsum;
-  prepare_bf16_rows(x, K_p, G, xb, xsum);
-  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, out_features}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* cz = c.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
-    scalar_t* out = y.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-      float dots[kMaxMB][kRows];
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxMB) {
-          const int MB = static_cast<int>(std::min(kMaxMB, M - m0));
-          int4_tile_rows(MB, w + t * (K_p / 2) * kRows, s + t * num_groups * kRows,
-                         xb.data() + m0 * K_p, K_p, K, G, dots);
-          for (int r = 0; r < kRows; ++r) {
-            const int64_t o = t * kRows + r;
-            if (o >= out_features) break;
-            for (int m = 0; m < MB; ++m) {
-              float v = dots[m][r] + (b ? b[o] : 0.f);
-              const float* xs = xsum.data() + (m0 + m) * num_groups;
-              for (int64_t g = 0; g < num_groups; ++g) v -= cz[o * num_groups + g] * xs[g];
-              store_row(out, (m0 + m) * out_features + o, v);
-            }
-          }
-        }
-      }
-    });
-  });
-  return y;
-}
+#include "gemv_common.h"
+#include "qkiln_cpu.h"
 
 namespace {
 
@@ -533,15 +300,6 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
   return y;
 }
 
-// Which int4 kernel this build compiled: "avx512bf16" or "portable".
-std::string int4_kernel_isa() {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  return "avx512bf16";
-#else
-  return "portable";
-#endif
-}
-
 // Which int8 kernels this build compiled: "avx512" (vdpbf16ps for bf16 x, fp32 FMA otherwise),
 // or "fallback" (AVX2 FMA when available, else plain C++).
 std::string int8_kernel_isa() {
@@ -550,11 +308,4 @@ std::string int8_kernel_isa() {
 #else
   return "fallback";
 #endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w4a16_gemm", &w4a16_gemm, "int4 weight x bf16 activation GEMM for few rows");
-  m.def("w8a16_gemm", &w8a16_gemm, "int8 weight x float activation GEMM for few rows");
-  m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
-  m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
 }

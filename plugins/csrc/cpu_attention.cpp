@@ -1,0 +1,252 @@
+// qkiln CPU paged decode attention over float KV caches, and the float cache write.
+//
+// Built with the other kernels by plugins/cpu_native.py. Threads: at::parallel_for (torch's
+// intra-op pool). Reference: plugins/reference.py.
+//
+// ---- decode attention ---------------------------------------------------------------------------
+// One query row per sequence; task (sequence s, kv head h) reads the sequence's own T = seq_lens[s]
+// slots through its block table (cache [blocks, block_size, Hkv, D]; no gather copy) and serves
+// the GQA group of Hq / Hkv query heads in one pass over K and one over V (two-pass softmax,
+// fp32 throughout; the scale is folded into the query like cpu_attention.py does):
+//     scores[g, t] = (scale * q[g]) . K[t],  p = exp(scores - max),  out[g] = (p @ V) / sum(p)
+// Slots past T are never read, so stale or NaN bytes in unused slots cannot leak.
+//
+
+#include "qkiln_cpu.h"
+#include "vec.h"
+
+namespace {
+
+// ---- decode attention -----------------------------------------------------------------------------
+
+struct Decode {
+  const int32_t* tables;
+  int64_t max_blocks, block_size, num_kv_heads, head_dim, group;
+  float scale;
+};
+
+// Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum.
+inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * T;
+    Vf m = set1(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + kW <= T; t += kW) m = vmax(m, load(s + t));
+    float top = reduce_max(m);
+    for (; t < T; ++t) top = std::max(top, s[t]);
+    const Vf shift = set1(top);
+    Vf total = set1(0.f);
+    for (int64_t t = 0; t < T; t += kW) {
+      store(s + t, vexp(sub(load(s + t, T - t), shift)), T - t);
+      total = add(total, load(s + t, T - t));
+    }
+    inv_sum[g] = 1.f / reduce_add(total);
+  }
+}
+
+// One (sequence, kv head): q [group, D] (row-contiguous heads), K/V rows at stride Hkv * D,
+// out [group, D]. buf holds the scaled query, the accumulators and the scores.
+template <typename kv_t, typename q_t, typename o_t>
+void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* v_head,
+                 const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf) {
+  const int64_t D = a.head_dim, G = a.group, row_stride = a.num_kv_heads * D;
+  const int64_t block_stride = a.block_size * row_stride;
+  buf.resize(2 * G * D + G * T);
+  float *qf = buf.data(), *acc = qf + G * D, *scores = acc + G * D;  // [G, D], [G, D], [G, T]
+  const Vf scale = set1(a.scale);
+  for (int64_t i = 0; i < G * D; i += kW) {
+    store(qf + i, mul(load(q + i), scale));
+    store(acc + i, set1(0.f));
+  }
+  for (int64_t t0 = 0, b = 0; t0 < T; t0 += a.block_size, ++b) {  // pass 1: scores
+    const kv_t* rows = k_head + table[b] * block_stride;
+    for (int64_t t = t0; t < std::min(T, t0 + a.block_size); ++t, rows += row_stride) {
+      for (int64_t g = 0; g < G; ++g) {
+        Vf dot = set1(0.f);
+        for (int64_t d = 0; d < D; d += kW) dot = fmadd(load(qf + g * D + d), load(rows + d), dot);
+        scores[g * T + t] = reduce_add(dot);
+      }
+    }
+  }
+  std::vector<float> inv_sum(G);
+  softmax_rows(scores, G, T, inv_sum.data());
+  for (int64_t t0 = 0, b = 0; t0 < T; t0 += a.block_size, ++b) {  // pass 2: p @ V
+    const kv_t* rows = v_head + table[b] * block_stride;
+    for (int64_t t = t0; t < std::min(T, t0 + a.block_size); ++t, rows += row_stride) {
+      for (int64_t d = 0; d < D; d += kW) {
+        const Vf v = load(rows + d);
+        for (int64_t g = 0; g < G; ++g)
+          store(acc + g * D + d, fmadd(set1(scores[g * T + t]), v, load(acc + g * D + d)));
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += kW)
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+}
+
+// decode_head for D = 16 * NV: the query row and the accumulators live in registers, scores are
+// reduced 16 tokens at a time (sum16), and each 16-token tile of K/V is read once from memory and
+// served to the whole GQA group from L1.
+template <int NV, typename kv_t, typename q_t, typename o_t>
+void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* v_head,
+                       const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf) {
+  constexpr int64_t D = NV * kW;
+  const int64_t G = a.group, row_stride = a.num_kv_heads * D, bs = a.block_size;
+  buf.resize(2 * G * D + G * T + G);
+  float *qf = buf.data(), *acc = qf + G * D, *scores = acc + G * D;  // [G, D], [G, D], [G, T]
+  float* inv_sum = scores + G * T;
+  for (int64_t i = 0; i < G * D; i += kW) {
+    store(qf + i, mul(load(q + i), set1(a.scale)));
+    store(acc + i, set1(0.f));
+  }
+  int64_t offsets[kW];  // element offsets of the tile's rows in k_head / v_head
+  auto tile_rows = [&](int64_t t0, int64_t n) {
+    int64_t b = t0 / bs, o = t0 % bs;
+    for (int64_t i = 0; i < n; ++i) {
+      offsets[i] = (table[b] * bs + o) * row_stride;
+      if (++o == bs) o = 0, ++b;
+    }
+  };
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    tile_rows(t0, n);
+    for (int64_t g = 0; g < G; ++g) {
+      Vf qv[NV], dots[kW];
+      for (int j = 0; j < NV; ++j) qv[j] = load(qf + g * D + j * kW);
+      for (int i = 0; i < kW; ++i) {
+        if (i >= n) { dots[i] = set1(0.f); continue; }
+        const kv_t* row = k_head + offsets[i];
+        Vf d = mul(qv[0], load(row));
+        for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
+        dots[i] = d;
+      }
+      store(scores + g * T + t0, sum16(dots), n);
+    }
+  }
+  softmax_rows(scores, G, T, inv_sum);
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 2: p @ V
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    tile_rows(t0, n);
+    for (int64_t g = 0; g < G; ++g) {
+      Vf even[NV], odd[NV];  // two chains halve the FMA latency chain
+      for (int j = 0; j < NV; ++j) even[j] = load(acc + g * D + j * kW), odd[j] = set1(0.f);
+      const float* p = scores + g * T + t0;
+      int64_t i = 0;
+      for (; i + 1 < n; i += 2) {
+        const kv_t *r0 = v_head + offsets[i], *r1 = v_head + offsets[i + 1];
+        const Vf p0 = set1(p[i]), p1 = set1(p[i + 1]);
+        for (int j = 0; j < NV; ++j) {
+          even[j] = fmadd(p0, load(r0 + j * kW), even[j]);
+          odd[j] = fmadd(p1, load(r1 + j * kW), odd[j]);
+        }
+      }
+      if (i < n)
+        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(p[i]), load(v_head + offsets[i] + j * kW), even[j]);
+      for (int j = 0; j < NV; ++j) store(acc + g * D + j * kW, add(even[j], odd[j]));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += kW)
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+}
+
+}  // namespace
+
+// Decode rows of a paged attention step: every sequence s with exactly one query row (at row
+// query_start_loc[s]) gets out[row] (out [N, Hq, D], any float dtype; other rows untouched).
+// query [N, Hq, D] (rows at any stride, heads dense: a view of the fused qkv); caches [blocks, block_size, Hkv, D] bf16/fp16/fp32, D % 16 == 0.
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                            double scale, at::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
+              out.is_contiguous() && out.sizes() == query.sizes(),
+              "query must be [N, Hq, D] with dense heads, out contiguous [N, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.dtype() == v_cache.dtype(),
+              "k_cache and v_cache must be contiguous [blocks, block_size, Hkv, D] of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+              seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "block_tables, seq_lens, query_start_loc must be contiguous int32");
+  const int64_t num_seqs = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && D % kW == 0 && Hq % Hkv == 0 &&
+              query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "paged_decode_attention: shapes do not match (needs head_dim % 16 == 0)");
+  const Decode a{block_tables.data_ptr<int32_t>(), block_tables.size(1), k_cache.size(1), Hkv, D,
+                 Hq / Hkv, static_cast<float>(scale)};
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  QKILN_DISPATCH(k_cache.scalar_type(), "qkiln_decode_kv", [&] {
+    using kv_t = scalar_t;
+    const kv_t* kp = k_cache.data_ptr<kv_t>();
+    const kv_t* vp = v_cache.data_ptr<kv_t>();
+    QKILN_DISPATCH(query.scalar_type(), "qkiln_decode_q", [&] {
+      using q_t = scalar_t;
+      const q_t* qp = query.data_ptr<q_t>();
+      QKILN_DISPATCH(out.scalar_type(), "qkiln_decode_o", [&] {
+        scalar_t* op = out.data_ptr<scalar_t>();
+        at::parallel_for(0, num_seqs * Hkv, 1, [&](int64_t begin, int64_t end) {
+          thread_local std::vector<float> buf;
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t s = i / Hkv, h = i % Hkv, row = starts[s], T = lens[s];
+            if (starts[s + 1] - row != 1) continue;  // a prefill chunk: not ours
+            const int64_t offset = (row * Hq + h * a.group) * D;  // in out
+            if (T <= 0) {
+              for (int64_t j = 0; j < a.group * D; ++j) op[offset + j] = 0;
+              continue;
+            }
+            const q_t* qrow = qp + row * query.stride(0) + h * a.group * D;
+            const int32_t* table = a.tables + s * a.max_blocks;
+            if (D == 64)
+              decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+            else if (D == 128)
+              decode_head_tiled<8>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+            else
+              decode_head(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+          }
+        });
+      });
+    });
+  });
+}
+
+// key/value [N, Hkv, D] (rows at any stride, heads dense) -> caches at slot_mapping [N] int64
+// (-1 skipped), converted to the cache dtype (float caches only).
+void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "cache_write: slot_mapping must be contiguous int64, caches contiguous");
+  const int64_t N = key.size(0), width = k_cache.size(2) * k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (const at::Tensor* x : {&key, &value})
+    TORCH_CHECK(x->dim() == 3 && x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
+                x->stride(1) == x->size(2) && x->dtype() == key.dtype(),
+                "cache_write: key/value must be [N, Hkv, D] with dense heads");
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(slots[i] < num_slots, "cache_write: slot ", slots[i], " is past the cache");
+  QKILN_DISPATCH(k_cache.scalar_type(), "qkiln_cw_c", [&] {
+    using c_t = scalar_t;
+    QKILN_DISPATCH(key.scalar_type(), "qkiln_cw_x", [&] {
+      for (auto [x, cache] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
+        const scalar_t* src = x->data_ptr<scalar_t>();
+        c_t* dst = cache->data_ptr<c_t>();
+        for (int64_t i = 0; i < N; ++i) {
+          if (slots[i] < 0) continue;
+          const scalar_t* row = src + i * x->stride(0);
+          c_t* slot = dst + slots[i] * width;
+          if constexpr (std::is_same_v<scalar_t, c_t>) {
+            std::memcpy(slot, row, width * sizeof(c_t));
+          } else {
+            for (int64_t j = 0; j < width; j += kW) store(slot + j, load(row + j, width - j), width - j);
+          }
+        }
+      }
+    });
+  });
+}
+

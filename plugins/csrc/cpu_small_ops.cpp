@@ -1,0 +1,148 @@
+// qkiln CPU elementwise ops for the bf16 serving path (add + RMSNorm, SiLU-and-mul, rotary
+// embedding). Built with the other kernels by plugins/cpu_native.py (-ffp-contract=off: a product
+// HF rounds to bf16 must not fuse into an FMA). Reference: plugins/reference_small_ops.py.
+//
+// ---- elementwise ops: Hugging Face's eager rounding, op by op -----------------------------------
+// Every intermediate that HF's bf16/fp16 code rounds to the activation dtype T is rounded here too
+// (R = round to T, float math between):
+//     add + RMSNorm   h = R(x + r);  y = R(h * 1 / sqrt(sum(h^2) / H + eps));  out = R(w * y)
+//     SiLU and mul    out = R(R(g / (1 + exp(-g))) * u)           exp: torch's own Sleef_expf16_u10
+//     RoPE            out = R(R(x * cos) + R(roll(x, D/2) * signed_sin))
+// Only the fp32 order of sum(h^2) differs from torch, so results are bit-identical except where
+// that changes a rounding. -ffp-contract=off keeps the compiler from fusing a rounded product
+// into an FMA.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+
+#include "qkiln_cpu.h"
+#include "vec.h"
+
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 15;  // below this, one thread: a parallel region costs more
+
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& body) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t r = begin; r < end; ++r) body(r);
+                   });
+}
+
+// One row: (residual ? h = R(x + residual) -> residual : h = x); x_out = R(w * R(h * inv_rms)).
+template <typename T>
+void norm_row(const T* x, T* residual, const T* w, T* out, int64_t H, float eps) {
+  Vf sumsq = set1(0.f);
+  const T* h = x;
+  if (residual) {
+    for (int64_t i = 0; i < H; i += kW) store(residual + i, add(load(x + i, H - i), load(residual + i, H - i)), H - i);
+    h = residual;
+  }
+  for (int64_t i = 0; i < H; i += kW) {
+    const Vf v = load(h + i, H - i);
+    sumsq = add(sumsq, mul(v, v));
+  }
+  // torch: mean = sum / H, then + eps, then rsqrt (1 / sqrt, two roundings).
+  const float inv = 1.f / std::sqrt(reduce_add(sumsq) / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; i += kW) {
+    const Vf y = round_to<T>(mul(load(h + i, H - i), set1(inv)));
+    store(out + i, mul(load(w + i, H - i), y), H - i);
+  }
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
+              x.size(-1) == weight.size(0) && x.dtype() == weight.dtype(),
+              "rms_norm: x must be contiguous [..., H] and weight [H] of x's dtype");
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  at::Tensor out = at::empty_like(x);
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  QKILN_DISPATCH(x.scalar_type(), "qkiln_rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, H, [&](int64_t r) {
+      norm_row<scalar_t>(xp + r * H, nullptr, wp, op + r * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// vLLM's fused_add_rms_norm: residual = R(x + residual); x = rms_norm(residual) * weight.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.dtype() == x.dtype(),
+              "fused_add_rms_norm: residual must be contiguous and match x");
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  QKILN_DISPATCH(x.scalar_type(), "qkiln_add_rms_norm", [&] {
+    scalar_t *xp = x.data_ptr<scalar_t>(), *rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    for_rows(rows, H, [&](int64_t r) {
+      norm_row<scalar_t>(xp + r * H, rp + r * H, wp, xp + r * H, H, static_cast<float>(eps));
+    });
+  });
+}
+
+// gate_up [..., 2I] contiguous -> R(R(silu(gate)) * up) [..., I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
+              "silu_and_mul: needs a contiguous [..., 2 * I] tensor");
+  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = I;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  QKILN_DISPATCH(gate_up.scalar_type(), "qkiln_silu_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, 2 * I, [&](int64_t r) {
+      const scalar_t *g = in + r * 2 * I, *u = g + I;
+      for (int64_t i = 0; i < I; i += kW) {
+        const Vf x = load(g + i, I - i);
+        const Vf silu = round_to<scalar_t>(div(x, add(set1(1.f), vexp(sub(set1(0.f), x)))));
+        store(op + r * I + i, mul(silu, load(u + i, I - i)), I - i);
+      }
+    });
+  });
+  return out;
+}
+
+// In place on heads [0, num_heads) of qkv [N, H_total, D] (rows at any stride, heads dense);
+// cos, signed_sin [N, D] contiguous, qkv's dtype (runtime/rope.py's tables).
+void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                      int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1 && qkv.stride(1) == qkv.size(2) &&
+              qkv.size(2) % 2 == 0 && num_heads <= qkv.size(1),
+              "rotary_embedding: qkv must be [N, H, D] with dense heads, even D");
+  const int64_t N = qkv.size(0), D = qkv.size(2), half = D / 2;
+  for (const at::Tensor* t : {&cos, &signed_sin})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == N * D && t->dtype() == qkv.dtype(),
+                "rotary_embedding: cos/sin must be contiguous [N, D] in qkv's dtype");
+  QKILN_DISPATCH(qkv.scalar_type(), "qkiln_rope", [&] {
+    using T = scalar_t;
+    T* base = qkv.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = signed_sin.data_ptr<T>();
+    for_rows(N, num_heads * D, [&](int64_t n) {
+      const T *c = cp + n * D, *s = sp + n * D;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        T* x = base + n * qkv.stride(0) + h * D;
+        for (int64_t i = 0; i < half; i += kW) {
+          const int64_t m = half - i;
+          const Vf x1 = load(x + i, m), x2 = load(x + half + i, m);
+          const Vf y1 = add(round_to<T>(mul(x1, load(c + i, m))), round_to<T>(mul(x2, load(s + i, m))));
+          const Vf y2 = add(round_to<T>(mul(x2, load(c + half + i, m))),
+                            round_to<T>(mul(x1, load(s + half + i, m))));
+          store(x + i, y1, m);
+          store(x + half + i, y2, m);
+        }
+      }
+    });
+  });
+}
+
+bool silu_exp_is_torchs() { return exp_is_torchs(); }

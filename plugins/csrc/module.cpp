@@ -1,0 +1,49 @@
+// The Python module of qkiln's CPU kernels (one extension, built by plugins/cpu_native.py).
+
+#include <torch/extension.h>
+
+#include "decode_stack.h"
+#include "qkiln_cpu.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("w4a16_gemm", &w4a16_gemm, "int4 weight x bf16 activation GEMM for few rows");
+  m.def("w8a16_gemm", &w8a16_gemm, "int8 weight x float activation GEMM for few rows");
+  m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
+  m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode rows of paged attention");
+  m.def("cache_write", &cache_write, "write K/V rows into float paged caches");
+  m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
+  m.def("exp_is_torchs", &silu_exp_is_torchs, "whether SiLU uses torch's own vector exp");
+
+  // module_local: the portable test build loads a second copy of these types in one process.
+  namespace py = pybind11;
+  py::class_<NativeLinear>(m, "NativeLinear", py::module_local())
+      .def(py::init([](int64_t bits, at::Tensor weight, at::Tensor scales,
+                       c10::optional<at::Tensor> zero_term, c10::optional<at::Tensor> bias,
+                       int64_t group_size, int64_t out_features) {
+             TORCH_CHECK(bits == 8 || (bits == 4 && zero_term.has_value()),
+                         "NativeLinear: bits must be 4 (with zero_term) or 8");
+             return NativeLinear{bits, weight, scales, zero_term.value_or(at::Tensor()), bias,
+                                 group_size, out_features};
+           }),
+           py::arg("bits"), py::arg("weight"), py::arg("scales"), py::arg("zero_term"),
+           py::arg("bias"), py::arg("group_size"), py::arg("out_features"))
+      .def("__call__", &NativeLinear::operator(), py::call_guard<py::gil_scoped_release>());
+  py::class_<StackLayer>(m, "StackLayer", py::module_local())
+      .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
+                       at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
+                       at::Tensor v_cache) {
+             return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache};
+           }),
+           py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("k_cache"), py::arg("v_cache"));
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
+      .def(py::init<std::vector<StackLayer>, at::Tensor, int64_t, int64_t, int64_t, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}

@@ -1,0 +1,152 @@
+// The 16-float vector abstraction the attention and elementwise kernels are written in: AVX-512
+// when the build has it, else plain structs over the same interface (portable builds, tests).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// float, bf16, fp16 (the kernels have no double path).
+#define QKILN_DISPATCH(TYPE, NAME, ...)                                        \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)             \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+constexpr int kW = 16;  // floats per vector
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+using Vf = __m512;
+inline __mmask16 lanes(int64_t n) { return n >= kW ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+inline Vf load(const float* p, int64_t n = kW) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+inline Vf load(const c10::BFloat16* p, int64_t n = kW) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(lanes(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline Vf load(const c10::Half* p, int64_t n = kW) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p));
+}
+inline void store(float* p, Vf v, int64_t n = kW) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+// c10::BFloat16's rounding (nearest even on the bits; NaN -> 0x7FC0), not vcvtneps2bf16, which
+// flushes denormals.
+inline __m256i bf16_bits(Vf v) {
+  const __m512i x = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) {
+  _mm256_mask_storeu_epi16(p, lanes(n), bf16_bits(v));
+}
+inline void store(c10::Half* p, Vf v, int64_t n = kW) {
+  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline Vf set1(float x) { return _mm512_set1_ps(x); }
+inline Vf add(Vf a, Vf b) { return _mm512_add_ps(a, b); }
+inline Vf sub(Vf a, Vf b) { return _mm512_sub_ps(a, b); }
+inline Vf mul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
+inline Vf div(Vf a, Vf b) { return _mm512_div_ps(a, b); }
+inline Vf vmax(Vf a, Vf b) { return _mm512_max_ps(a, b); }
+inline Vf fmadd(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(Vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(Vf v) { return _mm512_reduce_max_ps(v); }
+// Round to T and back (identity for float).
+template <typename T> inline Vf round_to(Vf v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_bits(v)), 16));
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    return v;
+  }
+}
+
+// v[0..15] -> lane i = sum of v[i]'s lanes: a shuffle tree (30 shuffles for 16 sums, against ~64
+// for 16 separate horizontal reductions).
+inline Vf sum16(const Vf* v) {
+  Vf s2[8], s4[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per quarter: [a, b, c, d] partial sums
+    const __m512d x = _mm512_castps_pd(s2[2 * i]), y = _mm512_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const Vf x = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xDD));
+  const Vf y = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+}
+
+// torch's Vectorized<float>::exp is Sleef_expf16_u10 (exported by libtorch_cpu); using the same
+// function keeps SiLU bit-identical. Looked up at run time so a torch without it still loads us.
+using ExpFn = __m512 (*)(__m512);
+ExpFn sleef_exp() {
+  static const ExpFn fn = [] {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    return lib ? reinterpret_cast<ExpFn>(dlsym(lib, "Sleef_expf16_u10")) : nullptr;
+  }();
+  return fn;
+}
+inline Vf vexp(Vf v) {
+  static const ExpFn fn = sleef_exp();
+  if (fn) return fn(v);
+  alignas(64) float x[kW];
+  _mm512_store_ps(x, v);
+  for (float& e : x) e = std::exp(e);
+  return _mm512_load_ps(x);
+}
+bool exp_is_torchs() { return sleef_exp() != nullptr; }
+
+#else  // portable: the same kernels over 16-float structs
+
+struct Vf { float x[kW]; };
+template <typename T> inline Vf load_any(const T* p, int64_t n) {
+  Vf v{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, kW); ++i) v.x[i] = static_cast<float>(p[i]);
+  return v;
+}
+template <typename T> inline void store_any(T* p, Vf v, int64_t n) {
+  for (int64_t i = 0; i < std::min<int64_t>(n, kW); ++i) p[i] = static_cast<T>(v.x[i]);
+}
+// Plain overloads, not a template: argument-dependent lookup also finds c10::load<T> for c10
+// types, and a template here would be ambiguous with it.
+inline Vf load(const float* p, int64_t n = kW) { return load_any(p, n); }
+inline Vf load(const c10::BFloat16* p, int64_t n = kW) { return load_any(p, n); }
+inline Vf load(const c10::Half* p, int64_t n = kW) { return load_any(p, n); }
+inline void store(float* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
+inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
+inline void store(c10::Half* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
+template <typename F> inline Vf map2(Vf a, Vf b, F f) { for (int i = 0; i < kW; ++i) a.x[i] = f(a.x[i], b.x[i]); return a; }
+inline Vf set1(float x) { Vf v; for (float& e : v.x) e = x; return v; }
+inline Vf add(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p + q; }); }
+inline Vf sub(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p - q; }); }
+inline Vf mul(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p * q; }); }
+inline Vf div(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p / q; }); }
+inline Vf vmax(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return std::max(p, q); }); }
+inline Vf fmadd(Vf a, Vf b, Vf c) { return add(mul(a, b), c); }
+inline float reduce_add(Vf v) { float s = 0.f; for (float e : v.x) s += e; return s; }
+inline float reduce_max(Vf v) { float s = v.x[0]; for (float e : v.x) s = std::max(s, e); return s; }
+template <typename T> inline Vf round_to(Vf v) {
+  for (float& e : v.x) e = static_cast<float>(static_cast<T>(e));
+  return v;
+}
+inline Vf vexp(Vf v) { for (float& e : v.x) e = std::exp(e); return v; }
+inline Vf sum16(const Vf* v) { Vf r; for (int i = 0; i < kW; ++i) r.x[i] = reduce_add(v[i]); return r; }
+bool exp_is_torchs() { return false; }
+
+#endif
+
+}  // namespace

@@ -1,0 +1,92 @@
+"""The CPU decode fast path: all decoder layers of a decode-only step in one native call.
+
+At batch 1 a CPU decode step of a small model is hundreds of small kernel calls, and through
+Python modules and the dispatcher each costs more than many of the kernels themselves. For the
+common serving configuration (every linear in a native quantized layout, q/k/v and gate/up
+fused, float KV caches without scales, bf16/fp16 activations) `NativeDecodeStack` hands the
+whole layer loop to csrc/decode_stack.cpp, which calls the same kernels in the same order as
+model.py's fused path, so the hidden states are bit-identical (tests/runtime compare them).
+
+`build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
+path serves every step); `applies` says per step whether the step is decodes only and small
+enough for the GEMV kernels. Embeddings, RoPE tables and the lm_head stay in model.py.
+QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
+"""
+
+import os
+
+import torch
+
+from qkiln.plugins import KVCache, cpu_native
+from qkiln.plugins.cpu_linear import SMALL_M
+from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
+
+from .model import CausalLM
+from .paged_attention import AttentionMetadata
+from .quantized_linear import QuantizedLinear
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _native_linear(module, ext):
+    """The extension's NativeLinear for a linear in a native layout, else None."""
+    if not isinstance(module, QuantizedLinear):
+        return None
+    w, bias = module.packed, module.bias
+    if isinstance(w, W4A16Weight) and w.target == "cpu" and cpu_native.is_native_w4a16(w.scales):
+        return ext.NativeLinear(4, w.packed, w.scales, w.zeros, bias, w.group_size, w.out_features)
+    if isinstance(w, W8A16Weight) and w.target == "cpu" and w.scales.dtype == torch.float32:
+        return ext.NativeLinear(8, w.weight, w.scales, None, bias, 0, w.weight.shape[0])
+    return None
+
+
+def _plain_float_cache(cache: KVCache) -> bool:
+    """Float storage and no scales, offsets or smoothing of any kind (the kernel reads raw K/V)."""
+    extras = [v for name, v in vars(cache).items() if name not in ("k", "v") and isinstance(v, torch.Tensor)]
+    return cache.k.dtype in _CACHE_DTYPES and cache.k.device.type == "cpu" and not extras
+
+
+class NativeDecodeStack:
+    def __init__(self, model: CausalLM, stack):
+        self.model, self.stack = model, stack
+
+    @classmethod
+    def build(cls, model: CausalLM, caches: list[KVCache]) -> "NativeDecodeStack | None":
+        """The stack for this model and its caches, or None when any part does not qualify."""
+        if os.environ.get("QKILN_DECODE_STACK", "1") == "0":
+            return None
+        ext = cpu_native.native_ops()
+        embed = model.model.embed_tokens.weight
+        config = model.config
+        if ext is None or embed.device.type != "cpu" or embed.dtype not in _DTYPES or \
+                config.head_dim % 16 or len(caches) != config.num_hidden_layers:
+            return None
+        layers = []
+        for layer, cache in zip(model.model.layers, caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None or \
+                    not _plain_float_cache(cache):
+                return None
+            linears = [_native_linear(m, ext) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                         mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
+                return None
+            layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v))
+        norm = model.model.norm
+        stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
+                                config.num_key_value_heads, config.head_dim, norm.eps)
+        return cls(model, stack)
+
+    def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
+        """Decodes only (one row per sequence), few enough rows for the GEMV kernels, ops on."""
+        return num_tokens == metadata.seq_lens.shape[0] and num_tokens <= SMALL_M and \
+            cpu_native.native_ops() is not None
+
+    def hidden_states(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
+        """ids [N] -> [N, hidden] after the final norm, as CausalLM.hidden_states computes it."""
+        x = self.model.model.embed_tokens(input_ids)  # [N, hidden]
+        cos, signed_sin = self.model.rope.cos_sin(positions, x.dtype)  # [N, 1, D] each
+        return self.stack.forward(x, cos, signed_sin, metadata.slot_mapping, metadata.block_tables,
+                                  metadata.seq_lens, metadata.query_start_loc)

@@ -1,0 +1,103 @@
+"""The native CPU decode stack (runtime/decode_stack.py, csrc/decode_stack.cpp): bit-identical to
+the Python layer loop, used exactly for the steps and models it claims."""
+
+import pytest
+import torch
+
+from qkiln.plugins import cpu_native
+from qkiln.runtime.engine import EngineConfig, LLMEngine
+from qkiln.runtime.loader import load_for_serving
+from qkiln.runtime.sampling_params import SamplingParams
+from tiny_models import write_tiny_hf_model
+
+pytestmark = pytest.mark.skipif(cpu_native.native_ops() is None, reason="native CPU kernels not built")
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import load_recipe
+
+    tmp = tmp_path_factory.mktemp("stack")
+    source = write_tiny_hf_model(tmp / "m", "llama")
+    out = {name: build(str(source), load_recipe(name), tmp / name, use_cache=False, progress=False,
+                       log=lambda m: None).path for name in ("w4a16-rtn", "w8a16")}
+    return source, out
+
+
+def _engine(path, monkeypatch, stack: bool, dtype="bf16", **config) -> LLMEngine:
+    monkeypatch.setenv("QKILN_DECODE_STACK", "1" if stack else "0")
+    loaded = load_for_serving(str(path), dtype=dtype)
+    return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config))
+
+
+def _run_recording(engine: LLMEngine, prompts, max_tokens: int):
+    """Greedy token ids per prompt, every step's logits, and per step (tokens, sequences, whether
+    the stack served it)."""
+    logits, steps = [], []
+    runner, stack = engine.runner, engine.runner.decode_stack
+    execute = runner.execute
+
+    def recording(plan):
+        steps.append([sum(s.num_scheduled_tokens for s in plan.scheduled), len(plan.scheduled), False])
+        logits.append(execute(plan))
+        return logits[-1]
+
+    runner.execute = recording
+    if stack is not None:
+        hidden_states = stack.hidden_states
+
+        def counted(*args):
+            steps[-1][2] = True
+            return hidden_states(*args)
+
+        stack.hidden_states = counted
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+           for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        engine.check_integrity()
+    return [done[i] for i in ids], logits, steps
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16"])
+def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, recipe):
+    _, paths = artifacts
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 33)]
+    fast = _engine(paths[recipe], monkeypatch, stack=True)
+    slow = _engine(paths[recipe], monkeypatch, stack=False)
+    assert fast.runner.decode_stack is not None and slow.runner.decode_stack is None
+    tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 12)
+    tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 12)
+    assert tokens_fast == tokens_slow
+    assert sum(served for _, _, served in steps) == 11  # every decode step; not the prefill
+    assert len(logits_fast) == len(logits_slow)
+    for a, b in zip(logits_fast, logits_slow):
+        assert torch.equal(a, b)
+
+
+def test_mixed_and_large_steps_take_the_python_path(artifacts, monkeypatch):
+    _, paths = artifacts
+    # 17 decodes at once exceed the GEMV row limit; staggered budgets mix prefill with decodes.
+    engine = _engine(paths["w4a16-rtn"], monkeypatch, stack=True, max_num_batched_tokens=64)
+    prompts = [[i + 1] * (3 + i) for i in range(17)]
+    reference = _engine(paths["w4a16-rtn"], monkeypatch, stack=False, max_num_batched_tokens=64)
+    tokens, _, steps = _run_recording(engine, prompts, 6)
+    assert tokens == _run_recording(reference, prompts, 6)[0]
+    for num_tokens, num_seqs, served in steps:
+        assert served == (num_tokens == num_seqs <= 16)
+    assert any(n == s == 17 for n, s, _ in steps) and any(n > s for n, s, _ in steps)
+    assert any(served for _, _, served in steps)
+
+
+def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypatch):
+    source, paths = artifacts
+    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, kv_dtype="fp8").runner.decode_stack is None
+    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, dtype="fp32").runner.decode_stack is None
+    assert _engine(source, monkeypatch, stack=True).runner.decode_stack is None  # bf16 linears
+    monkeypatch.setattr(cpu_native, "_ops_enabled", False)
+    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True).runner.decode_stack is None
