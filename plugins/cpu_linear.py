@@ -47,8 +47,8 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     return _finish(out[:, :out_features], x, bias, out_features)
 
 
-def cpu_w8a16_linear(x, weight, scales, bias=None):
-    """x [..., in] @ (int8 weight [out, in] * scales [out])^T."""
+def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
+    """x [..., in] @ (int8 weight [out, in] * scales [out])^T; `dequantized`: the codes as bf16."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.shape[0] <= SMALL_M and scales.dtype == torch.float32:  # native layout
@@ -58,7 +58,8 @@ def cpu_w8a16_linear(x, weight, scales, bias=None):
     if rows.shape[0] <= SMALL_M:
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
-        out = (rows @ weight.to(torch.bfloat16).t()) * scales
+        codes = dequantized if dequantized is not None else weight.to(torch.bfloat16)
+        out = (rows @ codes.t()) * scales
     return _finish(out, x, bias, out_features)
 
 

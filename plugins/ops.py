@@ -13,7 +13,7 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
         Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor
     qkiln::w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size,
         int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor
-    qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor
+    qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor
     qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
     qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
@@ -52,7 +52,7 @@ _LIB.define("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tenso
             "Tensor query_start_loc, float scale) -> Tensor")
 _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size, "
             "int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor")
-_LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor")
+_LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
@@ -114,7 +114,7 @@ def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, deq
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _cuda_w8a16_linear(x, weight, scales, bias):
+def _cuda_w8a16_linear(x, weight, scales, bias, dequantized):
     from qkiln.plugins.triton_w4a16 import triton_wna16_linear
 
     in_features, out_features = weight.shape
@@ -127,7 +127,7 @@ _register("w8a16_linear", cpu_linear.cpu_w8a16_linear, _cuda_w8a16_linear, _no_k
 
 
 @torch.library.register_fake("qkiln::w8a16_linear")
-def _(x, weight, scales, bias):
+def _(x, weight, scales, bias, dequantized):
     return x.new_empty(*x.shape[:-1], scales.shape[-1])  # [out] on cpu, [1, out] on cuda
 
 
@@ -212,7 +212,7 @@ def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> 
 
 
 def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:
-    return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias)
+    return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias, weight.dequantized)
 
 
 def fp8_w8a8_linear(x: Tensor, weight: FP8Weight, bias: Tensor | None = None) -> Tensor:

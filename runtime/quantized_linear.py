@@ -45,7 +45,8 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
             packed = prepare_w4a16(qweight, tensors[name + ".scales"].float(), zeros, gs, target,
                                    keep_dequantized=target == "cpu", dtype=dtype)
         elif fmt == "int8":
-            packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target)
+            packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target,
+                                   keep_dequantized=target == "cpu")
         elif fmt == "fp8":
             packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float().reshape(-1),
                                       target)

@@ -60,13 +60,16 @@ def test_cuda_layout_packs_pairs_along_in_features():
     assert weight.scales.shape == (2, 16) and weight.zeros is None
 
 
+@pytest.mark.parametrize("keep_dequantized", [False, True])
 @pytest.mark.parametrize("rows", [2, 40])
-def test_cpu_w8a16_matches_reference(rows):
+def test_cpu_w8a16_matches_reference(rows, keep_dequantized):
     qweight = torch.randint(-128, 128, (48, 96), dtype=torch.int8)
     scales = torch.rand(48) * 0.01 + 0.001
     bias = torch.randn(48)
     x = torch.randn(rows, 96)
-    actual = w8a16_linear(x, prepare_w8a16(qweight, scales, "cpu"), bias)
+    weight = prepare_w8a16(qweight, scales, "cpu", keep_dequantized=keep_dequantized)
+    assert (weight.dequantized is not None) == keep_dequantized
+    actual = w8a16_linear(x, weight, bias)
     assert rel_error(actual, reference_w8a16_linear(x, qweight, scales, bias)) < BF16_TOLERANCE
 
 

@@ -35,7 +35,7 @@ def test_opcheck_linear_ops():
     torch.library.opcheck(torch.ops.qkiln.w4a16_linear.default,
                           (x, w.packed, w.scales, w.zeros, w.group_size, 64, 16, None, None))
     w8 = prepare_w8a16(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16), "cpu")
-    torch.library.opcheck(torch.ops.qkiln.w8a16_linear.default, (x, w8.weight, w8.scales, None))
+    torch.library.opcheck(torch.ops.qkiln.w8a16_linear.default, (x, w8.weight, w8.scales, None, None))
     fp8 = prepare_fp8_w8a8(torch.randn(16, 64).to(torch.float8_e4m3fn), torch.rand(16), "cpu")
     torch.library.opcheck(torch.ops.qkiln.fp8_w8a8_linear.default,
                           (x, fp8.weight, fp8.weight_scale, torch.randn(16)))
