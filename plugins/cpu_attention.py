@@ -1,8 +1,9 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
-Native first: for float caches (bf16/fp16/fp32) without key smoothing, the decode rows and the
-cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V through the block tables,
-no gather copies); prefill rows, fp8/int4 caches and key smoothing keep the torch code below.
+Native first: for float caches (bf16/fp16/fp32) without key smoothing, attention (decodes and
+prefill chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V
+through the block tables, no gather copies); fp8/int4 caches and key smoothing keep the torch
+code below.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
 for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block
@@ -179,10 +180,9 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     ops = _native_for(k_cache, k_channel_scale)
     dense_heads = query.stride(-1) == 1 and query.stride(-2) == query.shape[-1]
-    if ops is not None and dense_heads and query.shape[0] == seq_lens.shape[0]:
-        out = torch.empty(query.shape, dtype=query.dtype)  # every sequence owns one row: decodes
-        ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                   query_start_loc, scale, out)
+    if ops is not None and dense_heads:  # decodes and prefill chunks alike
+        out = torch.empty(query.shape, dtype=query.dtype)
+        ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
         return out
     step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
                           lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))
@@ -193,10 +193,7 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
         out = _attend(q, k, v, step.decode_mask)  # [S, Hkv, group, D]
     else:
         out = torch.empty(q.shape, dtype=torch.float32)  # [N, Hkv, group, D]
-        if step.decode_ids and ops is not None and dense_heads:
-            ops.paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                       query_start_loc, scale, out.view(query.shape))
-        elif step.decode_ids:
+        if step.decode_ids:
             k, v = (_gather(cache, s, m, step.decode_slots) for cache, s, m in kv)
             out[step.decode_rows] = _attend(q[step.decode_rows], k, v, step.decode_mask)
         for seq_id in step.prefill_ids:

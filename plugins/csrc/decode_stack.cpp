@@ -9,7 +9,7 @@
 //     residual = h; h = rms_norm(h)                                  (first layer)
 //     per layer:  [fused_add_rms_norm(h, residual)]                 (after the first)
 //                 qkv = qkv_proj(h); rope(q, k in qkv); cache_write(k, v)
-//                 h = o_proj(paged_decode_attention(q))
+//                 h = o_proj(paged_attention(q))
 //                 fused_add_rms_norm(h, residual); h = down(silu_and_mul(gate_up(h)))
 //     fused_add_rms_norm(h, residual, final_norm)
 //
@@ -64,8 +64,8 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
     at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
     cache_write(k, v, k_cache, v_cache, slot_mapping);
     at::Tensor attn = at::empty({M, Hq, D}, h.options());
-    paged_decode_attention(qkv.narrow(1, 0, Hq), k_cache, v_cache, block_tables, seq_lens,
-                           query_start_loc, scale_, attn);
+    paged_attention(qkv.narrow(1, 0, Hq), k_cache, v_cache, block_tables, seq_lens,
+                    query_start_loc, scale_, attn);
     h = l.o(attn.view({M, Hq * D}));
     fused_add_rms_norm(h, residual, l.post_norm, eps_);
     h = l.down(silu_and_mul(l.gate_up(h)));

@@ -10,7 +10,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a16_gemm", &w8a16_gemm, "int8 weight x float activation GEMM for few rows");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode rows of paged attention");
+  m.def("paged_attention", &paged_attention, "causal paged attention over every query row");
   m.def("cache_write", &cache_write, "write K/V rows into float paged caches");
   m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");

@@ -16,10 +16,9 @@ std::string int4_kernel_isa();
 std::string int8_kernel_isa();
 
 // cpu_attention.cpp
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                            double scale, at::Tensor& out);
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, at::Tensor& out);
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping);
 

@@ -63,19 +63,17 @@ def test_decode_attention_matches_the_reference(ext, kv_dtype, head_dim, num_hea
     assert rel_error(out, expected) < TOLERANCE[out.dtype]
 
 
-def test_decode_attention_reads_a_strided_query_and_writes_only_decode_rows(ext):
+def test_attention_reads_a_strided_query_for_decode_and_prefill_rows(ext):
     cache = make_cache("bf16", 40, 2, 64)
-    batch = PagedBatch([(50, 1), (40, 40), (17, 1)], cache, 6)
+    batch = PagedBatch([(50, 1), (40, 40), (17, 1), (29, 11)], cache, 6)
     qkv = torch.randn(batch.query.shape[0], 10, 64, dtype=torch.bfloat16)  # q heads, then 4 more
     qkv[:, :6] = batch.query.bfloat16()
     args = list(batch.attention_args(cache, torch.bfloat16))
     args[0] = qkv[:, :6]  # a view: rows at stride 10 * 64
     out = torch.full((qkv.shape[0], 6, 64), float("nan"))
-    ext.paged_decode_attention(args[0], cache.k, cache.v, batch.block_tables, batch.seq_lens,
-                               batch.query_start_loc, batch.scale, out)
-    expected = reference_paged_attention(*args)
-    assert rel_error(out[[0, 41]], expected[[0, 41]].float()) < TOLERANCE[torch.bfloat16]
-    assert out[1:41].isnan().all()  # the prefill rows are the torch path's
+    ext.paged_attention(args[0], cache.k, cache.v, batch.block_tables, batch.seq_lens,
+                        batch.query_start_loc, batch.scale, out)
+    assert rel_error(out, reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp32"])
@@ -198,10 +196,10 @@ def test_portable_build_ops_match_the_references(ext):
     portable.rotary_embedding(qkv, cos, sin, 2)
     torch.testing.assert_close(qkv, expected, rtol=1e-6, atol=1e-6)
     cache = make_cache("fp32", 40, 2, 32, block_size=5)
-    batch = PagedBatch(random_specs(3, 5, prefill=False), cache, 6)
+    batch = PagedBatch(random_specs(3, 5, prefill=True), cache, 6)
     args = batch.attention_args(cache, torch.float32)
     query, (tables, lens, starts, scale) = args[0], args[-4:]
     out = torch.empty_like(query)
-    portable.paged_decode_attention(query, cache.k, cache.v, tables, lens, starts, scale, out)
+    portable.paged_attention(query, cache.k, cache.v, tables, lens, starts, scale, out)
     expected = reference_paged_attention(*args)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
