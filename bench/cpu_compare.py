@@ -4,8 +4,9 @@
 
 Measures, in one process and on the same token ids (random ids, `ignore_eos`, greedy):
 - batch-1 decode tokens/s (`input_len` prompt, `output_len` tokens; latency.py's definition) for
-  Hugging Face `generate` in bf16, qkiln on a W4A16 artifact and qkiln on the bf16 source, plus
-  llama.cpp (same GGUF) and ONNX Runtime GenAI (`--ort-model`) when installed;
+  Hugging Face `generate` in bf16, qkiln on a W4A16 artifact (also with its native decode stack
+  off: `qkiln-w4a16-python-layers`) and qkiln on the bf16 source, plus llama.cpp (same GGUF) and
+  ONNX Runtime GenAI (`--ort-model`) when installed;
 - offline throughput, `num_requests` x `input_len` in / `output_len` out: qkiln (all requests at
   once, continuous batching) against HF static batching at each of `--hf-batch-sizes`, of which
   the best median is the baseline;
@@ -19,6 +20,7 @@ stdout. Takes ~10 minutes on 2 threads (the HF static-batch sweep dominates); me
 """
 
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +79,27 @@ def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, arg
     return lat, tput
 
 
+def _python_layers_latency(artifact: str, decode_wl, bandwidth: float, args: dict) -> dict:
+    """Batch-1 decode of the same artifact with the native decode stack off (the Python layer
+    loop, QKILN_DECODE_STACK=0): the stack's own gain, measured in the same run."""
+    previous = os.environ.get("QKILN_DECODE_STACK")
+    os.environ["QKILN_DECODE_STACK"] = "0"
+    try:
+        loaded = load_model(artifact, "auto")
+        engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
+    finally:
+        if previous is None:
+            del os.environ["QKILN_DECODE_STACK"]
+        else:
+            os.environ["QKILN_DECODE_STACK"] = previous
+    lat = run_latency(engine, decode_wl, args["repeats"], label="qkiln-w4a16 python layers batch-1")
+    lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
+                                      lat["decode_tokens_per_s"]["median"])
+    del engine, loaded
+    gc.collect()
+    return lat
+
+
 def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
     log("[hf-bf16] loading transformers model")
     hf = load_hf_model(model, torch.bfloat16)
@@ -113,6 +136,7 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     decode["hf-bf16"], offline["hf-bf16"] = _hf_rows(model, decode_wl, tput_wl, bw, args)
     decode["qkiln-w4a16"], offline["qkiln-w4a16"] = _qkiln_rows("qkiln-w4a16", str(artifact), decode_wl, tput_wl,
                                                                 bw, args)
+    decode["qkiln-w4a16-python-layers"] = _python_layers_latency(str(artifact), decode_wl, bw, args)
     if args["include_bf16"]:
         decode["qkiln-bf16"], offline["qkiln-bf16"] = _qkiln_rows("qkiln-bf16", model, decode_wl, tput_wl, bw, args)
     log("[llama.cpp] batch-1 decode")
@@ -122,6 +146,8 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     ratios = {"decode_w4a16_vs_hf": _ratio(decode["qkiln-w4a16"], decode["hf-bf16"], "decode_tokens_per_s"),
               "throughput_w4a16_vs_best_hf": _ratio(offline["qkiln-w4a16"], offline["hf-bf16"],
                                                     "output_tokens_per_s"),
+              "decode_stack_vs_python_layers": _ratio(decode["qkiln-w4a16"], decode["qkiln-w4a16-python-layers"],
+                                                      "decode_tokens_per_s"),
               "decode_w4a16_vs_llama_cpp": _ratio(decode["qkiln-w4a16"], decode["llama.cpp"], "decode_tokens_per_s"),
               "decode_w4a16_vs_ort_genai": _ratio(decode["qkiln-w4a16"], decode["ort-genai-int4"],
                                                   "decode_tokens_per_s")}

@@ -141,6 +141,8 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert "skipped" in res["batch1_decode"]["llama.cpp"]  # the tiny model is not a GGUF file
     assert res["offline_throughput"]["hf-bf16"]["best_batch_size"] in (2, 4)
     assert _positive(res["ratios"]["decode_w4a16_vs_hf"]) and _positive(res["ratios"]["throughput_w4a16_vs_best_hf"])
+    assert _positive(res["batch1_decode"]["qkiln-w4a16-python-layers"]["decode_tokens_per_s"])
+    assert _positive(res["ratios"]["decode_stack_vs_python_layers"])
     assert (tmp_path / "plots" / "cpu_compare_decode.png").is_file()
     built = cpu_compare.ensure_artifact(str(tiny), None, tmp_path / "work")  # reused, not rebuilt
     assert str(built) == res["artifact"]
