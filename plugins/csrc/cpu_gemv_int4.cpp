@@ -123,6 +123,7 @@ void int4_tile(const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
       acc.total[m][r] = _mm256_setzero_ps();
       for (int a = 0; a < Int4Acc<MB>::NACC; ++a) acc.group[m][r][a] = _mm256_setzero_ps();
     }
+  int64_t group_end = std::min(G, K);  // the next group boundary (a multiple of 32)
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     __m256i raw[kRows];
     for (int r = 0; r < kRows; ++r)
@@ -133,10 +134,20 @@ void int4_tile(const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
     _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
     w += kRows * 32;
     acc.template half<0>(raw, x + k0, K_p);
-    if ((k0 + 32) % G == 0 || k0 + 32 == K) acc.flush(s + ((k0 + 31) / G) * kRows);
+    // Group ends are tracked by a running boundary: a `%` by the runtime G here cost ~4% (2
+    // divisions per chunk).
+    if (k0 + 32 == group_end) {
+      acc.flush(s);
+      s += kRows;
+      group_end = std::min(group_end + G, K);
+    }
     if (k0 + 32 == K) break;  // K % 64 == 32: the chunk's second half is padding
     acc.template half<2>(raw, x + k0, K_p);
-    if ((k0 + 64) % G == 0 || k0 + 64 == K) acc.flush(s + ((k0 + 63) / G) * kRows);
+    if (k0 + 64 == group_end) {
+      acc.flush(s);
+      s += kRows;
+      group_end = std::min(group_end + G, K);
+    }
   }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < kRows; ++r) dots[m][r] = hsum(acc.total[m][r]);
