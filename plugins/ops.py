@@ -21,7 +21,8 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
     qkiln::rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads) -> ()
 
 The small fused ops (the last four) follow Hugging Face's eager rounding (reference_small_ops.py);
-on CPU they run csrc/cpu_small_ops.cpp when it built, on every other device the reference.
+on CPU they run csrc/cpu_small_ops.cpp when it built, on CUDA triton_small_ops.py, on every other
+device the reference.
 
 The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attention(query, cache,
 ...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
@@ -160,12 +161,20 @@ def _(x, weight, weight_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-_register("rms_norm", cpu_native.cpu_rms_norm, small.reference_rms_norm, small.reference_rms_norm)
-_register("fused_add_rms_norm", cpu_native.cpu_fused_add_rms_norm,
-          small.reference_fused_add_rms_norm, small.reference_fused_add_rms_norm)
-_register("silu_and_mul", cpu_native.cpu_silu_and_mul, small.reference_silu_and_mul,
+def _triton_small_op(name: str):
+    def run(*args):
+        from qkiln.plugins import triton_small_ops
+
+        return getattr(triton_small_ops, "triton_" + name)(*args)
+    return run
+
+
+_register("rms_norm", cpu_native.cpu_rms_norm, _triton_small_op("rms_norm"), small.reference_rms_norm)
+_register("fused_add_rms_norm", cpu_native.cpu_fused_add_rms_norm, _triton_small_op("fused_add_rms_norm"),
+          small.reference_fused_add_rms_norm)
+_register("silu_and_mul", cpu_native.cpu_silu_and_mul, _triton_small_op("silu_and_mul"),
           small.reference_silu_and_mul)
-_register("rotary_embedding", cpu_native.cpu_rotary_embedding, small.reference_rotary_embedding,
+_register("rotary_embedding", cpu_native.cpu_rotary_embedding, _triton_small_op("rotary_embedding"),
           small.reference_rotary_embedding)
 
 

@@ -12,7 +12,7 @@ Serving may build q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` per 
 this file's Python once per layer per step, so forward paths avoid ops that are not needed: the
 RoPE tables are gathered once per forward, q and k are rotated together when fused.
 
-For bf16/fp16 activations on CPU (cpu_fast_ops.use_fused_ops) a forward runs the layers'
+For bf16/fp16 activations on CPU or CUDA (fused_ops.use_fused_ops) a forward runs the layers'
 `fused=True` path instead: vLLM-style residual stream (fused add + RMSNorm in place), RoPE in
 place on the qkv output, fused SiLU-and-mul; same rounding as the torch path, fewer ops.
 """
@@ -26,7 +26,7 @@ from qkiln.plugins import ops
 
 from .attention import DenseAttention
 from .config import ModelConfig
-from .cpu_fast_ops import use_fused_ops
+from .fused_ops import use_fused_ops
 from .rope import RotaryEmbedding, apply_rope
 
 LinearFactory = Callable[[str, int, int, bool], nn.Module]
