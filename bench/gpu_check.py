@@ -382,13 +382,26 @@ def _kv_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
 
 
-def section_decode(r: dict, budget: Budget, shapes, batches) -> None:
+def section_decode(r: dict, budget: Budget, shapes, batches, formats=None, fused_small_ops=True) -> None:
+    """fused_small_ops=False: the same steps with torch's small ops instead of the Triton ones
+    (QKILN_GPU_FUSED_OPS=0), the same-run A/B of plugins/triton_small_ops.py."""
+    from qkiln.runtime import fused_ops
     from qkiln.runtime.cuda_graphs import GraphRunner
 
+    os.environ["QKILN_GPU_FUSED_OPS"] = "1" if fused_small_ops else "0"
+    fused_ops._gpu_fused_ops.cache_clear()
+    try:
+        _decode_rows(r, budget, shapes, batches, formats or FORMATS, fused_small_ops, GraphRunner)
+    finally:
+        os.environ.pop("QKILN_GPU_FUSED_OPS")
+        fused_ops._gpu_fused_ops.cache_clear()
+
+
+def _decode_rows(r: dict, budget: Budget, shapes, batches, formats, fused_small_ops, GraphRunner) -> None:
     bandwidth = r.get("bandwidth_tb_s", 4.17) * 1e12
     rows = r.setdefault("decode", [])
     for shape in shapes:
-        for fmt in FORMATS:
+        for fmt in formats:
             if budget.left() < 15:
                 print(f"  skip {shape} {fmt}: budget")
                 continue
@@ -409,11 +422,12 @@ def section_decode(r: dict, budget: Budget, shapes, batches) -> None:
                     step_bytes = weight_bytes + batch * CONTEXT * _kv_bytes_per_token(config)
                     roofline = batch * bandwidth / step_bytes
                     row = dict(model=shape, fmt=fmt, batch=batch, gpu_ms=gpu_ms, wall_ms=wall_ms,
+                               small_ops="triton" if fused_small_ops else "torch",
                                tok_s=batch / gpu_ms * 1e3, wall_tok_s=batch / wall_ms * 1e3,
                                roofline_tok_s=roofline, weight_gb=weight_bytes / 1e9)
                     row["pct_roofline"] = 100 * row["tok_s"] / roofline
                     rows.append(row)
-                    print(f"  {shape} {fmt:5} b={batch:<3} replay {gpu_ms:7.2f} ms "
+                    print(f"  {shape} {fmt:5} b={batch:<3} {row['small_ops']:6} replay {gpu_ms:7.2f} ms "
                           f"{row['tok_s']:9.0f} tok/s ({row['pct_roofline']:4.1f}% of "
                           f"{roofline:.0f}); with host {row['wall_tok_s']:9.0f} tok/s")
             except Exception:
@@ -548,16 +562,16 @@ def print_table(r: dict) -> None:
     hf = r.get("hf", {})
     print("\n=== qkiln on", r.get("device"), f"| copy bandwidth {r.get('bandwidth_tb_s', 0):.2f} TB/s"
           f" | decode context {CONTEXT} ===")
-    print(f"{'model':<12} {'fmt':<6} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roofline':>9} "
+    print(f"{'model':<12} {'fmt':<6} {'small ops':<9} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roofline':>9} "
           f"{'%roof':>6} {'host tok/s':>10} {'x HF b1':>8}")
     for row in r.get("decode", []):
         base = hf.get(row["model"])
         ratio = f"{row['tok_s'] / base:8.1f}" if base and row["batch"] == 1 else f"{'':>8}"
-        print(f"{row['model']:<12} {row['fmt']:<6} {row['batch']:>5} {row['gpu_ms']:8.2f} "
+        print(f"{row['model']:<12} {row['fmt']:<6} {row['small_ops']:<9} {row['batch']:>5} {row['gpu_ms']:8.2f} "
               f"{row['tok_s']:9.0f} {row['roofline_tok_s']:9.0f} {row['pct_roofline']:6.1f} "
               f"{row['wall_tok_s']:10.0f} {ratio}")
     for shape, tok_s in hf.items():
-        print(f"{shape:<12} {'HF':<6} {1:>5} {1e3 / tok_s:8.2f} {tok_s:9.1f}   (transformers "
+        print(f"{shape:<12} {'HF':<6} {'':<9} {1:>5} {1e3 / tok_s:8.2f} {tok_s:9.1f}   (transformers "
               "generate, bf16, eager)")
     for o in r.get("offline", []):
         base = hf.get("llama3-8b")
@@ -596,6 +610,8 @@ def main() -> None:
         ("checks", 30, lambda: section_checks(r)),
         ("kernels", 30, lambda: section_kernels(r, budget)),
         ("decode-8b", 30, lambda: section_decode(r, budget, ["llama3-8b"], (1, 16, 64, 256))),
+        ("decode-8b-torch-small-ops", 30, lambda: section_decode(r, budget, ["llama3-8b"], (1,), ("bf16",),
+                                                                 fused_small_ops=False)),
         ("offline-fp8", 40, lambda: section_offline(r, budget, "fp8", args.requests, args.offline_s)),
         ("offline-fp8-kvfp8", 40, lambda: section_offline(
             r, budget, "fp8", args.requests, args.offline_s, kv_dtype="fp8")),
