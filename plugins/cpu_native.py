@@ -3,7 +3,7 @@
 Owns: building the C++ extension once per process (torch.utils.cpp_extension.load, cached in the
 torch extensions dir, so later processes only load the .so), converting canonical quantized
 weights (packed_weights.py) into the layouts the kernels read, and thin calls into them.
-One extension from several sources (csrc/: int4 and int8 GEMVs, decode attention and cache
+One extension from several sources (csrc/: int4 and int8 GEMVs, paged attention and cache
 write, fused norm / SiLU / RoPE, the decode stack, module.cpp binding them); `native_extension()`
 serves the quantized linears, `native_ops()` the attention and the small ops (the same module,
 switchable on its own).
@@ -40,7 +40,7 @@ def _build(extra_cflags: list[str]):
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).
     # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA (small ops); the
-    # GEMVs use explicit intrinsics, so it costs them nothing.
+    # GEMVs' inner loops are explicit FMA / dot-product intrinsics, which the flag leaves alone.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
     # -march=native code must not be reused on another CPU: the extensions dir is per machine
     # (~/.cache/torch_extensions), and a source or flag change rebuilds.
