@@ -7,7 +7,11 @@ Each row is quantized in its own subprocess (so its calibration time and peak RS
 and written as an artifact; then every artifact is scored in ONE pass over the evaluation
 windows, so the unquantized reference runs once per window for all rows (KL, top-1).
 Protocol: wiki.test.raw as stored, first 16384 tokens, windows of 512, no special tokens.
-Calibration: `--calib` (default: the recipe default), 128 samples x 512 tokens, seed 0.
+Held-out check of the W4 rows (does the calibration generalize beyond wikitext?): the first 4096
+tokens of Jane Austen's Persuasion (no calibration source here uses it), same windows.
+Calibration: `--calib` (default: the recipe default), 128 samples x 512 tokens, seed 0
+(`--awq-num-samples` for the AWQ rows: its scale search costs ~4x GPTQ's per sample).
+`--reuse` keeps the rows already built in `--workdir` (a run cut short resumes there).
 """
 
 import argparse
@@ -25,11 +29,15 @@ SHARED = Path(__file__).resolve().parents[1] / "../shared"
 WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
 WIKI_VALID = SHARED / "data/wikitext-2/valid.txt"
 NOVELS = SHARED / "data/janeausten/emma.txt"
+HELD_OUT = SHARED / "data/janeausten/persuasion.txt"
+HELD_OUT_TOKENS = 4096
 
 
 def calibration_sources() -> dict[str, str]:
-    return {"self": "self:64", "wiki-valid": f"file:{WIKI_VALID}", "novels": f"file:{NOVELS}",
-            "mix": f"mix:self:64+file:{WIKI_VALID}+file:{NOVELS}"}
+    from qkiln.compile.recipe import DEFAULT_CALIBRATION_SOURCE
+
+    return {"default": DEFAULT_CALIBRATION_SOURCE, "self": "self:128", "wiki-valid": f"file:{WIKI_VALID}",
+            "novels": f"file:{NOVELS}", "mix": f"mix:self:128+file:{WIKI_VALID}+file:{NOVELS}"}
 
 
 def rows(calib: str) -> list[dict]:
@@ -44,13 +52,16 @@ def rows(calib: str) -> list[dict]:
             dict(name="KV INT4", preset="kv-int4", calib=calib),
             dict(name="KV FP8", preset="kv-fp8", calib=calib),
             dict(name="GPTQ W4 g128 + KV INT4", preset="w4a16-gptq+kv-int4", calib=calib)]
+    seen = {calib}
     for label, spec in calibration_sources().items():
-        if spec != calib:  # which calibration text generalizes: GPTQ is the most data-sensitive
+        if spec not in seen:  # which calibration text generalizes: GPTQ is the most data-sensitive
+            seen.add(spec)
             out.append(dict(name=f"GPTQ W4 g128 calib={label}", preset="w4a16-gptq", calib=spec))
     return out
 
 
 def build_row(row: dict, out: Path, num_samples: int) -> dict:
+    num_samples = row.get("num_samples", num_samples)
     """Quantize one row into an artifact (no evaluation); runs in a subprocess."""
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
@@ -66,15 +77,17 @@ def build_row(row: dict, out: Path, num_samples: int) -> dict:
     result = build("smollm2-135m", r, out, overwrite=True, use_cache=False, progress=True,
                    log=lambda m: print(m, file=sys.stderr))
     return {"seconds": time.perf_counter() - start, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "fallbacks": result.manifest.recipe.get("fallbacks", {})}
+            "fallbacks": result.manifest.recipe.get("fallbacks", {}), "num_samples": num_samples}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("quant_quality.json"))
     p.add_argument("--plot", type=Path)
-    p.add_argument("--calib", default="self:128")
+    p.add_argument("--calib", help="calibration source of the main rows (default: the recipe default)")
     p.add_argument("--num-samples", type=int, default=128)
+    p.add_argument("--awq-num-samples", type=int, help="calibration samples for the AWQ rows (default: --num-samples)")
+    p.add_argument("--reuse", action="store_true", help="keep rows already built in --workdir")
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--only", help="comma-separated row names to run (exact)")
     p.add_argument("--workdir", type=Path)
@@ -89,25 +102,43 @@ def main(argv=None) -> dict:
     if args.build_row:
         print(json.dumps(build_row(json.loads(args.build_row), args.out, args.num_samples)))
         return {}
+    if args.calib is None:
+        from qkiln.compile.recipe import DEFAULT_CALIBRATION_SOURCE
+
+        args.calib = DEFAULT_CALIBRATION_SOURCE
     selected = [r for r in rows(args.calib) if not args.only or r["name"] in args.only.split(",")]
+    for row in selected:
+        if row["name"].startswith("AWQ") and args.awq_num_samples:
+            row["num_samples"] = args.awq_num_samples
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
-    results = {}
-    for i, row in enumerate(selected):
-        print(f"[{i + 1}/{len(selected)}] quantizing {row['name']}", file=sys.stderr)
-        out = workdir / f"row{i}"
-        cmd = [sys.executable, "-m", "qkiln.bench.quant_quality", "--build-row", json.dumps(row), "--out", str(out),
-               "--num-samples", str(args.num_samples)] + (["--threads", str(args.threads)] if args.threads else [])
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
-        if done.returncode != 0:
-            results[row["name"]] = {"error": f"build failed with exit code {done.returncode}"}
-            continue
-        results[row["name"]] = json.loads(done.stdout.strip().splitlines()[-1]) | {"artifact": str(out), **row}
+    results = {row["name"]: _build_in_subprocess(row, workdir, args, f"[{i + 1}/{len(selected)}]")
+               for i, row in enumerate(selected)}
     report = evaluate_rows(results, args.max_tokens, args.threads)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     if args.plot:
         plot(report, args.plot)
     return report
+
+
+def _build_in_subprocess(row: dict, workdir: Path, args, label: str) -> dict:
+    """One row's artifact and build facts; with --reuse a row built before (same spec) is kept."""
+    slug = "".join(c if c.isalnum() else "-" for c in row["name"]).lower()
+    out, facts = workdir / slug, workdir / f"{slug}.json"
+    if args.reuse and facts.is_file() and (out / "manifest.json").is_file():
+        kept = json.loads(facts.read_text())
+        if {k: kept.get(k) for k in row} == row:
+            print(f"{label} reusing {row['name']}", file=sys.stderr)
+            return kept
+    print(f"{label} quantizing {row['name']}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "qkiln.bench.quant_quality", "--build-row", json.dumps(row), "--out", str(out),
+           "--num-samples", str(args.num_samples)] + (["--threads", str(args.threads)] if args.threads else [])
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
+    if done.returncode != 0:
+        return {"error": f"build failed with exit code {done.returncode}"}
+    result = json.loads(done.stdout.strip().splitlines()[-1]) | {"artifact": str(out), **row}
+    facts.write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) -> dict:
@@ -121,36 +152,45 @@ def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) ->
     models = {"unquantized": reference}
     models |= {name: open_model(r["artifact"]) for name, r in results.items() if "artifact" in r}
     scores = evaluate_many(models, reference.tokenizer, str(WIKI_TEST), 512, max_tokens, reference=reference)
+    held_out_models = {n: m for n, m in models.items() if n == "unquantized" or " W4 " in n}
+    held_out = evaluate_many(held_out_models, reference.tokenizer, str(HELD_OUT), 512, HELD_OUT_TOKENS)
+    for name, s in held_out.items():
+        scores[name]["held_out_perplexity"] = s["perplexity"]
     base = scores["unquantized"]["perplexity"]
-    table = {"unquantized": {"perplexity": base, "kl_divergence": 0.0, "top1_agreement": 1.0}}
+    table = {"unquantized": {"perplexity": base, "kl_divergence": 0.0, "top1_agreement": 1.0,
+                             "held_out_perplexity": scores["unquantized"]["held_out_perplexity"]}}
     for name, r in results.items():
         s = scores.get(name, {})
-        table[name] = r | {k: s[k] for k in ("perplexity", "kl_divergence", "top1_agreement", "bits_per_byte") if k in s}
+        table[name] = r | {k: s[k] for k in ("perplexity", "kl_divergence", "top1_agreement", "bits_per_byte",
+                                             "held_out_perplexity") if k in s}
         if "perplexity" in s:
             table[name]["perplexity_change"] = s["perplexity"] / base - 1
     _gap_closed(table)
-    return {"protocol": scores["unquantized"]["protocol"], "rows": table, "machine": os.uname().nodename,
-            "num_threads": torch.get_num_threads()}
+    return {"protocol": scores["unquantized"]["protocol"], "held_out_protocol": held_out["unquantized"]["protocol"],
+            "rows": table, "machine": os.uname().nodename, "num_threads": torch.get_num_threads()}
 
 
 def _gap_closed(table: dict) -> None:
     """Fraction of RTN's perplexity gap that GPTQ / AWQ close (same group size, same symmetry)."""
-    base = table["unquantized"]["perplexity"]
-    for name, row in table.items():
-        for algo in ("GPTQ", "AWQ"):
-            if name.startswith(f"{algo} W4 g") and "perplexity" in row:
-                rtn = table.get("RTN W4 g" + name.split(" g", 1)[1].split(" ")[0], {})
-                if "perplexity" in rtn and rtn["perplexity"] > base:
-                    row["rtn_gap_closed"] = (rtn["perplexity"] - row["perplexity"]) / (rtn["perplexity"] - base)
+    for key, out in (("perplexity", "rtn_gap_closed"), ("held_out_perplexity", "held_out_rtn_gap_closed")):
+        base = table["unquantized"].get(key)
+        for name, row in table.items():
+            for algo in ("GPTQ", "AWQ"):
+                if name.startswith(f"{algo} W4 g") and key in row and base is not None:
+                    rtn = table.get("RTN W4 g" + name.split(" g", 1)[1].split(" ")[0], {})
+                    if key in rtn and rtn[key] > base:
+                        row[out] = (rtn[key] - row[key]) / (rtn[key] - base)
 
 
 def print_table(report: dict) -> None:
-    print(f"{'recipe':40s} {'ppl':>8s} {'change':>8s} {'KL':>8s} {'top-1':>7s} {'gap closed':>10s} {'calib s':>8s} {'RSS MiB':>8s}")
+    print(f"{'recipe':40s} {'ppl':>8s} {'change':>8s} {'KL':>8s} {'top-1':>7s} {'gap closed':>10s} "
+          f"{'held-out':>9s} {'closed':>7s} {'calib s':>8s} {'RSS MiB':>8s}")
     for name, r in report["rows"].items():
-        def f(key, fmt):
-            return format(r[key], fmt) if key in r else "-"
+        def f(key, fmt):  # "-" padded to the column's width
+            return format(r[key], fmt) if key in r else "-".rjust(int(fmt.lstrip("+").split(".")[0]))
         print(f"{name:40s} {f('perplexity', '8.3f')} {f('perplexity_change', '+8.2%')} {f('kl_divergence', '8.4f')} "
-              f"{f('top1_agreement', '7.3f')} {f('rtn_gap_closed', '10.0%')} {f('seconds', '8.1f')} {f('peak_rss_mib', '8.0f')}")
+              f"{f('top1_agreement', '7.3f')} {f('rtn_gap_closed', '10.0%')} {f('held_out_perplexity', '9.3f')} "
+              f"{f('held_out_rtn_gap_closed', '7.0%')} {f('seconds', '8.1f')} {f('peak_rss_mib', '8.0f')}")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -2,11 +2,12 @@
 
 Sources: a local text file (read exactly as stored: UTF-8, no newline conversion), a JSONL
 file (one document per line, field `text`), a Hugging Face `datasets` name when that package
-and the network are available, or samples the model generates itself (the data-free default;
-the caller supplies the generator, since this package must not import models).
+and the network are available, samples the model generates itself (the caller supplies the
+generator, since this package must not import models), or a text shipped with qkiln in
+`calib_data/bundled/` (licenses in its README.md), so the default needs no download.
 A source is named by a spec string, which goes into the manifest as provenance:
     file:PATH  |  jsonl:PATH[#field]  |  hf:NAME[/CONFIG]:SPLIT[#field]  |  self:NUM_SAMPLES
-    mix:SPEC+SPEC+...   (the documents of every part, in order; windows are drawn from all)
+    bundled:NAME  |  mix:SPEC+SPEC+...   (the documents of every part, in order; windows are drawn from all)
 A bare existing path means file: (or jsonl: for *.jsonl).
 """
 
@@ -19,6 +20,19 @@ from qkiln.errors import CalibrationDataError
 
 # (num_samples, seed) -> generated documents; provided by compile/ with the model loaded.
 SelfGenerator = Callable[[int, int], list[str]]
+BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
+
+
+def bundled_names() -> list[str]:
+    """Names `bundled:NAME` accepts (the .txt files shipped in calib_data/bundled/)."""
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.txt"))
+
+
+def _read_bundled(name: str) -> str:
+    if name not in bundled_names():
+        raise CalibrationDataError(f"no bundled calibration text {name!r}; bundled texts: "
+                                   f"{', '.join(bundled_names()) or 'none (is the package installed whole?)'}")
+    return read_text_exact(BUNDLED_DIR / f"{name}.txt")
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,8 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
         name_split, _, field = rest.partition("#")
         name, _, split = name_split.rpartition(":")
         return TextSource(spec, _read_hf_dataset(name or name_split, split or "train", field or "text"))
+    if kind == "bundled":
+        return TextSource(spec, [_read_bundled(rest)])
     if kind == "self":
         if self_generator is None:
             raise CalibrationDataError("self: calibration needs a model to generate samples; use `qkiln build`")
@@ -89,5 +105,5 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
             raise CalibrationDataError(f"self:NUM_SAMPLES expects an integer, got {rest!r}") from None
         return TextSource(spec, self_generator(num, seed))
     raise CalibrationDataError(
-        f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N or mix:A+B"
+        f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, bundled:NAME or mix:A+B"
     )

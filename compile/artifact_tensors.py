@@ -8,7 +8,8 @@ Canonical storage (portable; the runtime packs for its own kernels at load time)
     fp8   {name}.weight float8_e4m3fn [out, in], {name}.weight_scale fp32 [out, groups],
           {name}.input_scale fp32 [] (static activations only)
     KV    model.layers.{i}.self_attn.{k_scale, v_scale} fp32 [kv_heads] (fp8),
-          model.layers.{i}.self_attn.k_channel_scale fp32 [kv_heads, head_dim] (key smoothing)
+          model.layers.{i}.self_attn.k_channel_scale fp32 [kv_heads, head_dim] (key smoothing),
+          model.layers.{i}.self_attn.k_offset fp32 [kv_heads, head_dim] (key offset)
 Everything else is a high-precision tensor under its HF name, stored in bf16 (fp32 norms).
 """
 
@@ -53,7 +54,8 @@ def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
         linears[name] = entry
     for i, (k_cal, v_cal) in sorted(qm.kv.items()):
         prefix = f"model.layers.{i}.self_attn."
-        for key, value in (("k_scale", k_cal.scale), ("v_scale", v_cal.scale), ("k_channel_scale", k_cal.channel_scale)):
+        for key, value in (("k_scale", k_cal.scale), ("v_scale", v_cal.scale), ("k_channel_scale", k_cal.channel_scale),
+                           ("k_offset", k_cal.offset)):
             if value is not None:
                 tensors[prefix + key] = value.float().contiguous()
     return tensors, {"linears": linears}
@@ -86,8 +88,9 @@ def from_tensors(config: ModelConfig, scheme: QuantScheme, tensors: dict[str, to
     if scheme.kv_cache is not None:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}.self_attn."
-            kv[i] = (KVCalibration(tensors.get(p + "k_scale"), tensors.get(p + "k_channel_scale")),
+            kv[i] = (KVCalibration(tensors.get(p + "k_scale"), tensors.get(p + "k_channel_scale"),
+                                   tensors.get(p + "k_offset")),
                      KVCalibration(tensors.get(p + "v_scale"), None))
     skip = tuple(f"{n}.{s}" for n in linears for s in ("qweight", "scales", "zeros", "weight", "weight_scale", "input_scale"))
-    fp = {k: v.float() for k, v in tensors.items() if k not in skip and not k.endswith(("_scale", "k_channel_scale"))}
+    fp = {k: v.float() for k, v in tensors.items() if k not in skip and not k.endswith(("_scale", "self_attn.k_offset"))}
     return QuantizedModel(config, scheme, fp, weights, act_scales, kv)

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from qkiln.errors import ArtifactError, QkilnError
-from qkiln.quant import Fp8Weight, QuantizedWeight, QuantScheme
+from qkiln.quant import Fp8Weight, KVCalibration, QuantizedWeight, QuantScheme
+from qkiln.quant.fp8 import FP8_MAX
 from qkiln.quant.rtn import expand_groups
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
@@ -227,15 +228,26 @@ def _kv_cache(qm: QuantizedModel, drop_kv: bool):
                else f"key smoothing (k_channel_scale, layer {smoothed[0]})")
         raise ArtifactError(f"the artifact uses {why}, which compressed-tensors cannot express; rebuild with "
                             "kv-fp8 and kv_cache.key_smoothing: false, or export the weights only (--drop-kv)")
-    scales = [s for k, v in qm.kv.values() for s in (k.scale, v.scale)]
+    scales = [s for k, v in qm.kv.values() for s in (_offset_free_scale(k), v.scale)]
     per_tensor = all(torch.equal(s, s[:1].expand_as(s)) for s in scales)
     tensors = {}
     for i, (k, v) in sorted(qm.kv.items()):
-        for key, s in (("k_scale", k.scale), ("v_scale", v.scale)):
+        for key, s in (("k_scale", _offset_free_scale(k)), ("v_scale", v.scale)):
             tensors[f"model.layers.{i}.self_attn.{key}"] = (s[:1] if per_tensor else s.reshape(-1, 1, 1)).float()
     strategy = "tensor" if per_tensor else "attn_head"
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy}
     return scheme, tensors, strategy
+
+
+def _offset_free_scale(k: KVCalibration) -> torch.Tensor:
+    """A per-head k_scale for keys stored without our key offset (compressed-tensors has none).
+
+    |k| <= |k - offset| + |offset|, so amax(k) / 448 <= scale + max|offset| / 448: a scale that
+    covers the calibrated range of plain keys (coarser than ours; it never clips more).
+    """
+    if k.offset is None:
+        return k.scale
+    return k.scale + k.offset.abs().amax(dim=-1) / FP8_MAX
 
 
 def hf_config_dict(config: ModelConfig) -> dict:

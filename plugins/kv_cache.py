@@ -32,6 +32,12 @@ Key smoothing (optional, any kv dtype, keys only): k_channel_scale fp32 [num_kv_
 key / k_channel_scale is what gets stored; readers multiply it back (or, equivalently and
 cheaper, multiply the query by it before q.k).
 
+Key offset (optional, any kv dtype, keys only): k_offset fp32 [num_kv_heads, head_dim], a
+calibration mean of the post-RoPE keys. The cache write stores key - k_offset (before smoothing
+and quantization; `offset_key`) and no reader ever adds it back: q.(k - mu) = q.k - q.mu shifts
+every score of one query by the same amount, which softmax ignores. It is not an op argument,
+so the kernels do not know about it.
+
 Invariants: every tensor of a layer lives on one device; static scales are set once after
 allocation (`cache.k_scale.copy_(calibrated)`), never per step.
 """
@@ -66,6 +72,7 @@ class KVCache:
     v_group_scale: torch.Tensor | None = None
     v_group_min: torch.Tensor | None = None
     k_channel_scale: torch.Tensor | None = None  # [num_kv_heads, head_dim] fp32
+    k_offset: torch.Tensor | None = None  # [num_kv_heads, head_dim] fp32; subtracted on write only
 
     @property
     def num_blocks(self) -> int:
@@ -120,7 +127,7 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, kv_dtype: str, group_size: int = 32,
                       device: str | torch.device = "cpu",
-                      has_k_channel_scale: bool = False) -> list[KVCache]:
+                      has_k_channel_scale: bool = False, has_k_offset: bool = False) -> list[KVCache]:
     """Zero-filled caches, one per layer; static scales start at 1 (set them after calibration)."""
     check_kv_dtype(kv_dtype, head_dim, group_size)
     caches = []
@@ -148,8 +155,18 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                               v=torch.zeros(shape, dtype=dtype, device=device))
         if has_k_channel_scale:
             cache_args["k_channel_scale"] = torch.ones(num_kv_heads, head_dim, device=device)
+        if has_k_offset:
+            cache_args["k_offset"] = torch.zeros(num_kv_heads, head_dim, device=device)
         caches.append(KVCache(**cache_args))
     return caches
+
+
+def offset_key(key: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The key [N, Hkv, D] a cache write quantizes: key - k_offset (fp32) when the cache has one."""
+    if cache.k_offset is None:
+        return key
+    shifted = key.float() - cache.k_offset  # fp32 into the quantizers, as quant/kv.py simulates
+    return shifted if cache.kv_dtype in ("fp8", "int4") else shifted.to(key.dtype)
 
 
 def kv_dtype_of(k: torch.Tensor) -> str:

@@ -1,4 +1,4 @@
-"""KV cache quantization: INT4 per token and head, FP8 per head, static key smoothing.
+"""KV cache quantization: INT4 per token and head, FP8 per head, static key smoothing and offset.
 
 Owns the math a cache write / read performs and its calibration; not the cache layout, the
 paged blocks or the attention kernels (plugins). Tensors are [num_tokens, num_kv_heads, head_dim].
@@ -13,6 +13,13 @@ Liu et al. 2024, Sec. 3.1 quantizes values this way):
 
 FP8 e4m3 with one calibrated scale per KV head: scale[h] = amax[h] / 448 over calibration data.
 
+Key offset (keys only, optional; on in the kv-fp8 preset): a static per-(head, channel) mean mu
+of the post-RoPE keys (what the cache stores) is subtracted before quantizing and never added
+back: q . (k - mu) = q . k - q . mu shifts every score of one query by the same constant, which
+softmax ignores. e4m3's error is relative to |element|, so removing the large constant part of
+the outlier channels shrinks it; the fp8 scale is then amax|k - mu| / 448. (Values could take an
+offset too, added back to the output since probabilities sum to 1; measured, it hurts.)
+
 Key smoothing (keys only, optional): keys have a few large channels (KIVI Sec. 3; KVQuant,
 Hooper et al. 2024, Sec. 3.1) that make per-token groups coarse. A static per-(head, channel)
 scale c = amax^alpha (SmoothQuant's migration, Xiao et al. 2023, Sec. 4), normalised to geometric
@@ -26,8 +33,20 @@ V quantized with the same group, calibration 2k tokens of Jane Austen), perplexi
     group           64       32      16
     plain        +10.6%    +4.7%   +1.3%
     smoothing     +3.2%    +3.8%   +1.9%   (alpha 0.5; tying rotate-half pairs made it worse)
-    fp8 per head: +0.2%
-so the default is group 16 without smoothing; group 64 with smoothing is the compact choice.
+so the int4 default is group 16 without smoothing; group 64 with smoothing is the compact choice.
+FP8 (wiki.test.raw, first 16384 tokens, 512-token windows, unquantized 28.371; KV scales from
+16 x 512 tokens of self:128, post-RoPE keys), perplexity change:
+    per-head amax, K and V         +0.51%     (K alone +0.43%, V alone +0.02%)
+    per-(head, channel) K scales   +0.62%     (smoothing alpha 1; alpha 0.5: +1.1% on 2048 tokens)
+    key offset (mean), V plain     +0.13%     <- kv-fp8 default
+    key and value offsets          +0.26%
+    (on 2048 tokens the mean offset gave -0.52%, a mid-range offset (min + max) / 2 +0.43%.)
+    Built and scored as artifacts by `qkiln bench quality` (scales from the first 16 x 512 tokens
+    of the calibration set): per-head amax, wikitext-2 valid: +0.73%; key offset, a wikitext-2
+    valid excerpt: +0.26%; key offset, the default mix (bench/results/quant_quality_main.json):
+    +0.49%. The calibration text moves the result as much as the method does.
+The offset is a mean of post-RoPE keys because the cache stores keys after RoPE; quantizing before
+RoPE (KVQuant Sec. 3.2) would need RoPE applied on every read, a kernel change, and was not tried.
 """
 
 from __future__ import annotations
@@ -51,6 +70,35 @@ class KVCalibration:
 
     scale: torch.Tensor | None  # [num_kv_heads] fp8 per-head scale; None for int4
     channel_scale: torch.Tensor | None  # [num_kv_heads, head_dim] key smoothing; None when off / for V
+    offset: torch.Tensor | None = None  # [num_kv_heads, head_dim] key offset; None when off / for V
+
+
+@dataclass
+class KVStats:
+    """Running per-(head, channel) statistics of K or V over calibration batches, each [H, D]."""
+
+    minimum: torch.Tensor
+    maximum: torch.Tensor
+    total: torch.Tensor  # fp64 sum, for the mean
+    count: int
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return torch.maximum(self.minimum.abs(), self.maximum.abs())
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return (self.total / max(self.count, 1)).float()
+
+
+def update_kv_stats(stats: KVStats | None, x: torch.Tensor) -> KVStats:
+    """Fold x [..., H, D] into the running statistics."""
+    x3 = x.detach().float().reshape(-1, *x.shape[-2:])  # [N, H, D]
+    current = KVStats(x3.amin(dim=0), x3.amax(dim=0), x3.sum(dim=0, dtype=torch.float64), x3.shape[0])
+    if stats is None:
+        return current
+    return KVStats(torch.minimum(stats.minimum, current.minimum), torch.maximum(stats.maximum, current.maximum),
+                   stats.total + current.total, stats.count + current.count)
 
 
 def update_kv_amax(amax: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +123,9 @@ def query_channel_scale(channel_scale: torch.Tensor, num_heads: int) -> torch.Te
     return channel_scale.repeat_interleave(num_heads // channel_scale.shape[0], dim=0)
 
 
-def kv_scales_from_amax(amax: torch.Tensor, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
-    """Static scales from the calibrated per-channel amax [H, D]."""
+def kv_scales_from_amax(amax: torch.Tensor, scheme: KVCacheScheme, is_key: bool,
+                        offset: torch.Tensor | None = None) -> KVCalibration:
+    """Static scales from the calibrated per-channel amax [H, D] (of x - offset when offset is set)."""
     channel_scale = None
     if is_key and scheme.key_smoothing:
         channel_scale = key_channel_scale(amax, scheme.key_smoothing_alpha)
@@ -84,12 +133,21 @@ def kv_scales_from_amax(amax: torch.Tensor, scheme: KVCacheScheme, is_key: bool)
     if scheme.dtype == "fp8":
         smoothed = amax.float() if channel_scale is None else amax.float() / channel_scale
         scale = (smoothed.amax(dim=-1) / FP8_MAX).clamp(min=_EPS)  # [H]
-    return KVCalibration(scale, channel_scale)
+    return KVCalibration(scale, channel_scale, offset)
+
+
+def kv_scales_from_stats(stats: KVStats, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
+    """Static scales (and the key offset, when the scheme asks for it) from calibration statistics."""
+    if not (is_key and scheme.key_offset):
+        return kv_scales_from_amax(stats.amax, scheme, is_key)
+    offset = stats.mean  # [H, D]
+    shifted_amax = torch.maximum(stats.maximum - offset, offset - stats.minimum)  # amax of K - offset
+    return kv_scales_from_amax(shifted_amax, scheme, is_key, offset)
 
 
 def calibrate_kv_scales(samples: torch.Tensor, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
     """Static scales from calibration K or V samples [N, H, D] (all at once)."""
-    return kv_scales_from_amax(update_kv_amax(None, samples), scheme, is_key)
+    return kv_scales_from_stats(update_kv_stats(None, samples), scheme, is_key)
 
 
 def quantize_kv_int4(x: torch.Tensor, group_size: int, channel_scale: torch.Tensor | None = None,
@@ -142,6 +200,9 @@ def fake_quant_kv(x: torch.Tensor, scheme: KVCacheScheme, calibration: KVCalibra
     shape = x.shape
     x3 = x.reshape(-1, *shape[-2:])  # [N, H, D]
     channel_scale = None if calibration is None else calibration.channel_scale
+    offset = None if calibration is None else calibration.offset
+    if offset is not None:  # the cache stores K - offset; adding it back shifts every score of a query alike
+        x3 = x3.float() - offset
     if scheme.dtype == "int4":
         packed, scale, zero = quantize_kv_int4(x3, scheme.group_size, channel_scale, scheme.scale_dtype)
         out = dequantize_kv_int4(packed, scale, zero, scheme.group_size, channel_scale)
@@ -150,4 +211,6 @@ def fake_quant_kv(x: torch.Tensor, scheme: KVCacheScheme, calibration: KVCalibra
             raise ValueError("an fp8 KV scheme needs calibrated per-head scales (kv.calibrate_kv_scales)")
         out = dequantize_kv_fp8(quantize_kv_fp8(x3, calibration.scale, channel_scale), calibration.scale,
                                 channel_scale)
+    if offset is not None:
+        out = out + offset
     return out.reshape(shape).to(x.dtype)

@@ -103,12 +103,15 @@ class KVCacheScheme:
     fp8: e4m3 with a calibrated scale per KV head.
     key_smoothing: divide K by a static per-(head, channel) scale amax^alpha from calibration
     before quantizing (SmoothQuant-style; the per-channel key outliers of KIVI and KVQuant).
+    key_offset: subtract a static per-(head, channel) calibration mean of K before quantizing and
+    never add it back (it shifts every score of a query alike; softmax ignores that).
     """
 
     dtype: str = "int4"
     group_size: int = 16  # int4 only; must divide head_dim
     key_smoothing: bool = False
     key_smoothing_alpha: float = 0.5
+    key_offset: bool = False
     scale_dtype: str = "float32"  # int4 per-token scale / zero storage precision
 
     def __post_init__(self) -> None:

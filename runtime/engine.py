@@ -72,7 +72,8 @@ class LLMEngine:
             config.kv_group_size))
         self.caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
                                         mc.head_dim, kv_dtype, config.kv_group_size, config.device,
-                                        has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")))
+                                        has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")),
+                                        has_k_offset=bool(kv_scales and kv_scales.get("k_offset")))
         _install_kv_scales(self.caches, kv_scales)
         self.kv_dtype = kv_dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -170,9 +171,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _install_kv_scales(caches, kv_scales: dict | None) -> None:
-    """Static per-layer scales from the artifact: {"k_scale": [t...], "v_scale": [...], "k_channel_scale": [...]}."""
+    """Static per-layer scales from the artifact: {"k_scale": [t...], "v_scale": [...], "k_channel_scale": [...],
+    "k_offset": [...]}."""
     if not kv_scales:
         return
-    for name in ("k_scale", "v_scale", "k_channel_scale"):
+    for name in ("k_scale", "v_scale", "k_channel_scale", "k_offset"):
         for cache, value in zip(caches, kv_scales.get(name) or []):
             getattr(cache, name).copy_(value)

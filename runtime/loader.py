@@ -88,12 +88,12 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
 
 
 def _is_kv_tensor(name: str) -> bool:
-    return name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_channel_scale"))
+    return name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_channel_scale", "self_attn.k_offset"))
 
 
 def _kv_scales(tensors, config: ModelConfig, kv: dict) -> dict:
     out = {}
-    for key in ("k_scale", "v_scale", "k_channel_scale"):
+    for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset"):
         names = [f"model.layers.{i}.self_attn.{key}" for i in range(config.num_hidden_layers)]
         if all(n in tensors for n in names):
             out[key] = [tensors[n].float() for n in names]

@@ -98,3 +98,22 @@ def test_fake_quant_kv_keeps_shape_and_dtype():
         fake_quant_kv(x, fp8)
     with pytest.raises(ValueError):
         quantize_kv_int4(x[0], 24)
+
+
+def test_key_offset_shrinks_fp8_error_and_keeps_scores_up_to_a_per_query_constant():
+    keys = _keys(256) + torch.linspace(-20, 20, 64)  # channels with large constant parts
+    with_offset = KVCacheScheme("fp8", key_offset=True)
+    cal = calibrate_kv_scales(keys, with_offset, is_key=True)
+    plain = calibrate_kv_scales(keys, KVCacheScheme("fp8"), is_key=True)
+    assert cal.offset is not None and plain.offset is None
+    assert calibrate_kv_scales(keys, with_offset, is_key=False).offset is None  # values never get one
+    assert torch.allclose(cal.offset, keys.mean(dim=0), atol=1e-4)
+    error = (fake_quant_kv(keys, with_offset, cal) - keys).abs().mean()
+    assert error < 0.5 * (fake_quant_kv(keys, KVCacheScheme("fp8"), plain) - keys).abs().mean()
+    q = torch.randn(5, 3, 64)
+    stored = dequantize_kv_fp8(quantize_kv_fp8(keys - cal.offset, cal.scale), cal.scale)  # never added back
+    scores = torch.einsum("qhd,khd->hqk", q, stored)
+    simulated = torch.einsum("qhd,khd->hqk", q, fake_quant_kv(keys, with_offset, cal))
+    shift = simulated - scores  # q . offset: the same for every key of one query
+    assert torch.allclose(shift, shift[..., :1].expand_as(shift), atol=1e-3)
+    assert torch.allclose(simulated.softmax(-1), scores.softmax(-1), atol=1e-5)

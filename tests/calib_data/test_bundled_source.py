@@ -1,0 +1,31 @@
+"""`bundled:NAME` calibration texts ship inside the package, so the default needs no ../shared."""
+
+import pytest
+
+from qkiln.calib_data import load_text_source
+from qkiln.calib_data.sources import BUNDLED_DIR, bundled_names
+from qkiln.compile.recipe import DEFAULT_CALIBRATION_SOURCE
+from qkiln.errors import CalibrationDataError
+
+
+def _parts(spec: str) -> list[str]:
+    return spec.removeprefix("mix:").split("+") if spec.startswith("mix:") else [spec]
+
+
+def test_default_source_is_bundled_and_loads_without_files_outside_the_package():
+    assert all(part.startswith("bundled:") for part in _parts(DEFAULT_CALIBRATION_SOURCE))
+    source = load_text_source(DEFAULT_CALIBRATION_SOURCE)
+    assert source.spec == DEFAULT_CALIBRATION_SOURCE and len(source.documents) == len(_parts(DEFAULT_CALIBRATION_SOURCE))
+    # 128 windows of 512 tokens want ~65k tokens (~4 bytes each) without heavy overlap; the wheel stays small
+    assert 250_000 <= sum(len(d.encode()) for d in source.documents) <= 600_000
+
+
+def test_every_bundled_text_has_its_license_listed():
+    readme = (BUNDLED_DIR / "README.md").read_text()
+    assert bundled_names() and all(f"{name}.txt" in readme for name in bundled_names())
+
+
+@pytest.mark.parametrize("name", ["no-such-text", "../sources", ""])
+def test_unknown_bundled_name_is_refused_with_the_list(name):
+    with pytest.raises(CalibrationDataError, match=bundled_names()[0]):
+        load_text_source(f"bundled:{name}")
