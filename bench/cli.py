@@ -140,16 +140,21 @@ def kernels_command(
 def quality_command(
     json_out: Annotated[Path, typer.Option("--json", help="write the JSON report here")] = Path("quant_quality.json"),
     plot: Annotated[Optional[Path], typer.Option(help="write a PNG bar chart here")] = None,
-    calib: Annotated[str, typer.Option(help="calibration source for the main rows")] = "self:128",
+    calib: Annotated[Optional[str], typer.Option(help="calibration source for the main rows (default: the recipe default)")] = None,
     num_samples: Annotated[int, typer.Option(help="calibration samples of 512 tokens")] = 128,
+    awq_num_samples: Annotated[Optional[int], typer.Option(help="calibration samples for the AWQ rows")] = None,
     max_tokens: Annotated[int, typer.Option(help="evaluation tokens (wiki.test.raw)")] = 16384,
     only: Annotated[Optional[str], typer.Option(help="comma-separated row names (exact)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
+    workdir: Annotated[Optional[Path], typer.Option(help="keep the row artifacts here")] = None,
+    reuse: Annotated[bool, typer.Option("--reuse", help="keep rows already built in --workdir")] = False,
 ):
     """Quantization quality on SmolLM2-135M: one row per recipe (ppl, KL, top-1, time, RSS)."""
-    argv = ["--json", str(json_out), "--calib", calib, "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]
-    argv += (["--plot", str(plot)] if plot else []) + (["--only", only] if only else [])
-    argv += ["--threads", str(threads)] if threads else []
+    argv = ["--json", str(json_out), "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]
+    argv += (["--calib", calib] if calib else []) + (["--plot", str(plot)] if plot else [])
+    argv += (["--only", only] if only else []) + (["--threads", str(threads)] if threads else [])
+    argv += (["--awq-num-samples", str(awq_num_samples)] if awq_num_samples else [])
+    argv += (["--workdir", str(workdir)] if workdir else []) + (["--reuse"] if reuse else [])
     try:
         importlib.import_module("qkiln.bench.quant_quality").main(argv)
     except QkilnError as e:

@@ -61,7 +61,7 @@ def build_cmd(
     source: Annotated[str, typer.Argument(help="source model: alias (smollm2-135m), HF dir or .gguf")],
     recipe: Annotated[str, typer.Option(help="preset (w4a16-gptq, fp8-w8a8+kv-fp8, ...) or YAML/TOML file")],
     out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
-    calib: Annotated[Optional[str], typer.Option(help="calibration data: file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="calibration data: bundled:NAME, file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, mix:A+B")] = None,
     num_samples: Annotated[Optional[int], typer.Option(help="calibration samples")] = None,
     target: Annotated[Optional[str], typer.Option(help="cpu or cuda")] = None,
     eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report")] = None,
