@@ -21,11 +21,6 @@ from qkiln.plugins import cpu_native
 from qkiln.plugins.reference import fake_quantize_fp8_per_token
 
 SMALL_M = 16
-# int4 switches to the bf16 GEMM on the dequantized copy sooner: the int4 kernels are
-# compute-bound from ~4 rows, and at 12-16 rows oneDNN's bf16 GEMM beat both qkiln's native
-# kernel and tinygemm on SmolLM2's shapes (`qkiln bench kernels --rows 8,12,16`, 2 threads, quiet:
-# e.g. o_proj at 12 rows native 90.5 us, tinygemm 58.0, bf16 62.0; at 8 rows bf16 loses).
-INT4_SMALL_M = 8
 
 
 def _finish(out, x, bias, out_features: int):
@@ -39,7 +34,7 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     """x [..., in] -> [..., out]; native layout (fp32 scales, `zeros` = zero term) or tinygemm's
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
-    if dequantized is not None and rows.shape[0] > INT4_SMALL_M:
+    if dequantized is not None and rows.shape[0] > SMALL_M:
         return _finish(rows.to(torch.bfloat16) @ dequantized.t(), x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):
         out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)

@@ -45,7 +45,7 @@ extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
     w8a16: weight int8 [out, in], scales bf16 [out] (`_weight_int8pack_mm`).
 
 Both cpu layouts:
-    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_SMALL_M rows,
+    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > SMALL_M rows,
     where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.

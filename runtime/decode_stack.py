@@ -9,8 +9,7 @@ model.py's fused path, so the hidden states are bit-identical (tests/runtime com
 
 `build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
 path serves every step); `applies` says per step whether the step is decodes only and small
-enough for the GEMV kernels (as many as the Python path also serves with them: 8 rows with
-int4 linears, 16 with int8 only). Embeddings, RoPE tables and the lm_head stay in model.py.
+enough for the GEMV kernels. Embeddings, RoPE tables and the lm_head stay in model.py.
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 
@@ -19,7 +18,7 @@ import os
 import torch
 
 from qkiln.plugins import KVCache, cpu_native
-from qkiln.plugins.cpu_linear import INT4_SMALL_M, SMALL_M
+from qkiln.plugins.cpu_linear import SMALL_M
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
 from .model import CausalLM
@@ -49,9 +48,8 @@ def _plain_float_cache(cache: KVCache) -> bool:
 
 
 class NativeDecodeStack:
-    def __init__(self, model: CausalLM, stack, max_rows: int):
+    def __init__(self, model: CausalLM, stack):
         self.model, self.stack = model, stack
-        self.max_rows = max_rows  # the rows up to which every linear's Python path is the GEMV too
 
     @classmethod
     def build(cls, model: CausalLM, caches: list[KVCache]) -> "NativeDecodeStack | None":
@@ -64,28 +62,26 @@ class NativeDecodeStack:
         if ext is None or embed.device.type != "cpu" or embed.dtype not in _DTYPES or \
                 config.head_dim % 16 or len(caches) != config.num_hidden_layers:
             return None
-        layers, max_rows = [], SMALL_M
+        layers = []
         for layer, cache in zip(model.model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None or \
                     not _plain_float_cache(cache):
                 return None
-            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            linears = [_native_linear(m, ext) for m in modules]
+            linears = [_native_linear(m, ext) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                         mlp.down_proj)]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
             layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v))
-            if any(m.kind == "int4" for m in modules):
-                max_rows = INT4_SMALL_M
         norm = model.model.norm
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps)
-        return cls(model, stack, max_rows)
+        return cls(model, stack)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Decodes only (one row per sequence), few enough rows for the GEMV kernels, ops on."""
-        return num_tokens == metadata.seq_lens.shape[0] and num_tokens <= self.max_rows and \
+        return num_tokens == metadata.seq_lens.shape[0] and num_tokens <= SMALL_M and \
             cpu_native.native_ops() is not None
 
     def hidden_states(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
