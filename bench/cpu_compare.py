@@ -61,16 +61,22 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
     return out
 
 
-def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
-    """Batch-1 latency (with roofline) and offline throughput of one qkiln model."""
-    log(f"[{name}] loading {model}")
-    loaded = load_model(model, "auto")
+def _batch1_latency(name: str, loaded, decode_wl, bandwidth: float, args: dict) -> dict:
+    """Batch-1 decode of a loaded qkiln model, with its roofline."""
     engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
     lat = run_latency(engine, decode_wl, args["repeats"], label=f"{name} batch-1")
     lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
                                       lat["decode_tokens_per_s"]["median"])
     del engine
     gc.collect()
+    return lat
+
+
+def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
+    """Batch-1 latency (with roofline) and offline throughput of one qkiln model."""
+    log(f"[{name}] loading {model}")
+    loaded = load_model(model, "auto")
+    lat = _batch1_latency(name, loaded, decode_wl, bandwidth, args)
     engine = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
                          max_num_batched_tokens=args["max_num_batched_tokens"])
     tput = run_throughput(engine, tput_wl, args["repeats"], label=f"{name} offline")
@@ -81,23 +87,17 @@ def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, arg
 
 def _python_layers_latency(artifact: str, decode_wl, bandwidth: float, args: dict) -> dict:
     """Batch-1 decode of the same artifact with the native decode stack off (the Python layer
-    loop, QKILN_DECODE_STACK=0): the stack's own gain, measured in the same run."""
+    loop, QKILN_DECODE_STACK=0, read when an engine is built): the stack's own gain, same run."""
     previous = os.environ.get("QKILN_DECODE_STACK")
     os.environ["QKILN_DECODE_STACK"] = "0"
     try:
-        loaded = load_model(artifact, "auto")
-        engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
+        return _batch1_latency("qkiln-w4a16 python layers", load_model(artifact, "auto"), decode_wl,
+                               bandwidth, args)
     finally:
         if previous is None:
             del os.environ["QKILN_DECODE_STACK"]
         else:
             os.environ["QKILN_DECODE_STACK"] = previous
-    lat = run_latency(engine, decode_wl, args["repeats"], label="qkiln-w4a16 python layers batch-1")
-    lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
-                                      lat["decode_tokens_per_s"]["median"])
-    del engine, loaded
-    gc.collect()
-    return lat
 
 
 def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
