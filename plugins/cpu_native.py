@@ -107,7 +107,7 @@ def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor |
                group_size: int):
     """Unsigned int4 q [out, in] (0..15), scales [out, G], zero points [out, G] (None: 8) ->
     (packed uint8 [out_p / 4, in_p / 64, 4, 32], scales fp32 [out_p / 4, G, 4],
-     c fp32 [out_p, G]) for cpu_gemv_int4.cpp's kernel, with c = s * (16 + z).
+     c fp32 [out_p / 4, G, 4]) for cpu_gemv_int4.cpp's kernel, with c = s * (16 + z).
     """
     out_features, in_features = q.shape
     num_groups = scales.shape[1]
@@ -123,9 +123,10 @@ def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor |
         else zero_point.float()
     row_pad = (0, 0, 0, out_padded - out_features)
     s = torch.nn.functional.pad(scales.float(), row_pad)  # [out_p, G]; padded rows scale 0
-    c = torch.nn.functional.pad(scales.float() * (16.0 + zero), row_pad).contiguous()
-    tiled_scales = s.reshape(-1, TILE_ROWS, num_groups).transpose(1, 2).contiguous()
-    return packed, tiled_scales, c
+    c = torch.nn.functional.pad(scales.float() * (16.0 + zero), row_pad)  # [out_p, G]
+    tiled_scales, tiled_c = (t.reshape(-1, TILE_ROWS, num_groups).transpose(1, 2).contiguous()
+                             for t in (s, c))
+    return packed, tiled_scales, tiled_c
 
 
 def is_native_w4a16(scales: torch.Tensor) -> bool:

@@ -2,7 +2,8 @@
 //
 // Built at first use with the other kernels by plugins/cpu_native.py (torch.utils.cpp_extension.load,
 // -O3 -march=native).
-// Threads: at::parallel_for over tiles of output rows (torch's intra-op pool).
+// Threads: at::parallel_for over tiles of output rows (torch's intra-op pool), or the caller's own
+// partition of the tiles through Int4Gemv (qkiln_cpu.h; the decode stack).
 //
 // ---- int4 (W4A16), exact: no activation quantization ------------------------------------------
 // Math: W[o,k] = (q[o,k] - z[o,g]) * s[o,g], g = k / G (the last group may be shorter).
@@ -22,8 +23,9 @@
 //     so nibble set n (shift 4n) lines up with the 16 activations x[k0 + 16n .. k0 + 16n + 15].
 //
 // K_p pads K to a multiple of 64 (K itself is a multiple of 32: a half chunk is skipped),
-// out_p pads out to a multiple of 4 (zero scales). scales: fp32 [out_p / 4, num_groups, 4];
-// c: fp32 [out_p, num_groups]. A group boundary always falls on a half chunk (G % 32 == 0).
+// out_p pads out to a multiple of 4 (zero scales). scales and c: fp32 [out_p / 4, num_groups, 4]
+// (a tile's 4 rows side by side, so the zero term of a tile is one 4-wide FMA per group).
+// A group boundary always falls on a half chunk (G % 32 == 0).
 //
 // Why not int8 activations + VNNI (llama.cpp's Q4_0 x Q8_0): at one row this kernel computes
 // ~15 GB/s of int4 weights per core from cache, twice what one core streams from DRAM here
@@ -39,20 +41,27 @@ namespace {
 
 constexpr int64_t kPrefetchBytes = 1024;
 
-// Activations [M, K] of any float dtype -> bf16 bits [M, K_p] (zero padded) and group sums of
-// the bf16-rounded values [M, num_groups].
-void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, std::vector<uint16_t>& xb,
-                       std::vector<float>& xsum) {
+// Activations [M, K] of any float dtype -> bf16 bits xb [M, K_p] (zero padded) and the group sums
+// of the bf16-rounded values xsum [M, num_groups], summed in k order. bf16 input is copied as is;
+// no per-element division (a `k / G` per element cost ~4 us per call at K = 576).
+void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, uint16_t* xb, float* xsum) {
   const int64_t M = x.size(0), K = x.size(1), num_groups = (K + G - 1) / G;
-  xb.assign(M * K_p, 0);
-  xsum.assign(M * num_groups, 0.f);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkiln_x_bf16", [&] {
     const scalar_t* src = x.data_ptr<scalar_t>();
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < K; ++k) {
-        c10::BFloat16 v(static_cast<float>(src[m * K + k]));  // round to nearest even
-        xb[m * K_p + k] = v.x;
-        xsum[m * num_groups + k / G] += static_cast<float>(v);
+      uint16_t* row = xb + m * K_p;
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+        std::memcpy(row, src + m * K, K * sizeof(uint16_t));
+      } else {
+        for (int64_t k = 0; k < K; ++k)
+          row[k] = c10::BFloat16(static_cast<float>(src[m * K + k])).x;  // round to nearest even
+      }
+      std::fill(row + K, row + K_p, uint16_t{0});
+      for (int64_t g = 0, k = 0; g < num_groups; ++g) {
+        float sum = 0.f;
+        for (const int64_t end = std::min(k + G, K); k < end; ++k)
+          sum += static_cast<float>(c10::BFloat16(row[k], c10::BFloat16::from_bits()));
+        xsum[m * num_groups + g] = sum;
       }
     }
   });
@@ -187,52 +196,107 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
 
 #endif
 
+// One tile's dots [MB][4] -> output rows: minus the zero term sum_g c[o,g] * xsum[m,g], plus the
+// bias. c4: this tile's c [num_groups, 4]; xsum at row m0; out at row m0 (row stride N).
+template <typename out_t>
+void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const float* xsum,
+                 int64_t num_groups, const float* bias, int64_t o0, int64_t N, out_t* out) {
+  const int64_t rows = std::min<int64_t>(kRows, N - o0);
+  for (int m = 0; m < MB; ++m) {
+    const float* xs = xsum + m * num_groups;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (rows == kRows) {  // 4 rows at once: one FMA per group, one 4-wide store
+      __m128 v = _mm_loadu_ps(dots[m]);
+      for (int64_t g = 0; g < num_groups; ++g)
+        v = _mm_fnmadd_ps(_mm_loadu_ps(c4 + g * kRows), _mm_set1_ps(xs[g]), v);
+      if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias + o0));
+      out_t* y = out + m * N + o0;
+      if constexpr (std::is_same_v<out_t, at::BFloat16>) {
+        const __m128i bits = (__m128i)_mm_cvtneps_pbh(v);  // round to nearest even
+        std::memcpy(y, &bits, kRows * sizeof(uint16_t));
+      } else {
+        alignas(16) float tmp[kRows];
+        _mm_store_ps(tmp, v);
+        for (int r = 0; r < kRows; ++r) store_row(y, r, tmp[r]);
+      }
+      continue;
+    }
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      float v = dots[m][r];
+      for (int64_t g = 0; g < num_groups; ++g) v -= c4[g * kRows + r] * xs[g];
+      store_row(out, m * N + o0 + r, v + (bias ? bias[o0 + r] : 0.f));
+    }
+  }
+}
+
 }  // namespace
+
+void Int4Gemv::tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t begin, int64_t end,
+                     at::Tensor& y) const {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
+    scalar_t* out = y.data_ptr<scalar_t>();
+    float dots[kMaxMB][kRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = w + t * (K_p / 2) * kRows;
+      const float *st = s + t * num_groups * kRows, *ct = c + t * num_groups * kRows;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxMB) {
+        const int MB = static_cast<int>(std::min(kMaxMB, M - m0));
+        int4_tile_rows(MB, wt, st, xb + m0 * K_p, K_p, K, G, dots);
+        finish_tile(dots, MB, ct, xsum + m0 * num_groups, num_groups, bias, t * kRows,
+                    out_features, out + m0 * out_features);
+      }
+    }
+  });
+}
+
+void Int4Gemv::prepare(const at::Tensor& x, std::vector<uint16_t>& xb,
+                       std::vector<float>& xsum) const {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
+              "w4a16: x must be a contiguous [M, in_features] tensor");
+  xb.resize(x.size(0) * K_p);
+  xsum.resize(x.size(0) * num_groups);
+  prepare_bf16_rows(x, K_p, G, xb.data(), xsum.data());
+}
+
+Int4Gemv::Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
+                   const float* bias_f32, int64_t group_size, int64_t in_features, int64_t out)
+    : w(packed.data_ptr<uint8_t>()), s(scales.data_ptr<float>()),
+      c(zero_term.data_ptr<float>()), bias(bias_f32), K_p(packed.size(1) * kChunk),
+      K(in_features), G(group_size), num_groups(scales.size(1)), num_tiles(packed.size(0)),
+      out_features(out) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kRows && packed.size(3) == 32 &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "w4a16: packed must be contiguous uint8 [out_p / 4, K_p / 64, 4, 32]");
+  TORCH_CHECK(scales.dtype() == at::kFloat && zero_term.dtype() == at::kFloat &&
+                  scales.is_contiguous() && zero_term.is_contiguous() &&
+                  scales.sizes() == zero_term.sizes() && scales.dim() == 3 &&
+                  scales.size(0) == num_tiles && scales.size(2) == kRows &&
+                  out_features <= num_tiles * kRows,
+              "w4a16: scales and zero term must be fp32 [out_p / 4, num_groups, 4]");
+  TORCH_CHECK(K % 32 == 0 && K <= K_p && K_p < K + kChunk && G % 32 == 0 &&
+                  num_groups == (K + G - 1) / G,
+              "w4a16: in_features and group size do not match the native int4 layout");
+}
 
 // x [M, K] float/bf16/fp16 contiguous -> y [M, out_features] in x's dtype (see header for layout).
 at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                       const at::Tensor& c, const c10::optional<at::Tensor>& bias, int64_t G,
                       int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kRows && packed.size(3) == 32,
-              "packed must be uint8 [out_p / 4, K_p / 64, 4, 32]");
-  const int64_t M = x.size(0), K = x.size(1), K_p = packed.size(1) * kChunk;
-  const int64_t num_tiles = packed.size(0), num_groups = scales.size(1);
-  TORCH_CHECK(K % 32 == 0 && K <= K_p && K_p < K + kChunk && G % 32 == 0 &&
-              num_groups == (K + G - 1) / G && scales.dtype() == at::kFloat &&
-              c.size(0) == num_tiles * kRows && out_features <= num_tiles * kRows,
-              "w4a16_gemm: tensors do not match the native int4 layout");
-  std::vector<uint16_t> xb;
-  std::vector<float> xsum;
-  prepare_bf16_rows(x, K_p, G, xb, xsum);
+  TORCH_CHECK(x.dim() == 2, "w4a16_gemm: x must be [M, in_features]");
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, out_features}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
-  const float* cz = c.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
-    scalar_t* out = y.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-      float dots[kMaxMB][kRows];
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxMB) {
-          const int MB = static_cast<int>(std::min(kMaxMB, M - m0));
-          int4_tile_rows(MB, w + t * (K_p / 2) * kRows, s + t * num_groups * kRows,
-                         xb.data() + m0 * K_p, K_p, K, G, dots);
-          for (int r = 0; r < kRows; ++r) {
-            const int64_t o = t * kRows + r;
-            if (o >= out_features) break;
-            for (int m = 0; m < MB; ++m) {
-              float v = dots[m][r] + (b ? b[o] : 0.f);
-              const float* xs = xsum.data() + (m0 + m) * num_groups;
-              for (int64_t g = 0; g < num_groups; ++g) v -= cz[o * num_groups + g] * xs[g];
-              store_row(out, (m0 + m) * out_features + o, v);
-            }
-          }
-        }
-      }
-    });
+  const Int4Gemv gemv(packed, scales, c, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, G,
+                      x.size(1), out_features);
+  // Reused per thread: a vector allocation per call is measurable at batch 1.
+  thread_local std::vector<uint16_t> xb_buffer;
+  thread_local std::vector<float> xsum_buffer;
+  gemv.prepare(x.contiguous(), xb_buffer, xsum_buffer);
+  // Pointers, not the thread_local names: inside the parallel region a worker would see its own.
+  const uint16_t* xb = xb_buffer.data();
+  const float* xsum = xsum_buffer.data();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
+    gemv.tiles(xb, xsum, x.size(0), begin, end, y);
   });
   return y;
 }

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 // cpu_gemv_int4.cpp / cpu_gemv_int8.cpp
 at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -13,6 +14,23 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
 at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias);
 std::string int4_kernel_isa();
+
+// One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
+// caller that owns the threads (the decode stack) runs itself: prepare the activations once, then
+// any partition of the output tiles, each written to y [M, out_features]. Holds raw pointers: the
+// tensors it was made from must outlive it.
+struct Int4Gemv {
+  const uint8_t* w;
+  const float *s, *c, *bias;  // bias fp32 [out_features] or nullptr
+  int64_t K_p, K, G, num_groups, num_tiles, out_features;
+
+  Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
+           const float* bias_f32, int64_t group_size, int64_t in_features, int64_t out_features);
+  // x [M, K] -> bf16 bits [M, K_p] and group sums [M, num_groups] (resized to fit).
+  void prepare(const at::Tensor& x, std::vector<uint16_t>& xb, std::vector<float>& xsum) const;
+  void tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t begin, int64_t end,
+             at::Tensor& y) const;
+};
 std::string int8_kernel_isa();
 
 // cpu_attention.cpp
