@@ -5,7 +5,9 @@ Python modules and the dispatcher each costs more than many of the kernels thems
 common serving configuration (every linear in a native quantized layout, q/k/v and gate/up
 fused, float KV caches without scales, bf16/fp16 activations) `NativeDecodeStack` hands the
 whole layer loop to csrc/decode_stack.cpp, which calls the same kernels in the same order as
-model.py's fused path, so the hidden states are bit-identical (tests/runtime compare them).
+model.py's fused path, so the hidden states are bit-identical (tests/runtime compare them), in ONE
+parallel region per step (the tiles of each linear split over the threads, barriers between
+dependent phases) instead of a fork/join per kernel.
 
 `build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
 path serves every step); `applies` says per step whether the step is decodes only and small
@@ -35,9 +37,10 @@ def _native_linear(module, ext):
         return None
     w, bias = module.packed, module.bias
     if isinstance(w, W4A16Weight) and w.target == "cpu" and cpu_native.is_native_w4a16(w.scales):
-        return ext.NativeLinear(4, w.packed, w.scales, w.zeros, bias, w.group_size, w.out_features)
+        return ext.NativeLinear(4, w.packed, w.scales, w.zeros, bias, w.group_size, w.in_features,
+                                w.out_features)
     if isinstance(w, W8A16Weight) and w.target == "cpu" and w.scales.dtype == torch.float32:
-        return ext.NativeLinear(8, w.weight, w.scales, None, bias, 0, w.weight.shape[0])
+        return ext.NativeLinear(8, w.weight, w.scales, None, bias, 0, *w.weight.shape[::-1])
     return None
 
 

@@ -155,35 +155,18 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
 }
 
-// Query rows of one sequence that one task serves: rows [first, first + count) of the sequence
-// (its q_len rows are its last q_len context positions).
-struct RowBlock {
-  int64_t seq, first, count;
-};
-
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
 // over every thread (each row reads K/V from the cache; a block's rows share them through L1/L2).
 constexpr int64_t kRowsPerTask = 8;
 
-std::vector<RowBlock> row_blocks(const int32_t* starts, int64_t num_seqs) {
-  std::vector<RowBlock> blocks;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t first = 0; first < starts[s + 1] - starts[s]; first += kRowsPerTask)
-      blocks.push_back({s, first, std::min(kRowsPerTask, starts[s + 1] - starts[s] - first)});
-  return blocks;
-}
-
 }  // namespace
 
-// Causal paged attention for every query row of a step (decodes and prefill chunks alike): row i
-// of sequence s (q_len rows from query_start_loc[s]) sits at context position
-// seq_lens[s] - q_len + i and attends to the sequence's slots [0, that position] through its block
-// table, as one decode of that length. out [N, Hq, D] contiguous, any float dtype.
-// query [N, Hq, D] (rows at any stride, heads dense: a view of the fused qkv); caches
-// [blocks, block_size, Hkv, D] bf16/fp16/fp32, D % 16 == 0.
-void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                               double scale, at::Tensor& out)
+    : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
+      scale_(static_cast<float>(scale)) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
               out.is_contiguous() && out.sizes() == query.sizes(),
               "query must be [N, Hq, D] with dense heads, out contiguous [N, Hq, D]");
@@ -199,47 +182,70 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   TORCH_CHECK(k_cache.size(3) == D && D % kW == 0 && Hq % Hkv == 0 &&
               query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
-  const Decode a{block_tables.data_ptr<int32_t>(), block_tables.size(1), k_cache.size(1), Hkv, D,
-                 Hq / Hkv, static_cast<float>(scale)};
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-  const std::vector<RowBlock> blocks = row_blocks(starts, num_seqs);
-  QKILN_DISPATCH(k_cache.scalar_type(), "qkiln_attn_kv", [&] {
+  tables_ = block_tables.data_ptr<int32_t>();
+  lens_ = seq_lens.data_ptr<int32_t>();
+  starts_ = query_start_loc.data_ptr<int32_t>();
+  max_blocks_ = block_tables.size(1);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t first = 0; first < starts_[s + 1] - starts_[s]; first += kRowsPerTask)
+      blocks_.push_back({s, first, std::min(kRowsPerTask, starts_[s + 1] - starts_[s] - first)});
+}
+
+int64_t AttentionTasks::size() const {
+  return static_cast<int64_t>(blocks_.size()) * k_cache_.size(2);
+}
+
+// Tasks [begin, end): task = row block * Hkv + kv head.
+void AttentionTasks::run(int64_t begin, int64_t end) const {
+  const int64_t Hq = query_.size(1), D = query_.size(2), Hkv = k_cache_.size(2);
+  const Decode a{tables_, max_blocks_, k_cache_.size(1), Hkv, D, Hq / Hkv, scale_};
+  QKILN_DISPATCH(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
     using kv_t = scalar_t;
-    const kv_t* kp = k_cache.data_ptr<kv_t>();
-    const kv_t* vp = v_cache.data_ptr<kv_t>();
-    QKILN_DISPATCH(query.scalar_type(), "qkiln_attn_q", [&] {
+    const kv_t* kp = k_cache_.data_ptr<kv_t>();
+    const kv_t* vp = v_cache_.data_ptr<kv_t>();
+    QKILN_DISPATCH(query_.scalar_type(), "qkiln_attn_q", [&] {
       using q_t = scalar_t;
-      const q_t* qp = query.data_ptr<q_t>();
-      QKILN_DISPATCH(out.scalar_type(), "qkiln_attn_o", [&] {
-        scalar_t* op = out.data_ptr<scalar_t>();
-        const int64_t num_tasks = static_cast<int64_t>(blocks.size()) * Hkv;
-        at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-          thread_local std::vector<float> buf;
-          for (int64_t task = begin; task < end; ++task) {
-            const RowBlock& b = blocks[task / Hkv];
-            const int64_t h = task % Hkv, q_len = starts[b.seq + 1] - starts[b.seq];
-            const int32_t* table = a.tables + b.seq * a.max_blocks;
-            for (int64_t i = b.first; i < b.first + b.count; ++i) {
-              const int64_t row = starts[b.seq] + i, T = lens[b.seq] - q_len + 1 + i;
-              const int64_t offset = (row * Hq + h * a.group) * D;  // in out
-              if (T <= 0) {
-                for (int64_t j = 0; j < a.group * D; ++j) op[offset + j] = 0;
-                continue;
-              }
-              const q_t* qrow = qp + row * query.stride(0) + h * a.group * D;
-              if (D == 64)
-                decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
-              else if (D == 128)
-                decode_head_tiled<8>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
-              else
-                decode_head(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+      const q_t* qp = query_.data_ptr<q_t>();
+      QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
+        scalar_t* op = out_.data_ptr<scalar_t>();
+        thread_local std::vector<float> buf;
+        for (int64_t task = begin; task < end; ++task) {
+          const RowBlock& b = blocks_[task / Hkv];
+          const int64_t h = task % Hkv, q_len = starts_[b.seq + 1] - starts_[b.seq];
+          const int32_t* table = a.tables + b.seq * a.max_blocks;
+          for (int64_t i = b.first; i < b.first + b.count; ++i) {
+            const int64_t row = starts_[b.seq] + i, T = lens_[b.seq] - q_len + 1 + i;
+            const int64_t offset = (row * Hq + h * a.group) * D;  // in out
+            if (T <= 0) {
+              for (int64_t j = 0; j < a.group * D; ++j) op[offset + j] = 0;
+              continue;
             }
+            const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
+            if (D == 64)
+              decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+            else if (D == 128)
+              decode_head_tiled<8>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+            else
+              decode_head(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
           }
-        });
+        }
       });
     });
   });
+}
+
+// Causal paged attention for every query row of a step (decodes and prefill chunks alike): row i
+// of sequence s (q_len rows from query_start_loc[s]) sits at context position
+// seq_lens[s] - q_len + i and attends to the sequence's slots [0, that position] through its block
+// table, as one decode of that length. out [N, Hq, D] contiguous, any float dtype.
+// query [N, Hq, D] (rows at any stride, heads dense: a view of the fused qkv); caches
+// [blocks, block_size, Hkv, D] bf16/fp16/fp32, D % 16 == 0.
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                             scale, out);
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) { tasks.run(begin, end); });
 }
 
 // key/value [N, Hkv, D] (rows at any stride, heads dense) -> caches at slot_mapping [N] int64

@@ -232,8 +232,10 @@ void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const
 
 }  // namespace
 
-void Int4Gemv::tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t begin, int64_t end,
+void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
+  const uint16_t* xb = acts.bf16.data();
+  const float* xsum = acts.f32.data();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();
     float dots[kMaxMB][kRows];
@@ -250,13 +252,11 @@ void Int4Gemv::tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t b
   });
 }
 
-void Int4Gemv::prepare(const at::Tensor& x, std::vector<uint16_t>& xb,
-                       std::vector<float>& xsum) const {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
-              "w4a16: x must be a contiguous [M, in_features] tensor");
-  xb.resize(x.size(0) * K_p);
-  xsum.resize(x.size(0) * num_groups);
-  prepare_bf16_rows(x, K_p, G, xb.data(), xsum.data());
+void Int4Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a16: x must be [M, in_features]");
+  acts.bf16.resize(x.size(0) * K_p);
+  acts.f32.resize(x.size(0) * num_groups);
+  prepare_bf16_rows(x.contiguous(), K_p, G, acts.bf16.data(), acts.f32.data());
 }
 
 Int4Gemv::Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
@@ -287,16 +287,14 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const Int4Gemv gemv(packed, scales, c, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, G,
                       x.size(1), out_features);
-  // Reused per thread: a vector allocation per call is measurable at batch 1.
-  thread_local std::vector<uint16_t> xb_buffer;
-  thread_local std::vector<float> xsum_buffer;
-  gemv.prepare(x.contiguous(), xb_buffer, xsum_buffer);
-  // Pointers, not the thread_local names: inside the parallel region a worker would see its own.
-  const uint16_t* xb = xb_buffer.data();
-  const float* xsum = xsum_buffer.data();
+  // Reused per calling thread: a vector allocation per call is measurable at batch 1. A reference
+  // taken here, not the thread_local's name, which inside the region would be the worker's own.
+  thread_local GemvActs thread_acts;
+  GemvActs& acts = thread_acts;
+  gemv.prepare(x, acts);
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
   at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
-    gemv.tiles(xb, xsum, x.size(0), begin, end, y);
+    gemv.tiles(acts, x.size(0), begin, end, y);
   });
   return y;
 }

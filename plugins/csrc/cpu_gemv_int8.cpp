@@ -1,6 +1,7 @@
 // qkiln CPU GEMV / small-GEMM kernels for int8-weight linears at few rows (decode, M <= 16).
 //
-// Built with the other kernels by plugins/cpu_native.py; threads: at::parallel_for over tiles.
+// Built with the other kernels by plugins/cpu_native.py; threads: at::parallel_for over tiles, or
+// the caller's own partition of the tiles through Int8Gemv (qkiln_cpu.h; the decode stack).
 //
 // ---- int8 (W8A16), exact ----------------------------------------------------------------------
 // weight int8 [out, K] row-major (canonical, no repacking: a tile of 4 output rows is already one
@@ -262,40 +263,63 @@ void int8_gemm_tiles(const int8_t* w, const float* s, const float* b,
 
 }  // namespace
 
-// x [M, K] -> y [M, out] = x @ (weight int8 [out, K] * scales fp32 [out])^T + bias, x's dtype.
+Int8Gemv::Int8Gemv(const at::Tensor& weight, const at::Tensor& scales, const float* bias_f32)
+    : w(weight.data_ptr<int8_t>()), s(scales.data_ptr<float>()), bias(bias_f32),
+      K(weight.size(1)), out_features(weight.size(0)), num_tiles((weight.size(0) + kRows - 1) / kRows) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == weight.size(0),
+              "w8a16: needs int8 weight [out, K] and fp32 scales [out], contiguous");
+}
+
 // bf16 x feeds the vdpbf16ps kernel as is (M >= 2); otherwise x is widened to fp32 (exact).
-at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() &&
-              weight.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat &&
-              scales.is_contiguous() && x.size(1) == weight.size(1) &&
-              scales.numel() == weight.size(0),
-              "w8a16_gemm: needs x [M, K], int8 weight [out, K], fp32 scales [out]");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  at::Tensor y = at::empty({M, N}, x.options());
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  const int64_t num_tiles = (N + kRows - 1) / kRows;
+void Int8Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w8a16: x must be [M, in_features]");
+  const int64_t M = x.size(0);
+  acts.bf16.clear();
+  acts.f32.clear();
 #ifdef QKILN_INT8_AVX512
   if (x.scalar_type() == at::kBFloat16 && M >= 2) {
-    at::Tensor xc = x.contiguous();  // [M, K]
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    at::BFloat16* out = y.data_ptr<at::BFloat16>();
-    at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-      int8_gemm_tiles<Int8Bf16, Bf16Pre>(w, s, b, xp, M, K, N, out, begin, end);
-    });
-    return y;
+    acts.bf16.resize(M * K);
+    const at::Tensor xc = x.contiguous();
+    std::memcpy(acts.bf16.data(), xc.data_ptr<at::BFloat16>(), M * K * sizeof(uint16_t));
+    return;
   }
 #endif
-  at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, K]
-  const float* xp = xf.data_ptr<float>();
+  acts.f32.resize(M * K);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkiln_x_f32", [&] {
+    const at::Tensor xc = x.contiguous();
+    const scalar_t* src = xc.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < M * K; ++i) acts.f32[i] = static_cast<float>(src[i]);
+  });
+}
+
+void Int8Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
+                     at::Tensor& y) const {
+#ifdef QKILN_INT8_AVX512
+  if (!acts.bf16.empty()) {
+    TORCH_CHECK(y.scalar_type() == at::kBFloat16, "w8a16: bf16 activations give bf16 outputs");
+    int8_gemm_tiles<Int8Bf16, Bf16Pre>(w, s, bias, acts.bf16.data(), M, K, out_features,
+                                       y.data_ptr<at::BFloat16>(), begin, end);
+    return;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w8a16", [&] {
-    scalar_t* out = y.data_ptr<scalar_t>();
-    at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
-      int8_gemm_tiles<Int8F32, F32Pre>(w, s, b, xp, M, K, N, out, begin, end);
-    });
+    int8_gemm_tiles<Int8F32, F32Pre>(w, s, bias, acts.f32.data(), M, K, out_features,
+                                     y.data_ptr<scalar_t>(), begin, end);
+  });
+}
+
+// x [M, K] -> y [M, out] = x @ (weight int8 [out, K] * scales fp32 [out])^T + bias, x's dtype.
+at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const Int8Gemv gemv(weight, scales, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
+  GemvActs acts;
+  gemv.prepare(x, acts);
+  at::Tensor y = at::empty({x.size(0), gemv.out_features}, x.options());
+  at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
+    gemv.tiles(acts, x.size(0), begin, end, y);
   });
   return y;
 }

@@ -13,18 +13,58 @@
 //                 fused_add_rms_norm(h, residual); h = down(silu_and_mul(gate_up(h)))
 //     fused_add_rms_norm(h, residual, final_norm)
 //
+// Threads: ONE OpenMP parallel region for the whole step, not a fork/join per kernel (~150 per
+// step). Each linear's output tiles and the attention tasks are split evenly over the threads;
+// the small ops and the activation preparation run on thread 0; a barrier separates dependent
+// phases. A tile's result does not depend on the partition, so this stays bit-identical to the
+// per-call path. Nothing may throw out of the region: every step runs guarded, the first error is
+// rethrown after it.
+//
 // runtime/decode_stack.py decides when a model and a step qualify (native linears everywhere,
 // float caches, decodes only, M <= 16) and builds this object once per engine.
 
 #include "decode_stack.h"
 
-#include <cmath>
+#include <omp.h>
 
-#include "qkiln_cpu.h"
+#include <cmath>
+#include <exception>
+
+NativeLinear::NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales,
+                           at::Tensor zero_term, c10::optional<at::Tensor> bias,
+                           int64_t group_size, int64_t in_features, int64_t out_features)
+    : weight_(std::move(weight)), scales_(std::move(scales)), zero_term_(std::move(zero_term)),
+      out_features_(out_features) {
+  TORCH_CHECK(bits == 4 || bits == 8, "NativeLinear: bits must be 4 or 8");
+  if (bias.has_value()) bias_f32_ = bias->to(at::kFloat).contiguous();
+  const float* b = bias_f32_.defined() ? bias_f32_.data_ptr<float>() : nullptr;
+  if (bits == 4) {
+    TORCH_CHECK(zero_term_.defined(), "NativeLinear: int4 needs its zero term");
+    int4_.emplace(weight_, scales_, zero_term_, b, group_size, in_features, out_features);
+  } else {
+    int8_.emplace(weight_, scales_, b);
+    TORCH_CHECK(int8_->K == in_features && int8_->out_features == out_features,
+                "NativeLinear: int8 weight shape does not match in/out features");
+  }
+}
+
+void NativeLinear::prepare(const at::Tensor& x, GemvActs& acts) const {
+  if (int4_) int4_->prepare(x, acts);
+  else int8_->prepare(x, acts);
+}
+
+void NativeLinear::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
+                         at::Tensor& y) const {
+  if (int4_) int4_->tiles(acts, M, begin, end, y);
+  else int8_->tiles(acts, M, begin, end, y);
+}
 
 at::Tensor NativeLinear::operator()(const at::Tensor& x) const {
-  if (bits == 4) return w4a16_gemm(x, weight, scales, zero_term, bias, group_size, out_features);
-  return w8a16_gemm(x, weight, scales, bias);
+  GemvActs acts;
+  prepare(x, acts);
+  at::Tensor y = at::empty({x.size(0), out_features_}, x.options());
+  at::parallel_for(0, num_tiles(), 16, [&](int64_t b, int64_t e) { tiles(acts, x.size(0), b, e, y); });
+  return y;
 }
 
 DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, int64_t num_heads,
@@ -35,9 +75,11 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
   TORCH_CHECK(!layers_.empty() && num_heads % num_kv_heads == 0 && head_dim % 16 == 0,
               "DecodeStack: needs layers, Hq % Hkv == 0 and head_dim % 16 == 0");
   const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t hidden = final_norm_.size(0), gate_up = layers_.front().gate_up.out_features();
   for (const StackLayer& l : layers_) {
-    TORCH_CHECK(l.qkv.out_features == qkv_width && l.o.out_features == final_norm_.size(0) &&
-                    l.gate_up.out_features % 2 == 0 && l.down.out_features == final_norm_.size(0),
+    TORCH_CHECK(l.qkv.out_features() == qkv_width && l.o.out_features() == hidden &&
+                    l.gate_up.out_features() == gate_up && gate_up % 2 == 0 &&
+                    l.down.out_features() == hidden,
                 "DecodeStack: linear shapes do not match the attention geometry");
     TORCH_CHECK(l.k_cache.dim() == 4 && l.k_cache.size(2) == num_kv_heads &&
                     l.k_cache.size(3) == head_dim,
@@ -45,31 +87,92 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
   }
 }
 
+namespace {
+
+// [begin, end) of `n` items for thread `tid` of `threads`: contiguous, sizes differ by <= 1.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
+  return {n * tid / threads, n * (tid + 1) / threads};
+}
+
+}  // namespace
+
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                 const at::Tensor& seq_lens,
                                 const at::Tensor& query_start_loc) const {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(0) == seq_lens.size(0),
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(0) == seq_lens.size(0) &&
+                  h.size(1) == final_norm_.size(0),
               "DecodeStack.forward: h must be contiguous [num_seqs, hidden] (decodes only)");
   const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
-  at::Tensor residual = h;
-  h = rms_norm(h, layers_.front().input_norm, eps_);
-  bool first = true;
-  for (const StackLayer& l : layers_) {
-    if (!first) fused_add_rms_norm(h, residual, l.input_norm, eps_);
-    first = false;
-    at::Tensor qkv = l.qkv(h).view({M, Hq + 2 * Hkv, D});
-    rotary_embedding(qkv, cos, signed_sin, Hq + Hkv);
-    at::Tensor k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
-    at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-    cache_write(k, v, k_cache, v_cache, slot_mapping);
-    at::Tensor attn = at::empty({M, Hq, D}, h.options());
-    paged_attention(qkv.narrow(1, 0, Hq), k_cache, v_cache, block_tables, seq_lens,
-                    query_start_loc, scale_, attn);
-    h = l.o(attn.view({M, Hq * D}));
-    fused_add_rms_norm(h, residual, l.post_norm, eps_);
-    h = l.down(silu_and_mul(l.gate_up(h)));
+  const at::TensorOptions opts = h.options();
+  at::Tensor residual = h, hidden = at::empty_like(h);   // [M, H]
+  at::Tensor qkv = at::empty({M, Hq + 2 * Hkv, D}, opts);
+  at::Tensor attn = at::empty({M, Hq, D}, opts);
+  at::Tensor gate_up = at::empty({M, layers_.front().gate_up.out_features()}, opts);
+  at::Tensor q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
+  at::Tensor qkv2d = qkv.view({M, (Hq + 2 * Hkv) * D}), attn2d = attn.view({M, Hq * D});
+  GemvActs acts;                          // the current linear's input, prepared by thread 0
+  std::optional<AttentionTasks> tasks;    // the current layer's, made by thread 0
+  std::exception_ptr error;
+  const int threads = std::max(1, at::get_num_threads());
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    auto guarded = [&](auto&& body) {
+      try {
+        body();
+      } catch (...) {
+#pragma omp critical(qkiln_decode_stack_error)
+        if (!error) error = std::current_exception();
+      }
+    };
+    auto serial = [&](auto&& body) {  // thread 0 runs it; everyone sees its writes after
+      if (tid == 0) guarded(body);
+#pragma omp barrier
+    };
+    auto linear = [&](const NativeLinear& lin, at::Tensor& y) {
+      const auto [begin, end] = share(lin.num_tiles(), tid, n);
+      guarded([&] { lin.tiles(acts, M, begin, end, y); });
+#pragma omp barrier
+    };
+    at::Tensor x;  // thread 0's view of the current norm output
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      serial([&] {
+        if (i == 0) {
+          x = rms_norm(h, l.input_norm, eps_);
+        } else {
+          fused_add_rms_norm(hidden, residual, l.input_norm, eps_);
+          x = hidden;
+        }
+        l.qkv.prepare(x, acts);
+      });
+      linear(l.qkv, qkv2d);
+      serial([&] {
+        rotary_embedding(qkv, cos, signed_sin, Hq + Hkv);
+        at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
+        cache_write(k, v, k_cache, v_cache, slot_mapping);
+        tasks.emplace(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_,
+                      attn);
+      });
+      if (tasks) {
+        const auto [begin, end] = share(tasks->size(), tid, n);
+        guarded([&] { tasks->run(begin, end); });
+      }
+#pragma omp barrier
+      serial([&] { l.o.prepare(attn2d, acts); });
+      linear(l.o, hidden);
+      serial([&] {
+        fused_add_rms_norm(hidden, residual, l.post_norm, eps_);
+        l.gate_up.prepare(hidden, acts);
+      });
+      linear(l.gate_up, gate_up);
+      serial([&] { l.down.prepare(silu_and_mul(gate_up), acts); });
+      linear(l.down, hidden);
+    }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }
-  fused_add_rms_norm(h, residual, final_norm_, eps_);
-  return h;
+  if (error) std::rethrow_exception(error);
+  fused_add_rms_norm(hidden, residual, final_norm_, eps_);
+  return hidden;
 }

@@ -3,17 +3,32 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <vector>
+
+#include "qkiln_cpu.h"
 
 // A quantized linear in one of the native layouts (plugins/cpu_native.py packs them): int4
 // (packed nibbles, tiled fp32 scales, zero term) or int8 (row-major weight, fp32 scales).
-struct NativeLinear {
-  int64_t bits;  // 4 or 8
-  at::Tensor weight, scales, zero_term;  // zero_term: int4 only (undefined for int8)
-  c10::optional<at::Tensor> bias;
-  int64_t group_size, out_features;  // group_size: int4 only
+// Validated once at construction; the kernels' views (Int4Gemv / Int8Gemv) point into the tensors
+// held here, which copies share.
+class NativeLinear {
+ public:
+  NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales, at::Tensor zero_term,
+               c10::optional<at::Tensor> bias, int64_t group_size, int64_t in_features,
+               int64_t out_features);
 
-  at::Tensor operator()(const at::Tensor& x) const;  // x [M, in] -> [M, out_features]
+  at::Tensor operator()(const at::Tensor& x) const;  // x [M, in] -> [M, out], torch's threads
+  void prepare(const at::Tensor& x, GemvActs& acts) const;
+  void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+  int64_t num_tiles() const { return int4_ ? int4_->num_tiles : int8_->num_tiles; }
+  int64_t out_features() const { return out_features_; }
+
+ private:
+  at::Tensor weight_, scales_, zero_term_, bias_f32_;
+  int64_t out_features_;
+  std::optional<Int4Gemv> int4_;
+  std::optional<Int8Gemv> int8_;
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):

@@ -23,14 +23,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NativeLinear>(m, "NativeLinear", py::module_local())
       .def(py::init([](int64_t bits, at::Tensor weight, at::Tensor scales,
                        c10::optional<at::Tensor> zero_term, c10::optional<at::Tensor> bias,
-                       int64_t group_size, int64_t out_features) {
-             TORCH_CHECK(bits == 8 || (bits == 4 && zero_term.has_value()),
-                         "NativeLinear: bits must be 4 (with zero_term) or 8");
-             return NativeLinear{bits, weight, scales, zero_term.value_or(at::Tensor()), bias,
-                                 group_size, out_features};
+                       int64_t group_size, int64_t in_features, int64_t out_features) {
+             return NativeLinear(bits, weight, scales, zero_term.value_or(at::Tensor()), bias,
+                                 group_size, in_features, out_features);
            }),
            py::arg("bits"), py::arg("weight"), py::arg("scales"), py::arg("zero_term"),
-           py::arg("bias"), py::arg("group_size"), py::arg("out_features"))
+           py::arg("bias"), py::arg("group_size"), py::arg("in_features"),
+           py::arg("out_features"))
       .def("__call__", &NativeLinear::operator(), py::call_guard<py::gil_scoped_release>());
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,

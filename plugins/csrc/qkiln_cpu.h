@@ -15,6 +15,14 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const c10::optional<at::Tensor>& bias);
 std::string int4_kernel_isa();
 
+// A linear's activations prepared for its kernel, owned by the caller and reused across calls.
+// int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
+// (bf16 x, M >= 2) or f32 = x widened [M, K].
+struct GemvActs {
+  std::vector<uint16_t> bf16;
+  std::vector<float> f32;
+};
+
 // One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
 // caller that owns the threads (the decode stack) runs itself: prepare the activations once, then
 // any partition of the output tiles, each written to y [M, out_features]. Holds raw pointers: the
@@ -26,10 +34,20 @@ struct Int4Gemv {
 
   Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
            const float* bias_f32, int64_t group_size, int64_t in_features, int64_t out_features);
-  // x [M, K] -> bf16 bits [M, K_p] and group sums [M, num_groups] (resized to fit).
-  void prepare(const at::Tensor& x, std::vector<uint16_t>& xb, std::vector<float>& xsum) const;
-  void tiles(const uint16_t* xb, const float* xsum, int64_t M, int64_t begin, int64_t end,
-             at::Tensor& y) const;
+  void prepare(const at::Tensor& x, GemvActs& acts) const;  // x [M, K]
+  void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+};
+
+// One int8 linear (row-major int8 weight [out, K], fp32 scales [out]; cpu_gemv_int8.cpp), in the
+// same two steps as Int4Gemv.
+struct Int8Gemv {
+  const int8_t* w;
+  const float *s, *bias;  // bias fp32 [out_features] or nullptr
+  int64_t K, out_features, num_tiles;
+
+  Int8Gemv(const at::Tensor& weight, const at::Tensor& scales, const float* bias_f32);
+  void prepare(const at::Tensor& x, GemvActs& acts) const;  // x [M, K]
+  void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 std::string int8_kernel_isa();
 
@@ -37,6 +55,27 @@ std::string int8_kernel_isa();
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out);
+// paged_attention as tasks (row block x kv head) a caller spreads over its own threads (the decode
+// stack); paged_attention itself runs them through at::parallel_for. Validates in the
+// constructor, so run() cannot fail. The index tensors must outlive it.
+class AttentionTasks {
+ public:
+  AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                 const at::Tensor& query_start_loc, double scale, at::Tensor& out);
+  int64_t size() const;
+  void run(int64_t begin, int64_t end) const;
+
+ private:
+  struct RowBlock {  // query rows [first, first + count) of sequence seq
+    int64_t seq, first, count;
+  };
+  at::Tensor query_, k_cache_, v_cache_, out_;
+  const int32_t *tables_ = nullptr, *lens_ = nullptr, *starts_ = nullptr;
+  int64_t max_blocks_ = 0;
+  float scale_;
+  std::vector<RowBlock> blocks_;
+};
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping);
 

@@ -101,3 +101,41 @@ def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypat
     assert _engine(source, monkeypatch, stack=True).runner.decode_stack is None  # bf16 linears
     monkeypatch.setattr(cpu_native, "_ops_enabled", False)
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True).runner.decode_stack is None
+
+
+def test_stack_results_do_not_depend_on_the_thread_count(artifacts, monkeypatch):
+    # One parallel region splits the tiles and attention tasks over the threads; a tile's result
+    # must not depend on which thread computed it.
+    _, paths = artifacts
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5]]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_run_recording(_engine(paths["w4a16-rtn"], monkeypatch, stack=True), prompts, 6))
+    finally:
+        torch.set_num_threads(threads)
+    for tokens, logits, _ in results[1:]:
+        assert tokens == results[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(logits, results[0][1]))
+
+
+def test_a_failing_step_raises_and_the_stack_keeps_working(artifacts, monkeypatch):
+    # An error inside the parallel region (here a slot past the cache) must come back as a Python
+    # exception, not terminate the process, and leave the stack usable.
+    _, paths = artifacts
+    engine = _engine(paths["w4a16-rtn"], monkeypatch, stack=True)
+    stack = engine.runner.decode_stack.stack
+    cache = engine.runner.backend.caches[0]
+    hidden = engine.runner.model.config.hidden_size
+    h = torch.randn(1, hidden, dtype=torch.bfloat16)
+    cos = torch.ones(1, 1, engine.runner.model.config.head_dim, dtype=torch.bfloat16)
+    sin = torch.zeros_like(cos)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens, starts = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    past_the_cache = torch.tensor([cache.k.shape[0] * cache.k.shape[1]])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        stack.forward(h.clone(), cos, sin, past_the_cache, tables, lens, starts)
+    out = stack.forward(h.clone(), cos, sin, torch.tensor([0]), tables, lens, starts)
+    assert out.shape == (1, hidden) and torch.isfinite(out.float()).all()
