@@ -51,26 +51,34 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.max_positions = config.max_position_embeddings
-        self._cos_sin: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32
+        self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        if self._cos_sin is None or self._cos_sin.device != device:
+    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [max_pos, 1, D] in `dtype`: computed in fp32, rounded once."""
+        if self._cos_sin is None or self._cos_sin[0].device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(t, self.inv_freq.to(device))  # [max_pos, head_dim/2]
             emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-            self._cos_sin = torch.stack((emb.cos(), emb.sin()))  # [2, max_pos, head_dim]
-        return self._cos_sin
+            half = emb.shape[-1] // 2
+            sin = emb.sin()
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self._cos_sin = (emb.cos().unsqueeze(1), signed_sin.unsqueeze(1))  # fp32 [max_pos, 1, D]
+            self._by_dtype = {}
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = tuple(t.to(dtype) for t in self._cos_sin)
+        return self._by_dtype[dtype]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> (cos, signed sin) [..., 1, D] in `dtype`; computed once per forward.
 
         The sin's first half is negated, so rotate_half(x) * sin == x.roll(D/2) * signed_sin:
-        one roll instead of slice, negate and concatenate (this runs for every layer).
+        one roll instead of slice, negate and concatenate (this runs for every layer). Both are
+        rows of tables kept in `dtype` (negating and rounding commute, so this equals rounding
+        per step; the per-step version cost ~0.1 ms of a ~6 ms CPU decode step).
         """
-        cos, sin = self._table(positions.device)[:, positions].unsqueeze(-2)  # [..., 1, D] each
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        return cos.to(dtype), signed_sin.to(dtype)
+        cos, signed_sin = self._table(positions.device, dtype)
+        return cos[positions], signed_sin[positions]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: [..., Hq, D], k: [..., Hkv, D], positions: [...] -> rotated (q, k) in input dtype."""
