@@ -178,6 +178,15 @@ def cpu_silu_and_mul(gate_up):
     return reference_small_ops.reference_silu_and_mul(gate_up)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[M, V] -> int64 [M], torch.argmax(dim=-1)'s result; native for contiguous fp32 CPU logits."""
+    ops = native_ops()
+    if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+            logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def cpu_rotary_embedding(qkv, cos, signed_sin, num_heads: int) -> None:
     ops = native_ops()
     rows = qkv if qkv.dim() == 3 else qkv.flatten(0, -3) if qkv.is_contiguous() else None

@@ -214,6 +214,12 @@ def paged_attention(query: Tensor, cache: KVCache, block_tables: Tensor, seq_len
                                            query_start_loc, scale)
 
 
+def argmax(logits: Tensor) -> Tensor:
+    """[M, V] -> int64 [M]: torch.argmax(dim=-1)'s result (first maximum, NaN the largest), through
+    a native kernel for CPU fp32 logits (torch's reads ~0.6 G floats/s there)."""
+    return cpu_native.argmax_rows(logits) if logits.device.type == "cpu" else logits.argmax(dim=-1)
+
+
 def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> Tensor:
     return torch.ops.qkiln.w4a16_linear(x, weight.packed, weight.scales, weight.zeros,
                                         weight.group_size, weight.in_features,

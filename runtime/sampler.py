@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkiln.plugins import ops
 from qkiln.runtime.sampling_params import SamplingParams
 
 
@@ -53,7 +54,7 @@ class Sampler:
         if banned_token_ids is not None and any(banned_token_ids):
             logits = _ban(logits, banned_token_ids)
         if all(p.is_greedy for p in params):
-            token_ids = logits.argmax(dim=-1)  # the common serving case: one vectorized op
+            token_ids = ops.argmax(logits)  # the common serving case: one vectorized op
         else:
             token_ids = self._sample_random(logits, params, generators)
         return self._with_logprobs(logits, params, token_ids)
@@ -73,8 +74,8 @@ class Sampler:
             generator = generators[i] if generators is not None else None
             if generator is not None and not p.is_greedy:
                 q[i].exponential_(generator=generator)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+        sampled = ops.argmax(probs / q)
+        return torch.where(is_greedy, ops.argmax(logits), sampled)
 
     def _with_logprobs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        token_ids: torch.Tensor) -> SamplerOutput:

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (torch.argmax's rule)");
   m.def("exp_is_torchs", &silu_exp_is_torchs, "whether SiLU uses torch's own vector exp");
 
   // module_local: the portable test build loads a second copy of these types in one process.

@@ -85,4 +85,5 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                       int64_t num_heads);
+at::Tensor argmax_rows(const at::Tensor& logits);
 bool silu_exp_is_torchs();

@@ -141,3 +141,34 @@ def test_portable_build_matches_reference(ext):
     for rows, dtype in [(2, torch.float32), (5, torch.bfloat16), (1, torch.float16)]:
         x8 = torch.randn(rows, 100).to(dtype)
         assert_int8_exact(portable.w8a16_gemm(x8, q8, s8, None), x8, q8, s8, b8)
+    for logits in argmax_cases():
+        assert torch.equal(portable.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def argmax_cases():
+    """Logits whose argmax has a trap: ties (first wins), NaN (the first NaN wins), all -inf,
+    lengths around the 16-lane vector, many rows."""
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
+    yield torch.randn(5, 49152, generator=g)
+    for width in (1, 7, 16, 17, 33):
+        yield torch.randn(3, width, generator=g)
+    ties = torch.randint(0, 4, (64, 100), generator=g).float()  # many equal maxima per row
+    yield ties
+    with_nan = torch.randn(4, 70, generator=g)
+    with_nan[0, 50] = with_nan[0, 60] = float("nan")
+    with_nan[1, 0] = float("nan")
+    with_nan[2, 69] = float("nan")
+    yield with_nan
+    yield torch.full((2, 40), float("-inf"))
+    signed_zero = torch.zeros(1, 20)
+    signed_zero[0, :5] = -0.0
+    yield signed_zero
+
+
+def test_argmax_rows_is_torchs_argmax(ext):
+    from qkiln.plugins import ops
+
+    for logits in argmax_cases():
+        assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    strided = torch.randn(8, 64)[:, ::2]  # not contiguous: torch's own path, same answer
+    assert torch.equal(ops.argmax(strided), strided.argmax(dim=-1))
