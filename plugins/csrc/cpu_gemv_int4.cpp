@@ -28,14 +28,20 @@
 // A group boundary always falls on a half chunk (G % 32 == 0).
 //
 // Why not int8 activations + VNNI (llama.cpp's Q4_0 x Q8_0): at one row this kernel computes
-// ~15 GB/s of int4 weights per core from cache, twice what one core streams from DRAM here
-// (~7 GB/s), so decode is memory-bound either way and exactness costs nothing at M = 1.
-// At M = 16 vdpbf16ps (16 MACs/instruction) is the limit; VNNI would be faster there.
+// ~24 GB/s of int4 weights per core from cache (1 thread, SmolLM2 shapes), above what one core
+// streams from DRAM here (~11-14 GB/s), so decode is memory-bound either way and exactness costs
+// nothing at M = 1. At M = 16 vdpbf16ps (16 MACs/instruction) is the limit; VNNI would be faster
+// there, but per-token int8 activations cost SmolLM2 +3.7% perplexity on top of RTN W4 g128
+// (wiki.test 16384 tokens: 38.48 -> 39.88, simulated), too much for an implicit default.
 //
 // Without AVX512-BF16 the int4 kernel falls back to portable C++ over the same layout.
 
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define QKILN_INT4_AVX512 1
+#endif
 
 namespace {
 
@@ -67,7 +73,7 @@ void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, uint16_t* xb
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#ifdef QKILN_INT4_AVX512
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -76,49 +82,54 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Nibble set N of 16 words -> 16 bf16 values 16 + q (see the header).
+// Nibble set N of 32 words (two output rows' chunks) -> 32 bf16 values 16 + q (see the header).
 template <int N>
-inline __m256i nibbles_to_bf16(__m256i words) {
-  const __m256i mask = _mm256_set1_epi16(0x78), magic = _mm256_set1_epi16(0x4180);
-  const __m256i v = N == 0 ? _mm256_slli_epi16(words, 3) : _mm256_srli_epi16(words, 4 * N - 3);
-  return _mm256_ternarylogic_epi32(v, mask, magic, 0xEA);  // (v & mask) | magic
+inline __m512i nibbles_to_bf16(__m512i words) {
+  const __m512i mask = _mm512_set1_epi16(0x78), magic = _mm512_set1_epi16(0x4180);
+  const __m512i v = N == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * N - 3);
+  return _mm512_ternarylogic_epi32(v, mask, magic, 0xEA);  // (v & mask) | magic
 }
 
-// Accumulators of one tile: NACC per (activation row m, output row r) break vdpbf16ps's latency
-// chain when MB is small; all indices are compile-time so they stay in registers.
+// Accumulators of one tile, two output rows per 512-bit register: rows 2p and 2p + 1 are the
+// 64 contiguous bytes of a chunk, so one load and one decode serve both, and the 16 activations
+// are broadcast to both halves (vdpbf16ps lanes 0-7 sum row 2p, lanes 8-15 row 2p + 1). Half the
+// instructions of one row per 256-bit register: ~1.15x on a cached weight, 1 thread. NACC per
+// (m, pair) breaks the vdpbf16ps latency chain at MB = 1; indices are compile-time (registers).
 template <int MB>
 struct Int4Acc {
-  static constexpr int NACC = MB == 1 ? 4 : (MB == 2 ? 2 : 1);
-  __m256 group[MB][kRows][NACC];  // this group's dot(16 + q, x), unscaled
-  __m256 total[MB][kRows];        // sum over finished groups of s * group
+  static constexpr int NACC = MB == 1 ? 2 : 1;
+  __m512 group[MB][2][NACC];  // this group's dot(16 + q, x), unscaled
+  __m512 total[MB][2];        // sum over finished groups of s * group
 
   // Nibble sets N and N + 1 of the chunk `raw` against x[m][16N .. 16N + 31] of that chunk.
   template <int N>
-  inline void half(const __m256i raw[kRows], const uint16_t* x, int64_t K_p) {
+  inline void half(const __m512i raw[2], const uint16_t* x, int64_t K_p) {
     for (int n = N; n < N + 2; ++n) {
-      __m256i wv[kRows];
-      for (int r = 0; r < kRows; ++r)
-        wv[r] = n == N ? nibbles_to_bf16<N>(raw[r]) : nibbles_to_bf16<N + 1>(raw[r]);
+      __m512i wv[2];
+      for (int p = 0; p < 2; ++p)
+        wv[p] = n == N ? nibbles_to_bf16<N>(raw[p]) : nibbles_to_bf16<N + 1>(raw[p]);
       for (int m = 0; m < MB; ++m) {
-        const __m256i xv =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K_p + n * 16));
-        for (int r = 0; r < kRows; ++r)
-          group[m][r][n % NACC] =
-              _mm256_dpbf16_ps(group[m][r][n % NACC], (__m256bh)wv[r], (__m256bh)xv);
+        const __m512i xv = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * K_p + n * 16)));
+        for (int p = 0; p < 2; ++p)
+          group[m][p][n % NACC] =
+              _mm512_dpbf16_ps(group[m][p][n % NACC], (__m512bh)wv[p], (__m512bh)xv);
       }
     }
   }
 
   inline void flush(const float* sg) {  // group end: scale this group's dot once
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 sv = _mm256_set1_ps(sg[r]);
-      for (int m = 0; m < MB; ++m) {
-        __m256 sum = group[m][r][0];
-        for (int a = 1; a < NACC; ++a) sum = _mm256_add_ps(sum, group[m][r][a]);
-        total[m][r] = _mm256_fmadd_ps(sum, sv, total[m][r]);
-        for (int a = 0; a < NACC; ++a) group[m][r][a] = _mm256_setzero_ps();
+    const __m512 s4 = _mm512_castps128_ps512(_mm_loadu_ps(sg));  // rows 0..3 of this group
+    const __m512 sv[2] = {
+        _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), s4),
+        _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), s4)};
+    for (int m = 0; m < MB; ++m)
+      for (int p = 0; p < 2; ++p) {
+        __m512 sum = group[m][p][0];
+        for (int a = 1; a < NACC; ++a) sum = _mm512_add_ps(sum, group[m][p][a]);
+        total[m][p] = _mm512_fmadd_ps(sum, sv[p], total[m][p]);
+        for (int a = 0; a < NACC; ++a) group[m][p][a] = _mm512_setzero_ps();
       }
-    }
   }
 };
 
@@ -128,15 +139,13 @@ void int4_tile(const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
                int64_t G, float dots[kMaxMB][kRows]) {
   Int4Acc<MB> acc;
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRows; ++r) {
-      acc.total[m][r] = _mm256_setzero_ps();
-      for (int a = 0; a < Int4Acc<MB>::NACC; ++a) acc.group[m][r][a] = _mm256_setzero_ps();
+    for (int p = 0; p < 2; ++p) {
+      acc.total[m][p] = _mm512_setzero_ps();
+      for (int a = 0; a < Int4Acc<MB>::NACC; ++a) acc.group[m][p][a] = _mm512_setzero_ps();
     }
   int64_t group_end = std::min(G, K);  // the next group boundary (a multiple of 32)
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    __m256i raw[kRows];
-    for (int r = 0; r < kRows; ++r)
-      raw[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * r));
+    const __m512i raw[2] = {_mm512_loadu_si512(w), _mm512_loadu_si512(w + 64)};
     // Decode is DRAM-bound (~7 GB/s per core here vs ~15 GB/s of compute); prefetching a few
     // tiles ahead measured 0-10% faster when streaming weights that do not fit the L3.
     _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
@@ -159,7 +168,10 @@ void int4_tile(const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRows; ++r) dots[m][r] = hsum(acc.total[m][r]);
+    for (int p = 0; p < 2; ++p) {
+      dots[m][2 * p] = hsum(_mm512_castps512_ps256(acc.total[m][p]));
+      dots[m][2 * p + 1] = hsum(_mm512_extractf32x8_ps(acc.total[m][p], 1));
+    }
 }
 
 void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
@@ -204,7 +216,7 @@ void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const
   const int64_t rows = std::min<int64_t>(kRows, N - o0);
   for (int m = 0; m < MB; ++m) {
     const float* xs = xsum + m * num_groups;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#ifdef QKILN_INT4_AVX512
     if (rows == kRows) {  // 4 rows at once: one FMA per group, one 4-wide store
       __m128 v = _mm_loadu_ps(dots[m]);
       for (int64_t g = 0; g < num_groups; ++g)
@@ -301,7 +313,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 // Which int4 kernel this build compiled: "avx512bf16" or "portable".
 std::string int4_kernel_isa() {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#ifdef QKILN_INT4_AVX512
   return "avx512bf16";
 #else
   return "portable";
