@@ -13,7 +13,9 @@ Per group of linears sharing one input x [N, in] (e.g. q/k/v after input_layerno
      rows, e.g. up_proj before down_proj). The full-precision function is unchanged.
   3. `search_clip` (AutoAWQ's weight clipping, the paper's released recipe): per output channel
      and group, shrink the range over a grid and keep what minimises that group's share of the
-     output error on x / s; `apply_clip` clamps. Then quantize (RTN or GPTQ) as usual.
+     output error on x / s; `apply_clip` clamps. Then quantize (RTN or GPTQ) as usual. Before GPTQ
+     with an MSE range observer the clip is better skipped (it picks each group's range itself, and
+     a clip rewrites the weights GPTQ reconstructs): compile/recipe.py's w4a16-awq does.
 
 Loss without a `forward_fn`: the linears' outputs are linear in W, so the MSE over all tokens
 and outputs equals sum_i tr(D_i G D_i^T) / sum_i out_i with G = x^T x / N and

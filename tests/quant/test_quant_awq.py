@@ -179,3 +179,25 @@ def test_gqa_shared_scales_fold_into_v_rows_and_keep_attention():
     new_Wv, _ = fold_scales_into_linear(Wv, s_rows)
     new_Wo = scale_weights([Wo], s_rows[shared])[0]
     assert torch.allclose(block(new_Wv, new_Wo), block(Wv, Wo), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_clipping_before_gptq_with_mse_range_hurts(seed):
+    """Why the w4a16-awq preset (AWQ scales, then GPTQ with the MSE range) skips AWQ's clip: the MSE
+    observer already searches each group's range, and clipping first rewrites the weights GPTQ
+    reconstructs, so the output error against the original weights is larger with the clip."""
+    from qkiln.quant.awq import gram
+    from qkiln.quant.gptq import quantize_weight, reconstruction_error
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 96, generator=g) * (torch.rand(96, generator=g) + 0.2)
+    W = torch.randn(48, 96, generator=g) * 0.1
+    W[torch.rand(48, 96, generator=g) < 0.02] *= 8  # heavy tails: AWQ's clip search does clip here
+    H = gram(x)
+    clip = search_clip(x, W, WeightScheme(4, symmetric=False, group_size=32))
+    clipped = apply_clip(W, clip.max_val, 32, clip.min_val)
+    assert not torch.equal(clipped, W)
+    scheme = WeightScheme(4, symmetric=False, group_size=32, observer="mse")
+    plain = reconstruction_error(W, quantize_weight(W, H, scheme)[0].dequantize(), H)
+    after_clip = reconstruction_error(W, quantize_weight(clipped, H, scheme)[0].dequantize(), H)
+    assert plain < after_clip
