@@ -148,6 +148,9 @@ def quality_command(
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
     workdir: Annotated[Optional[Path], typer.Option(help="keep the row artifacts here")] = None,
     reuse: Annotated[bool, typer.Option("--reuse", help="keep rows already built in --workdir")] = False,
+    llmcompressor_python: Annotated[Optional[Path], typer.Option(
+        help="an interpreter with llmcompressor (its own venv, see bench/llmc_reference.py): adds its rows")] = None,
+    llmc_workdir: Annotated[Optional[Path], typer.Option(help="where llm-compressor's rows are built")] = None,
 ):
     """Quantization quality on SmolLM2-135M: one row per recipe (ppl, KL, top-1, time, RSS)."""
     argv = ["--json", str(json_out), "--num-samples", str(num_samples), "--max-tokens", str(max_tokens)]
@@ -155,6 +158,8 @@ def quality_command(
     argv += (["--only", only] if only else []) + (["--threads", str(threads)] if threads else [])
     argv += (["--awq-num-samples", str(awq_num_samples)] if awq_num_samples else [])
     argv += (["--workdir", str(workdir)] if workdir else []) + (["--reuse"] if reuse else [])
+    argv += ["--llmcompressor-python", str(llmcompressor_python)] if llmcompressor_python else []
+    argv += ["--llmc-workdir", str(llmc_workdir)] if llmc_workdir else []
     try:
         importlib.import_module("qkiln.bench.quant_quality").main(argv)
     except QkilnError as e:

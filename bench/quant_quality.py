@@ -12,6 +12,9 @@ tokens of Jane Austen's Persuasion (no calibration source here uses it), same wi
 Calibration: `--calib` (default: the recipe default), 128 samples x 512 tokens, seed 0
 (`--awq-num-samples` for the AWQ rows: its scale search costs ~4x GPTQ's per sample).
 `--reuse` keeps the rows already built in `--workdir` (a run cut short resumes there).
+`--llmcompressor-python PATH` (an interpreter with llm-compressor, in its own venv: see
+bench/llmc_reference.py) adds llm-compressor's GPTQ / AWQ / FP8 rows on the same protocol, scored
+in the same pass, and a table of ours vs theirs (relative perplexity, calibration time).
 """
 
 import argparse
@@ -61,8 +64,8 @@ def rows(calib: str) -> list[dict]:
 
 
 def build_row(row: dict, out: Path, num_samples: int) -> dict:
-    num_samples = row.get("num_samples", num_samples)
     """Quantize one row into an artifact (no evaluation); runs in a subprocess."""
+    num_samples = row.get("num_samples", num_samples)
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
 
@@ -92,6 +95,9 @@ def main(argv=None) -> dict:
     p.add_argument("--only", help="comma-separated row names to run (exact)")
     p.add_argument("--workdir", type=Path)
     p.add_argument("--threads", type=int, help="torch threads for builds and evaluation (default: all cores)")
+    p.add_argument("--llmcompressor-python", help="an interpreter with llmcompressor installed (its own venv: "
+                   "see bench/llmc_reference.py): adds its GPTQ/AWQ/FP8 rows, side by side with ours")
+    p.add_argument("--llmc-workdir", type=Path, help="where the llm-compressor rows are built (default: WORKDIR/llmc)")
     p.add_argument("--build-row", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -113,9 +119,17 @@ def main(argv=None) -> dict:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
     results = {row["name"]: _build_in_subprocess(row, workdir, args, f"[{i + 1}/{len(selected)}]")
                for i, row in enumerate(selected)}
+    from qkiln.bench import llmc_reference  # reference rows: built in llm-compressor's own interpreter
+
+    results |= llmc_reference.llmc_rows(
+        args.llmcompressor_python, args.llmc_workdir or workdir / "llmc", calib=args.calib,
+        num_samples=args.num_samples, awq_num_samples=args.awq_num_samples, threads=args.threads, reuse=args.reuse,
+        only=args.only and args.only.split(","))
     report = evaluate_rows(results, args.max_tokens, args.threads)
+    report["llmc_comparison"] = llmc_reference.compare(report)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
+    llmc_reference.print_comparison(report["llmc_comparison"])
     if args.plot:
         plot(report, args.plot)
     return report
@@ -171,12 +185,13 @@ def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) ->
 
 
 def _gap_closed(table: dict) -> None:
-    """Fraction of RTN's perplexity gap that GPTQ / AWQ close (same group size, same symmetry)."""
+    """Fraction of RTN's perplexity gap that GPTQ / AWQ close (same group size, same symmetry).
+    Not for combined rows ("... + KV INT4"): RTN's row has no KV quantization to compare with."""
     for key, out in (("perplexity", "rtn_gap_closed"), ("held_out_perplexity", "held_out_rtn_gap_closed")):
         base = table["unquantized"].get(key)
         for name, row in table.items():
             for algo in ("GPTQ", "AWQ"):
-                if name.startswith(f"{algo} W4 g") and key in row and base is not None:
+                if name.startswith(f"{algo} W4 g") and "+" not in name and key in row and base is not None:
                     rtn = table.get("RTN W4 g" + name.split(" g", 1)[1].split(" ")[0], {})
                     if key in rtn and rtn[key] > base:
                         row[out] = (rtn[key] - row[key]) / (rtn[key] - base)
