@@ -299,16 +299,7 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const Int4Gemv gemv(packed, scales, c, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, G,
                       x.size(1), out_features);
-  // Reused per calling thread: a vector allocation per call is measurable at batch 1. A reference
-  // taken here, not the thread_local's name, which inside the region would be the worker's own.
-  thread_local GemvActs thread_acts;
-  GemvActs& acts = thread_acts;
-  gemv.prepare(x, acts);
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
-    gemv.tiles(acts, x.size(0), begin, end, y);
-  });
-  return y;
+  return gemv_all_tiles(gemv, x);
 }
 
 // Which int4 kernel this build compiled: "avx512bf16" or "portable".

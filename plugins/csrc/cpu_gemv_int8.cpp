@@ -315,13 +315,7 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const c10::optional<at::Tensor>& bias) {
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const Int8Gemv gemv(weight, scales, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr);
-  GemvActs acts;
-  gemv.prepare(x, acts);
-  at::Tensor y = at::empty({x.size(0), gemv.out_features}, x.options());
-  at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
-    gemv.tiles(acts, x.size(0), begin, end, y);
-  });
-  return y;
+  return gemv_all_tiles(gemv, x);
 }
 
 // Which int8 kernels this build compiled: "avx512" (vdpbf16ps for bf16 x, fp32 FMA otherwise),

@@ -59,14 +59,6 @@ void NativeLinear::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t
   else int8_->tiles(acts, M, begin, end, y);
 }
 
-at::Tensor NativeLinear::operator()(const at::Tensor& x) const {
-  GemvActs acts;
-  prepare(x, acts);
-  at::Tensor y = at::empty({x.size(0), out_features_}, x.options());
-  at::parallel_for(0, num_tiles(), 16, [&](int64_t b, int64_t e) { tiles(acts, x.size(0), b, e, y); });
-  return y;
-}
-
 DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, double eps)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),

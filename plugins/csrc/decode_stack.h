@@ -18,7 +18,6 @@ class NativeLinear {
                c10::optional<at::Tensor> bias, int64_t group_size, int64_t in_features,
                int64_t out_features);
 
-  at::Tensor operator()(const at::Tensor& x) const;  // x [M, in] -> [M, out], torch's threads
   void prepare(const at::Tensor& x, GemvActs& acts) const;
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
   int64_t num_tiles() const { return int4_ ? int4_->num_tiles : int8_->num_tiles; }

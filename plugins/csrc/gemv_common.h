@@ -1,5 +1,5 @@
-// Shared by the quantized GEMV kernels (cpu_gemv_int4.cpp, cpu_gemv_int8.cpp): tile geometry and
-// the output store. Included by those sources only.
+// Shared by the quantized GEMV kernels (cpu_gemv_int4.cpp, cpu_gemv_int8.cpp): tile geometry, the
+// output store and the whole-matrix call. Included by those sources only.
 #pragma once
 
 #include <torch/extension.h>
@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "qkiln_cpu.h"
+
 namespace {
 
 constexpr int64_t kRows = 4;     // output rows per tile
@@ -21,5 +23,21 @@ constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
 
 template <typename out_t>
 inline void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
+
+// x [M, K] -> y [M, out_features] in x's dtype through an Int4Gemv / Int8Gemv: prepare once, then
+// every tile on torch's threads. The activation buffers are reused per calling thread (an
+// allocation per call is measurable at batch 1); the reference is taken here because inside the
+// parallel region the thread_local's name would be each worker's own, empty one.
+template <class Gemv>
+at::Tensor gemv_all_tiles(const Gemv& gemv, const at::Tensor& x) {
+  thread_local GemvActs thread_acts;
+  GemvActs& acts = thread_acts;
+  gemv.prepare(x, acts);
+  at::Tensor y = at::empty({x.size(0), gemv.out_features}, x.options());
+  at::parallel_for(0, gemv.num_tiles, 16, [&](int64_t begin, int64_t end) {
+    gemv.tiles(acts, x.size(0), begin, end, y);
+  });
+  return y;
+}
 
 }  // namespace

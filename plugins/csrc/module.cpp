@@ -30,8 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("bits"), py::arg("weight"), py::arg("scales"), py::arg("zero_term"),
            py::arg("bias"), py::arg("group_size"), py::arg("in_features"),
-           py::arg("out_features"))
-      .def("__call__", &NativeLinear::operator(), py::call_guard<py::gil_scoped_release>());
+           py::arg("out_features"));
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
