@@ -70,3 +70,14 @@ def write_tiny_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **o
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}")}))
     return directory
+
+
+CALIBRATION_SENTENCE = "It was a bright cold day in April, and the clocks were striking thirteen. "
+
+
+def write_tiny_model_and_text(root: Path, text: str = CALIBRATION_SENTENCE * 200) -> tuple[Path, Path]:
+    """A tiny random llama checkpoint at root/model and a calibration text file root/calib.txt."""
+    model = write_tiny_hf_model(root / "model", "llama")
+    calib = root / "calib.txt"
+    calib.write_text(text)
+    return model, calib

@@ -12,7 +12,7 @@ from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.recipe import load_recipe, preset
 from qkiln.errors import ArtifactError, RecipeError
-from tiny_models import write_tiny_hf_model
+from tiny_models import write_tiny_model_and_text
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "../shared/data/janeausten/emma.txt"
 
@@ -20,10 +20,7 @@ SHARED_TEXT = Path(__file__).resolve().parents[2] / "../shared/data/janeausten/e
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("build")
-    model = write_tiny_hf_model(root / "model", "llama")
-    text = root / "calib.txt"
-    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 200)
-    return root, model, text
+    return (root, *write_tiny_model_and_text(root))
 
 
 def _recipe(name, text, **calibration):

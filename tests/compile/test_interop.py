@@ -29,7 +29,7 @@ from qkiln.quant import KVCacheScheme, QuantScheme, WeightScheme
 from qkiln.quant.rtn import quantize_rtn
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.loader import load_for_serving
-from tiny_models import hf_config, write_tiny_hf_model
+from tiny_models import hf_config, write_tiny_model_and_text
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -47,10 +47,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("interop")
-    model = write_tiny_hf_model(root / "model", "llama")
-    text = root / "calib.txt"
-    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 200)
-    return root, model, text
+    return (root, *write_tiny_model_and_text(root))
 
 
 def _build(tiny, name, scheme: QuantScheme, monkeypatch_env=None):

@@ -14,7 +14,7 @@ from qkiln.quant.scheme import KVCacheScheme
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
-from tiny_models import write_tiny_hf_model
+from tiny_models import write_tiny_model_and_text
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,8 @@ def artifact(tmp_path_factory):
     import dataclasses
 
     root = tmp_path_factory.mktemp("kvoff")
-    model = write_tiny_hf_model(root / "m", "llama")
-    text = root / "calib.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog; then it naps in the sun. " * 100)
+    model, text = write_tiny_model_and_text(
+        root, "The quick brown fox jumps over the lazy dog; then it naps in the sun. " * 100)
     r = preset("kv-fp8")
     r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=4,
                                                                   seq_len=64),
