@@ -43,7 +43,10 @@ ROWS = {"llmc GPTQ W4 g128": ("gptq", 128, "GPTQ W4 g128", False, {}),
         "llmc AWQ W4 g128": ("awq", 128, "AWQ W4 g128", False, {}),
         "llmc AWQ W4 g128 partial": ("awq", 128, "AWQ W4 g128", True, {}),
         "llmc AWQ W4 g64": ("awq", 64, "AWQ W4 g64", False, {}),
-        "llmc FP8 W8A8 dynamic": ("fp8", None, "FP8 W8A8 dynamic", False, {})}
+        # its FP8_DYNAMIC is data-free round-to-nearest: the same recipe as our fp8-w8a8-rtn preset
+        "llmc FP8 W8A8 dynamic": ("fp8", None, "FP8 W8A8 dynamic RTN", False, {}),
+        # GPTQ on the fp8 grid with the last decoder layer's MLP kept, as our fp8-w8a8 preset
+        "llmc GPTQ FP8 W8A8 dynamic": ("gptq-fp8", None, "FP8 W8A8 dynamic", False, {})}
 
 
 def check_interpreter(python) -> tuple[str | None, str | None]:
@@ -204,7 +207,8 @@ def print_comparison(comparison: list[dict]) -> None:
 
 # --- worker: runs inside llm-compressor's interpreter (torch, transformers, llmcompressor; no qkiln) ---
 
-def _recipe(algo: str, group_size: int | None, bypass: bool = False, weight_args: dict | None = None):
+def _recipe(algo: str, group_size: int | None, num_layers: int, bypass: bool = False,
+            weight_args: dict | None = None):
     """llm-compressor's own recipe for the row, with its defaults (GPTQ: static act-order, damp 0.01,
     block 128, min-max observer; AWQ: duo scaling, 20-point grid, no clipping search)."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -212,6 +216,9 @@ def _recipe(algo: str, group_size: int | None, bypass: bool = False, weight_args
 
     if algo == "fp8":  # per-channel e4m3 weights, dynamic per-token activations; lm_head kept, as ours
         return [QuantizationModifier(targets=["Linear"], scheme="FP8_DYNAMIC", ignore=["lm_head"])]
+    if algo == "gptq-fp8":  # our fp8-w8a8 preset also keeps the last layer's MLP in high precision
+        last_mlp = rf"re:.*layers\.{num_layers - 1}\.mlp\..*"
+        return [GPTQModifier(targets=["Linear"], scheme="FP8_DYNAMIC", ignore=["lm_head", last_mlp])]
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size,
                                **(weight_args or {}))
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
@@ -263,8 +270,8 @@ def _quantize(job: dict) -> dict:
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     workarounds = _cpu_workarounds()
     calib_start = time.perf_counter()
-    recipe = _recipe(job["algorithm"], job["group_size"], job.get("bypass_divisibility_checks", False),
-                     job.get("weight_args"))
+    recipe = _recipe(job["algorithm"], job["group_size"], model.config.num_hidden_layers,
+                     job.get("bypass_divisibility_checks", False), job.get("weight_args"))
     oneshot(model=model, dataset=data if job["algorithm"] != "fp8" else None, recipe=recipe,  # fp8: data-free
             num_calibration_samples=ids.shape[0], max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
     calibration_seconds = time.perf_counter() - calib_start

@@ -51,6 +51,7 @@ def rows(calib: str) -> list[dict]:
             out.append(dict(name=f"{algo.upper()} W4 g{group}", preset=f"w4a16-{algo}", group_size=group, calib=calib))
     out += [dict(name="RTN W8 per-channel", preset="w8a16", calib=calib),
             dict(name="FP8 W8A8 dynamic", preset="fp8-w8a8", calib=calib),
+            dict(name="FP8 W8A8 dynamic RTN", preset="fp8-w8a8-rtn", calib=calib),
             dict(name="FP8 W8A8 static", preset="fp8-w8a8-static", calib=calib),
             dict(name="KV INT4", preset="kv-int4", calib=calib),
             dict(name="KV FP8", preset="kv-fp8", calib=calib),

@@ -8,6 +8,9 @@
            or GPTQ from the Hessians; or RTN/FP8
         3. simulate the quantized layer (dequantized weights, fake-quant activations)
            and run it on `hidden`: its outputs are the next layer's inputs
+    GPTQ (true-sequential, the default) does 1-2 per group of linears in forward order (q/k/v, o,
+    gate/up, down), so each group's Hessian comes from inputs computed through the quantized groups
+    before it; each capture pass stops as soon as the group saw its inputs.
 KV-cache scales are calibrated afterwards (kv_calibrate.py) on the weight-quantized model, so
 changing only the KV scheme reuses every cached layer (layer_cache.py).
 Deterministic: fixed order, no sampling, CPU fp32 math. Progress shows one step per layer.
@@ -41,6 +44,15 @@ _AWQ_GROUPS = (
 )
 _AWQ_V_O = (("self_attn.o_proj",), "self_attn.v_proj")  # AWQOptions.scale_o_proj: after q/k/v
 _AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors are amplified by q.k (AutoAWQ)
+# GPTQ's true-sequential order (the reference code's --true-sequential): each group reads what the
+# groups before it compute, in the order a forward pass runs them.
+_SEQUENTIAL_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                      ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+class _GroupCaptured(Exception):
+    """Raised by a capture hook once every linear of the group saw its input: the rest of the
+    layer's forward pass is not needed for this group."""
 
 
 def linear_shapes(model: CausalLM) -> dict[str, tuple[int, int]]:
@@ -72,17 +84,27 @@ def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batc
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
         fp_out = None
+        simulated = False  # true-sequential GPTQ installs the simulation group by group
         if cached[i] is not None:
             if fp_stream and hidden is not None and i < last_needed:
                 fp_out = _run_layer(layer, hidden, positions, model.rope, DenseAttention(), batch_size)
             _restore_layer(layer, prefix, *cached[i], qm)
+        elif scheme.algorithm == "gptq" and scheme.gptq.true_sequential and hidden is not None:
+            for names in _SEQUENTIAL_GROUPS:
+                stats = _capture(layer, hidden, positions, model.rope, scheme, batch_size, names)
+                _quantize_layer(i, layer, model.config, scheme, stats, qm, names)
+                install_layer_simulation(layer, i, qm, names)  # the next group reads these outputs
+            simulated = True
+            if keys[i]:
+                cache.put(keys[i], *_layer_entry(layer, prefix, qm))
         else:
             stats = _capture(layer, hidden, positions, model.rope, scheme, batch_size) if hidden is not None else {}
             fp_out = stats.get("out")
             _quantize_layer(i, layer, model.config, scheme, stats, qm)
             if keys[i]:
                 cache.put(keys[i], *_layer_entry(layer, prefix, qm))
-        install_layer_simulation(layer, i, qm)
+        if not simulated:
+            install_layer_simulation(layer, i, qm)
         if hidden is not None and i < last_needed:
             hidden = fp_out if fp_stream else _run_layer(layer, hidden, positions, model.rope, DenseAttention(),
                                                          batch_size)
@@ -142,48 +164,84 @@ def _run_layer(layer, hidden, positions, rope, backend, batch_size):
 
 
 @torch.no_grad()
-def _capture(layer, hidden, positions, rope, scheme, batch_size) -> dict:
-    """One pass of the full-precision layer; returns Hessians / inputs / amax keyed by linear."""
+def _capture(layer, hidden, positions, rope, scheme, batch_size, names: tuple[str, ...] = _LINEARS) -> dict:
+    """One pass of the layer; returns Hessians / inputs / amax keyed by linear (only `names`).
+
+    Linears that read the same tensor (q/k/v, gate/up) share one set of statistics: it is
+    accumulated once (the Hessian of a 576-wide input costs as much as a 576 x 576 GEMM per token).
+    With a subset of the linears, each batch's pass stops once all of them saw their input, and
+    there is no "out" (the layer's output is computed after its simulation is installed).
+    """
     needs_h = scheme.algorithm == "gptq"
     needs_x = scheme.algorithm == "awq"
     needs_amax = scheme.activations is not None and not scheme.activations.dynamic
     quantize_input = scheme.activations is not None and scheme.activations.dynamic
     stats: dict = {"H": {}, "n": {}, "x": {}, "amax": {}}
-    modules = {name: layer.get_submodule(name) for name in _LINEARS}
+
+    def _accumulate(stats, name, x):
+        if needs_h:
+            # GPTQ for dynamic W8A8: minimise the output error on what the GEMM will multiply
+            x_h = fake_quantize_activation(x, scheme.activations) if quantize_input else x
+            H = stats["H"].get(name)
+            if H is None:
+                H = gptq.make_empty_hessian(x.shape[-1])
+            stats["H"][name], stats["n"][name] = gptq.accumulate_hessian(H, x_h, stats["n"].get(name, 0))
+        if needs_x:
+            stats["x"].setdefault(name, []).append(x.clone())  # [batch, seq, in]
+        if needs_amax:
+            stats["amax"][name] = fp8.update_amax(stats["amax"].get(name), x)
+
+    modules = {name: layer.get_submodule(name) for name in names}
+    stop_early = set(names) != set(_LINEARS)
+    batch_inputs: dict[str, torch.Tensor] = {}  # this batch's input of each linear that ran
+    twins: dict[str, str] = {}  # linear -> the linear whose input it reads (seen on the first batch)
     hooks = []
     for name, module in modules.items():
         def hook(mod, args, name=name):
             x = args[0]
-            if needs_h:
-                # GPTQ for dynamic W8A8: minimise the output error on what the GEMM will multiply
-                x_h = fake_quantize_activation(x, scheme.activations) if quantize_input else x
-                H = stats["H"].get(name)
-                if H is None:
-                    H = gptq.make_empty_hessian(x.shape[-1])
-                stats["H"][name], stats["n"][name] = gptq.accumulate_hessian(H, x_h, stats["n"].get(name, 0))
-            if needs_x:
-                stats["x"].setdefault(name, []).append(x.clone())  # [batch, seq, in]
-            if needs_amax:
-                stats["amax"][name] = fp8.update_amax(stats["amax"].get(name), x)
+            twin = next((n for n, seen in batch_inputs.items() if seen is x), None)
+            if twins.setdefault(name, twin) != twin:
+                raise RuntimeError(f"calibration: {name} shares its input with {twin} on one batch only")
+            batch_inputs[name] = x
+            if twin is None:
+                _accumulate(stats, name, x)
+            if stop_early and len(batch_inputs) == len(modules):
+                raise _GroupCaptured
         hooks.append(module.register_forward_pre_hook(hook))
 
+    outs = []
     try:
-        stats["out"] = _run_layer(layer, hidden, positions, rope, DenseAttention(), batch_size)
+        for s in range(0, hidden.shape[0], batch_size):
+            batch_inputs.clear()
+            try:
+                outs.append(layer(hidden[s : s + batch_size],
+                                  rope.cos_sin(positions[s : s + batch_size], hidden.dtype), DenseAttention()))
+            except _GroupCaptured:
+                pass
+            if len(batch_inputs) != len(modules):
+                raise RuntimeError(f"calibration: the layer never called {sorted(set(modules) - set(batch_inputs))}")
     finally:
         for h in hooks:
             h.remove()
+    batch_inputs.clear()
     stats["x"] = {k: torch.cat(v) for k, v in stats["x"].items()}  # [num_samples, seq, in]
+    for name, twin in twins.items():
+        for kind in ("H", "n", "x", "amax"):
+            if twin is not None and twin in stats[kind]:
+                stats[kind][name] = stats[kind][twin]  # the same tensor: read-only from here on
+    if not stop_early:
+        stats["out"] = torch.cat(outs)
     stats["positions"], stats["rope"] = positions, rope  # AWQ's module-level loss reruns attention
     return stats
 
 
-def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel) -> None:
+def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel, names: tuple[str, ...] = _LINEARS) -> None:
     prefix = f"model.layers.{i}."
     if scheme.weights is None:
         return
     awq_scales = _apply_awq(layer, prefix, scheme, stats, config.num_hidden_layers) if scheme.algorithm == "awq" else {}
     awq_gptq = scheme.algorithm == "awq" and scheme.awq.quantizer == "gptq"
-    for name in _LINEARS:
+    for name in names:
         full = prefix + name
         if scheme.is_ignored(full, config.num_hidden_layers):
             continue

@@ -3,7 +3,8 @@
 A recipe = a `QuantScheme` (quant/) + calibration data spec + evaluation protocol + target.
 Presets: w4a16-rtn, w4a16-gptq, w4a16-awq (INT4 group 128), w8a16 (INT8 per channel),
 fp8-w8a8 (FP8 per-channel weights by GPTQ, dynamic per-token activations, the last decoder
-layer's MLP kept in bf16), fp8-w8a8-static (RTN weights, static per-tensor activations), each
+layer's MLP kept in bf16), fp8-w8a8-rtn (the same without calibration: RTN weights, every layer),
+fp8-w8a8-static (RTN weights, static per-tensor activations), each
 combinable with "+kv-int4" / "+kv-fp8" (e.g. `w4a16-gptq+kv-int4`), or kv-int4 / kv-fp8 alone.
 Nothing here touches a model: `Recipe.validate(model_config, linear_shapes)` runs before any
 calibration so a bad recipe fails in milliseconds with the offending layers named.
@@ -62,6 +63,8 @@ _WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
     # the last layer's MLP in bf16 (it alone costs +1.25% with RTN; 1/30 of the MLP weights): +1.60%.
     "fp8-w8a8": dict(weights=_FP8, activations=ActivationScheme(dynamic=True), algorithm="gptq",
                      ignore=DEFAULT_IGNORE + (_LAST_MLP,)),
+    # Data-free (no calibration): llm-compressor's FP8_DYNAMIC recipe, for a build in seconds.
+    "fp8-w8a8-rtn": dict(weights=_FP8, activations=ActivationScheme(dynamic=True), algorithm="rtn"),
     "fp8-w8a8-static": dict(weights=_FP8,
                             activations=ActivationScheme(dynamic=False), algorithm="rtn"),
 }

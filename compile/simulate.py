@@ -38,12 +38,15 @@ def _act_hook(name: str, qm: QuantizedModel):
     return hook
 
 
-def install_layer_simulation(layer: nn.Module, layer_id: int, qm: QuantizedModel) -> None:
-    """Make decoder layer `layer_id`'s linears compute as quantized (weights and activations)."""
+def install_layer_simulation(layer: nn.Module, layer_id: int, qm: QuantizedModel,
+                             names: tuple[str, ...] | None = None) -> None:
+    """Make decoder layer `layer_id`'s linears (or only `names`, e.g. "mlp.down_proj") compute as
+    quantized (weights and activations). Install each linear once: a second call would quantize its
+    activations twice."""
     prefix = f"model.layers.{layer_id}."
     for name, module in layer.named_modules():
         full = prefix + name
-        if full in qm.weights:
+        if full in qm.weights and (names is None or name in names):
             module.weight.data = qm.weights[full].dequantize().to(module.weight.dtype)
             if qm.scheme.activations is not None:
                 module.register_forward_pre_hook(_act_hook(full, qm))

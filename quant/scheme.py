@@ -145,6 +145,9 @@ class GPTQOptions:
     act_order: bool = True  # columns by decreasing diag(H) (the reference code's "act-order")
     static_groups: bool = True  # group params from the original column order (needed with act_order)
     max_damp_retries: int = 3  # x10 dampening per Cholesky failure, then fall back to RTN
+    # The reference code's --true-sequential: within a decoder layer, q/k/v, then o, then gate/up, then
+    # down are each calibrated on inputs computed through the groups already quantized before them.
+    true_sequential: bool = True
 
     def __post_init__(self) -> None:
         _check_field_types(self)

@@ -84,7 +84,7 @@ def test_compare_matches_recipes_and_keeps_errors():
 def test_full_path_through_llmcompressor(tiny, text_file, tmp_path):
     from qkiln.compile.model_ref import open_model
 
-    only = ["llmc GPTQ W4 g64", "llmc FP8 W8A8 dynamic"]
+    only = ["llmc GPTQ W4 g64", "llmc FP8 W8A8 dynamic", "llmc GPTQ FP8 W8A8 dynamic"]
     rows = llmc_reference.llmc_rows(LLMC_PYTHON, tmp_path, calib=f"file:{text_file}", num_samples=2, threads=1,
                                     only=only, source=str(tiny))
     assert sorted(rows) == sorted(only)

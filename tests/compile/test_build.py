@@ -147,6 +147,18 @@ def test_fp8_gptq_preset_keeps_the_last_mlp_in_bf16_and_serves(tiny, tmp_path, m
     assert len(out[0].token_ids) == 4
 
 
+def test_fp8_rtn_preset_is_data_free_and_quantizes_every_layer(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = preset("fp8-w8a8-rtn")
+    assert not recipe.needs_calibration
+    art = build(str(model), recipe, tmp_path / "a", progress=False, log=lambda m: None).path
+    manifest = json.loads((art / "manifest.json").read_text())
+    linears = manifest["quantization"]["linears"]
+    assert len(linears) == 2 * 7 and all(e["format"] == "fp8" and e["algorithm"] == "rtn" for e in linears.values())
+    assert manifest["calibration"] is None  # no calibration tokens were read
+
+
 def test_awq_module_level_loss_builds(tiny, tmp_path, monkeypatch):
     import dataclasses
 
