@@ -179,6 +179,8 @@ def compare(report: dict) -> list[dict]:
         if ours.get("seconds") and theirs.get("seconds"):
             entry["seconds_ratio_ours_over_llmc"] = ours["seconds"] / theirs["seconds"]
             entry["not_slower"] = entry["seconds_ratio_ours_over_llmc"] <= 1.0
+        if ours.get("calibration_seconds") and theirs.get("calibration_seconds"):  # without load and save
+            entry["calibration_seconds_ratio_ours_over_llmc"] = ours["calibration_seconds"] / theirs["calibration_seconds"]
         rtn = rows.get("RTN " + ours_name.split(" ", 1)[1], {})  # same group size and symmetry
         base = rows.get("unquantized", {}).get("perplexity")
         if "perplexity" in theirs and rtn.get("perplexity", 0) > (base or float("inf")):
@@ -193,14 +195,15 @@ def print_comparison(comparison: list[dict]) -> None:
     if not comparison:
         return
     print(f"\n{'ours vs llm-compressor row':28s} {'ppl ours/llmc-1':>16s} {'<=1%':>5s} {'time ours/llmc':>15s} "
-          f"{'<=1x':>5s} {'llmc gap closed':>16s}")
+          f"{'<=1x':>5s} {'calib-only':>10s} {'llmc gap closed':>16s}")
     for c in comparison:
-        ppl, ratio, gap = (c.get(k) for k in ("perplexity_ours_vs_llmc", "seconds_ratio_ours_over_llmc",
-                                               "llmc_rtn_gap_closed"))
+        ppl, ratio, calib, gap = (c.get(k) for k in ("perplexity_ours_vs_llmc", "seconds_ratio_ours_over_llmc",
+                                                     "calibration_seconds_ratio_ours_over_llmc", "llmc_rtn_gap_closed"))
         print(f"{c['llmc'].removeprefix('llmc '):28s} {'-' if ppl is None else format(ppl, '+.2%'):>16s} "
               f"{'-' if ppl is None else ('yes' if c['within_1pct'] else 'NO'):>5s} "
               f"{'-' if ratio is None else format(ratio, '.2f'):>15s} "
               f"{'-' if ratio is None else ('yes' if c['not_slower'] else 'NO'):>5s} "
+              f"{'-' if calib is None else format(calib, '.2f'):>10s} "
               f"{'-' if gap is None else format(gap, '.0%'):>16s}"
               + (f"  llmc: {c['llmc_error'][:90]}" if "llmc_error" in c else ""))
 

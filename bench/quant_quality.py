@@ -80,7 +80,8 @@ def build_row(row: dict, out: Path, num_samples: int) -> dict:
     start = time.perf_counter()
     result = build("smollm2-135m", r, out, overwrite=True, use_cache=False, progress=True,
                    log=lambda m: print(m, file=sys.stderr))
-    return {"seconds": time.perf_counter() - start, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"seconds": time.perf_counter() - start, "calibration_seconds": result.calibration_seconds,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "fallbacks": result.manifest.recipe.get("fallbacks", {}), "num_samples": num_samples}
 
 

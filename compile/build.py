@@ -43,6 +43,7 @@ class BuildResult:
     seconds: float
     num_cached_layers: int
     num_layers: int
+    calibration_seconds: float = 0.0  # quantization and KV calibration only (no load, evaluation or write)
 
 
 def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, use_cache: bool = True,
@@ -64,12 +65,14 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
     cache = LayerCache(default_cache_dir() if use_cache else None)
+    calibration_start = time.perf_counter()
     qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
         calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)
+    calibration_seconds = time.perf_counter() - calibration_start
     accuracy = _accuracy(source, model, qm, recipe, progress)
     tensors, quantization = to_tensors(qm)
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
@@ -77,7 +80,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     tokenizer_files = _tokenizer_files(source)
     path = write_artifact(out, manifest, tensors, tokenizer_files, reports, overwrite=overwrite)
     seconds = time.perf_counter() - start
-    return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers))
+    return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers), calibration_seconds)
 
 
 def _check_lengths(recipe: Recipe, max_len: int) -> None:

@@ -44,7 +44,7 @@ class Fp8Weight:
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale, clamped to the e4m3 range and cast (scale broadcasts against x)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def weight_scales(W: torch.Tensor, group_size: int | None = None, scale_dtype: str = "float32") -> torch.Tensor:

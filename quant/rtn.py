@@ -95,7 +95,7 @@ def group_minmax(W: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor,
         # replicate the last column: it already belongs to the last group, so min/max are unchanged
         W = torch.cat([W, W[:, -1:].expand(-1, pad)], dim=1)
     grouped = W.reshape(out_features, num, size)  # [out, num_groups, group_size]
-    return grouped.amin(dim=2), grouped.amax(dim=2)
+    return tuple(torch.aminmax(grouped, dim=2))  # one pass over W
 
 
 def round_up_to(t: torch.Tensor, scale_dtype: str) -> torch.Tensor:

@@ -152,7 +152,11 @@ class Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig, make_linear: LinearFactory, fused=frozenset()):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (build_model; the weights are loaded next) skip nn.Embedding's normal_
+        # init: meta arithmetic imports torch._dynamo, ~2 s of every model load
+        skip_init = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size) if skip_init else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear, fused)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

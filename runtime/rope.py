@@ -17,7 +17,9 @@ from .config import ModelConfig
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU even inside `torch.device("meta")` (model construction): real values, and no meta
+    # arithmetic, which imports torch._dynamo (~2 s of every model load)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq

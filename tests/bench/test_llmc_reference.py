@@ -65,8 +65,8 @@ def test_rows_skipped_with_a_reason(tiny, tmp_path, capsys):
 
 def test_compare_matches_recipes_and_keeps_errors():
     rows = {"unquantized": {"perplexity": 28.0}, "RTN W4 g64": {"perplexity": 38.0},
-            "GPTQ W4 g64": {"perplexity": 33.0, "seconds": 600.0},
-            "llmc GPTQ W4 g64": {"perplexity": 33.3, "seconds": 500.0},
+            "GPTQ W4 g64": {"perplexity": 33.0, "seconds": 600.0, "calibration_seconds": 450.0},
+            "llmc GPTQ W4 g64": {"perplexity": 33.3, "seconds": 500.0, "calibration_seconds": 500.0},
             "AWQ W4 g128": {"perplexity": 34.0, "seconds": 10.0},
             "llmc AWQ W4 g128": {"error": "ValueError: 576 % 128"}}
     by_llmc = {c["llmc"]: c for c in llmc_reference.compare({"rows": rows})}
@@ -74,6 +74,7 @@ def test_compare_matches_recipes_and_keeps_errors():
     assert gptq["ours"] == "GPTQ W4 g64"
     assert gptq["perplexity_ours_vs_llmc"] == pytest.approx(33.0 / 33.3 - 1) and gptq["within_1pct"]
     assert gptq["seconds_ratio_ours_over_llmc"] == pytest.approx(1.2) and not gptq["not_slower"]
+    assert gptq["calibration_seconds_ratio_ours_over_llmc"] == pytest.approx(0.9)
     assert gptq["llmc_rtn_gap_closed"] == pytest.approx((38.0 - 33.3) / (38.0 - 28.0))
     assert by_llmc["llmc AWQ W4 g128"]["llmc_error"].startswith("ValueError")
     assert "llmc FP8 W8A8 dynamic" not in by_llmc  # neither side has it
