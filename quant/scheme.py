@@ -147,6 +147,7 @@ class GPTQOptions:
     max_damp_retries: int = 3  # x10 dampening per Cholesky failure, then fall back to RTN
     # The reference code's --true-sequential: within a decoder layer, q/k/v, then o, then gate/up, then
     # down are each calibrated on inputs computed through the groups already quantized before them.
+    # SmolLM2 W4 g128, default calibration, wiki.test 16384 tokens: RTN's gap closed 44% -> 47%.
     true_sequential: bool = True
 
     def __post_init__(self) -> None:
