@@ -178,7 +178,7 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size, names: tuple[st
     quantize_input = scheme.activations is not None and scheme.activations.dynamic
     stats: dict = {"H": {}, "n": {}, "x": {}, "amax": {}}
 
-    def _accumulate(stats, name, x):
+    def accumulate(name, x):
         if needs_h:
             # GPTQ for dynamic W8A8: minimise the output error on what the GEMM will multiply
             x_h = fake_quantize_activation(x, scheme.activations) if quantize_input else x
@@ -204,7 +204,7 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size, names: tuple[st
                 raise RuntimeError(f"calibration: {name} shares its input with {twin} on one batch only")
             batch_inputs[name] = x
             if twin is None:
-                _accumulate(stats, name, x)
+                accumulate(name, x)
             if stop_early and len(batch_inputs) == len(modules):
                 raise _GroupCaptured
         hooks.append(module.register_forward_pre_hook(hook))
