@@ -180,7 +180,8 @@ def compare(report: dict) -> list[dict]:
             entry["seconds_ratio_ours_over_llmc"] = ours["seconds"] / theirs["seconds"]
             entry["not_slower"] = entry["seconds_ratio_ours_over_llmc"] <= 1.0
         if ours.get("calibration_seconds") and theirs.get("calibration_seconds"):  # without load and save
-            entry["calibration_seconds_ratio_ours_over_llmc"] = ours["calibration_seconds"] / theirs["calibration_seconds"]
+            ratio = ours["calibration_seconds"] / theirs["calibration_seconds"]
+            entry["calibration_seconds_ratio_ours_over_llmc"] = ratio
         rtn = rows.get("RTN " + ours_name.split(" ", 1)[1], {})  # same group size and symmetry
         base = rows.get("unquantized", {}).get("perplexity")
         if "perplexity" in theirs and rtn.get("perplexity", 0) > (base or float("inf")):

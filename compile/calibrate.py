@@ -156,11 +156,16 @@ def _restore_layer(layer, prefix: str, tensors: dict, report: dict, qm: Quantize
         qm.report[name] = info
 
 
+def _forward_batch(layer, hidden, positions, rope, backend, start: int, batch_size: int):
+    """The layer on calibration samples [start, start + batch_size)."""
+    rows = slice(start, start + batch_size)
+    return layer(hidden[rows], rope.cos_sin(positions[rows], hidden.dtype), backend)
+
+
 @torch.no_grad()
 def _run_layer(layer, hidden, positions, rope, backend, batch_size):
-    out = [layer(hidden[s : s + batch_size], rope.cos_sin(positions[s : s + batch_size], hidden.dtype), backend)
-           for s in range(0, hidden.shape[0], batch_size)]
-    return torch.cat(out)
+    return torch.cat([_forward_batch(layer, hidden, positions, rope, backend, s, batch_size)
+                      for s in range(0, hidden.shape[0], batch_size)])
 
 
 @torch.no_grad()
@@ -214,8 +219,7 @@ def _capture(layer, hidden, positions, rope, scheme, batch_size, names: tuple[st
         for s in range(0, hidden.shape[0], batch_size):
             batch_inputs.clear()
             try:
-                outs.append(layer(hidden[s : s + batch_size],
-                                  rope.cos_sin(positions[s : s + batch_size], hidden.dtype), DenseAttention()))
+                outs.append(_forward_batch(layer, hidden, positions, rope, DenseAttention(), s, batch_size))
             except _GroupCaptured:
                 pass
             if len(batch_inputs) != len(modules):

@@ -24,7 +24,8 @@ from qkiln.quant.scheme import (ActivationScheme, AWQOptions, GPTQOptions, KVCac
                                 WeightScheme)
 
 # Shipped in calib_data/bundled/ (licenses there), so builds need no download. On SmolLM2-135M, GPTQ
-# W4 g128 (before true-sequential) on 128 x 512 tokens of it closed 44% of RTN's gap on wiki.test.raw (16384 tokens) vs 46%
+# W4 g128 (before true-sequential) on 128 x 512 tokens of it closed 44% of RTN's gap on wiki.test.raw
+# (16384 tokens) vs 46%
 # for a Wikipedia-only excerpt of the same size and 29% for self:128 (the previous default), and
 # closed the most of it on text that is not Wikipedia (Persuasion 48% vs 11% and 16%, TinyStories
 # 34% vs 16% and 28%): it generalizes (bench/results/quant_quality_calibration.json).
@@ -62,8 +63,8 @@ _WEIGHT_PRESETS: dict[str, dict[str, Any]] = {
     # (4096 tokens: weights alone +2.1%, activations alone +1.0%, down_proj inputs +0.04%; 1x128
     # activation groups or per-group weight scales gain <0.3%). GPTQ on the fp8 grid: +2.12%; plus
     # the last layer's MLP in bf16 (it alone costs +1.25% with RTN; 1/30 of the MLP weights): +1.60%.
-    # Not true-sequential: on the fp8 grid it changed nothing measurable (+1.46% vs +1.53%, within
-    # the thread-count noise) while each group's pass re-quantizes the activations (+47% time).
+    # Not true-sequential: on the fp8 grid it changed nothing measurable (+1.46% with it, +1.48%
+    # without; 2 threads) while each group's pass re-quantizes the activations (564 s vs 371 s).
     "fp8-w8a8": dict(weights=_FP8, activations=ActivationScheme(dynamic=True), algorithm="gptq",
                      gptq=GPTQOptions(true_sequential=False), ignore=DEFAULT_IGNORE + (_LAST_MLP,)),
     # Data-free (no calibration): llm-compressor's FP8_DYNAMIC recipe, for a build in seconds.

@@ -1,8 +1,6 @@
 """True-sequential GPTQ: each group of a layer's linears is calibrated on what the quantized groups
 before it compute (q/k/v, then o, then gate/up, then down)."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -36,7 +34,7 @@ def both():
     return _quantize(True), _quantize(False)
 
 
-def test_first_group_and_first_layer_inputs_match(both):
+def test_first_group_matches_one_pass_gptq_and_o_proj_differs(both):
     (_, seq, _), (_, par, _) = both
     for name in ("q_proj", "k_proj", "v_proj"):  # both see the same inputs: the same weights
         a, b = seq.weights[f"model.layers.0.self_attn.{name}"], par.weights[f"model.layers.0.self_attn.{name}"]
@@ -66,13 +64,13 @@ def test_down_proj_hessian_comes_from_the_quantized_mlp_input(both):
     H, n = gptq.make_empty_hessian(CONFIG.intermediate_size), 0
     for x in captured:
         H, n = gptq.accumulate_hessian(H, x, n)
-    scheme = dataclasses.replace(seq.scheme.weights)
-    expected, _ = gptq.quantize_weight(_model().model.layers[0].mlp.down_proj.weight.data, H, scheme, seq.scheme.gptq)
+    W = _model().model.layers[0].mlp.down_proj.weight.data
+    expected, _ = gptq.quantize_weight(W, H, seq.scheme.weights, seq.scheme.gptq)
     got = seq.weights["model.layers.0.mlp.down_proj"]
     assert torch.equal(got.qweight, expected.qweight) and torch.equal(got.scales, expected.scales)
 
 
-def test_simulated_model_is_installed_once(both):
+def test_calibrated_model_computes_with_every_dequantized_weight(both):
     """The calibrated (simulated) model computes with the dequantized weights of every linear."""
     (model, seq, _), _ = both
     for name, w in seq.weights.items():
