@@ -13,6 +13,8 @@ Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernel
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
+Every bf16 GEMM goes through `dense_linear`, which reads the weight plain or pre-packed for oneDNN
+(packed_weights.onednn_pack); both give the same bits.
 """
 
 import torch
@@ -21,6 +23,13 @@ from qkiln.plugins import cpu_native
 from qkiln.plugins.reference import fake_quantize_fp8_per_token
 
 SMALL_M = 16
+
+
+def dense_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 rows [M, in] @ weight^T -> bf16 [M, out]; weight bf16 [out, in], plain or oneDNN-packed."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
+    return rows @ weight.t()
 
 
 def _finish(out, x, bias, out_features: int):
@@ -35,7 +44,7 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
     if dequantized is not None and rows.shape[0] > SMALL_M:
-        return _finish(rows.to(torch.bfloat16) @ dequantized.t(), x, bias, out_features)
+        return _finish(dense_linear(rows.to(torch.bfloat16), dequantized), x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):
         out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)
         return out.reshape(*x.shape[:-1], out_features)
@@ -59,7 +68,10 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
         codes = dequantized if dequantized is not None else weight.to(torch.bfloat16)
-        out = (rows @ codes.t()) * scales
+        out = dense_linear(rows, codes)
+        # In place when nothing follows: the product is taken in fp32 and rounded once into bf16,
+        # as the out-of-place product would be by _finish (a bias is added before that rounding).
+        out = out.mul_(scales) if bias is None else out * scales
     return _finish(out, x, bias, out_features)
 
 
@@ -70,4 +82,4 @@ def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None):
         weight = (weight.float() * weight_scale[:, None]).to(torch.bfloat16)
     x_q, x_scale = fake_quantize_fp8_per_token(x.reshape(-1, in_features))
     rows = (x_q.float() * x_scale).to(torch.bfloat16)
-    return _finish(rows @ weight.t(), x, bias, out_features)
+    return _finish(dense_linear(rows, weight), x, bias, out_features)

@@ -24,6 +24,10 @@ The small fused ops (the last four) follow Hugging Face's eager rounding (refere
 on CPU they run csrc/cpu_small_ops.cpp when it built, on CUDA triton_small_ops.py, on every other
 device the reference.
 
+On target cpu the linears' bf16 weights are pre-packed for oneDNN (packed_weights.onednn_pack):
+MkldnnCPU tensors, served by the same CPU kernels. Fake tensors cannot stand for those opaque
+tensors, so tracing (torch.compile/export, opcheck) takes the plain weights (`.to_dense()`).
+
 The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attention(query, cache,
 ...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
 """
@@ -61,10 +65,12 @@ _LIB.define("silu_and_mul(Tensor gate_up) -> Tensor")
 _LIB.define("rotary_embedding(Tensor(a!) qkv, Tensor cos, Tensor signed_sin, int num_heads) -> ()")
 
 
-def _register(name: str, cpu, cuda, other) -> None:
+def _register(name: str, cpu, cuda, other, onednn_weights: bool = False) -> None:
     _LIB.impl(name, cpu, "CPU")
     _LIB.impl(name, cuda, "CUDA")
     _LIB.impl(name, other, "CompositeExplicitAutograd")
+    if onednn_weights:  # a weight pre-packed for oneDNN is an MkldnnCPU tensor: same CPU kernel
+        _LIB.impl(name, cpu, "MkldnnCPU")
 
 
 def _triton_cache_write(*args) -> None:
@@ -107,7 +113,8 @@ def _cuda_w4a16_linear(x, packed, scales, zeros, group_size, in_features, out_fe
                                out_features, bias)
 
 
-_register("w4a16_linear", cpu_linear.cpu_w4a16_linear, _cuda_w4a16_linear, _no_kernel("w4a16_linear"))
+_register("w4a16_linear", cpu_linear.cpu_w4a16_linear, _cuda_w4a16_linear, _no_kernel("w4a16_linear"),
+          onednn_weights=True)
 
 
 @torch.library.register_fake("qkiln::w4a16_linear")
@@ -124,7 +131,8 @@ def _cuda_w8a16_linear(x, weight, scales, bias, dequantized):
                                in_features, out_features, bias)
 
 
-_register("w8a16_linear", cpu_linear.cpu_w8a16_linear, _cuda_w8a16_linear, _no_kernel("w8a16_linear"))
+_register("w8a16_linear", cpu_linear.cpu_w8a16_linear, _cuda_w8a16_linear, _no_kernel("w8a16_linear"),
+          onednn_weights=True)
 
 
 @torch.library.register_fake("qkiln::w8a16_linear")
@@ -153,7 +161,8 @@ def _cuda_fp8_w8a8_linear(x, weight, weight_scale, bias):
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-_register("fp8_w8a8_linear", cpu_linear.cpu_fp8_w8a8_linear, _cuda_fp8_w8a8_linear, _no_kernel("fp8_w8a8_linear"))
+_register("fp8_w8a8_linear", cpu_linear.cpu_fp8_w8a8_linear, _cuda_fp8_w8a8_linear, _no_kernel("fp8_w8a8_linear"),
+          onednn_weights=True)
 
 
 @torch.library.register_fake("qkiln::fp8_w8a8_linear")

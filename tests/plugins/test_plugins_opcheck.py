@@ -37,5 +37,8 @@ def test_opcheck_linear_ops():
     w8 = prepare_w8a16(torch.randint(-128, 128, (16, 64), dtype=torch.int8), torch.rand(16), "cpu")
     torch.library.opcheck(torch.ops.qkiln.w8a16_linear.default, (x, w8.weight, w8.scales, None, None))
     fp8 = prepare_fp8_w8a8(torch.randn(16, 64).to(torch.float8_e4m3fn), torch.rand(16), "cpu")
+    # opcheck traces with fake tensors, which cannot stand for a weight pre-packed for oneDNN (an
+    # opaque MkldnnCPU tensor): check the op with the plain bf16 weight it was packed from.
+    plain = fp8.weight.to_dense() if fp8.weight.is_mkldnn else fp8.weight
     torch.library.opcheck(torch.ops.qkiln.fp8_w8a8_linear.default,
-                          (x, fp8.weight, fp8.weight_scale, torch.randn(16)))
+                          (x, plain, fp8.weight_scale, torch.randn(16)))
