@@ -6,7 +6,7 @@ Two measurements, both on random weights in the shapes of SmolLM2-135M (hidden 5
 fused qkv 960, fused gate_up 3072, tied lm_head 49152 x 576), group 128 asymmetric int4:
 - per shape and row count, one weight that stays in cache: median time per call of the native
   int4 kernel, torch's tinygemm (`_weight_int4pack_mm_for_cpu`), a bf16 matmul on the
-  dequantized weight, and for int8 the native kernel and `_weight_int8pack_mm`;
+  dequantized weight (the runtime's many-row path: oneDNN-packed where torch has it), and for int8 the native kernel and `_weight_int8pack_mm`;
 - a decode step's linears with `num_layers` distinct layers (weights stream from DRAM, as in a
   real step): the sum of qkv, o, gate_up, down per layer plus the lm_head, at one row.
 Kernels are interleaved within each repeat, so a noisy neighbour hits them alike. Progress to
@@ -18,6 +18,7 @@ import time
 import torch
 
 from qkiln.plugins import cpu_native
+from qkiln.plugins.cpu_linear import dense_linear
 from qkiln.plugins.packed_weights import prepare_w4a16, prepare_w8a16
 
 from .report import fmt, log, make_report, print_table, summarize, write_report
@@ -47,7 +48,7 @@ def _int4_calls(native, tinygemm, x):
     """name -> zero-argument call; x is bf16 [rows, in]."""
     calls = {"tinygemm": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                  x, tinygemm.packed, tinygemm.group_size, tinygemm.scales),
-             "bf16": lambda: x @ tinygemm.dequantized.t()}
+             "bf16": lambda: dense_linear(x, tinygemm.dequantized)}
     if cpu_native.is_native_w4a16(native.scales):
         calls["native"] = lambda: cpu_native.w4a16_gemm(
             x, native.packed, native.scales, native.zeros, None, GROUP_SIZE, native.out_features)

@@ -6,10 +6,11 @@
 //
 // ---- attention ----------------------------------------------------------------------------------
 // Every query row is a decode of its own causal length: row i of a sequence's q_len rows sees the
-// T = seq_len - q_len + 1 + i first slots. A task (block of <= 8 rows of one sequence, kv head h)
-// reads them through the block table (cache [blocks, block_size, Hkv, D]; no gather copy) and
-// serves the GQA group of Hq / Hkv query heads in one pass over K and one over V per row
-// (two-pass softmax, fp32 throughout; the scale is folded into the query like cpu_attention.py):
+// T = seq_len - q_len + 1 + i first slots. A task (block of <= 8 rows of one sequence, one kv head,
+// or a run of consecutive kv heads: decode_heads_bf16 with 8+ row blocks) reads them through the
+// block table (cache [blocks, block_size, Hkv, D]; no gather copy) and serves the GQA group of
+// Hq / Hkv query heads in one pass over K and one over V per row (two-pass softmax, fp32 sums;
+// the float kernels fold the scale into the query like cpu_attention.py):
 //     scores[g, t] = (scale * q[g]) . K[t],  p = exp(scores - max),  out[g] = (p @ V) / sum(p)
 // Slots past T are never read, so stale or NaN bytes in unused slots cannot leak.
 // Prefill costs O(q_len * T) like any exact attention; the rows of a block re-read the same K/V
@@ -158,105 +159,123 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 
-// decode_head for a bf16 query over a bf16 cache, D = 32 * NP, about half the instructions of
-// decode_head_tiled (which widens every K/V element to fp32 once per query head, and at 64
-// decodes was bound by that, not by memory: 1 thread took 1.9x the time of 2).
+// decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
+// (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
+// half the instructions of decode_head_tiled, which widens every K/V element to fp32 once per
+// query head and at 64 decodes was bound by that (1 thread took 1.9x the time of 2).
 // Scores: vdpbf16ps multiplies bf16 query/key pairs exactly and sums in fp32 (32 products an
 // instruction, K read as is); the scale is applied to the sums. p @ V stays fp32: a bf16 V row
 // splits into its even and odd elements as fp32 (a shift and a mask), accumulated per parity
-// and interleaved back at the end. The GQA group is served in chunks of query heads held in
-// registers, so each K/V row is loaded once per chunk (once for groups up to 16 / NP, 8 / NP).
+// and interleaved back at the end. Scores walk the rows once, each row's H head slices in turn
+// (with H = Hkv a block is one contiguous stream); p @ V walks each block once per head, with
+// the next block's slices prefetched.
 template <int NP, typename o_t>
-void decode_head_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloat16* k_head,
-                      const c10::BFloat16* v_head, const int32_t* table, int64_t T, o_t* out,
-                      std::vector<float>& buf) {
+void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloat16* k_head,
+                       const c10::BFloat16* v_head, const int32_t* table, int64_t T, o_t* out,
+                       std::vector<float>& buf, int64_t H) {
   constexpr int64_t D = NP * 32;
-  constexpr int kScoreHeads = 16 / NP, kValueHeads = 8 / NP;  // query heads per chunk
-  const int64_t G = a.group, row_stride = a.num_kv_heads * D, bs = a.block_size;
+  constexpr int kValueHeads = 8 / NP;  // query heads whose accumulators stay in registers
+  const int64_t G = a.group, HG = H * G, row_stride = a.num_kv_heads * D, bs = a.block_size;
   const int64_t block_stride = bs * row_stride;
-  buf.resize(G * T + G);
-  float *scores = buf.data(), *inv_sum = scores + G * T;  // [G, T], [G]
+  buf.resize(HG * T + HG);
+  float *scores = buf.data(), *inv_sum = scores + HG * T;  // [H * G, T], [H * G]
+  thread_local std::vector<Vf> dots, acc;  // [H * G][kW] row dot products, [H * G][2][NP]
+  dots.resize(HG * kW);
+  acc.assign(HG * 2 * NP, set1(0.f));
   int64_t offsets[kW];
-  Vf dots[kScoreHeads][kW];
-  for (int64_t g0 = 0; g0 < G; g0 += kScoreHeads) {  // pass 1: scores
-    const int64_t heads = std::min<int64_t>(kScoreHeads, G - g0);
-    __m512i qv[kScoreHeads][NP];
-    for (int g = 0; g < kScoreHeads; ++g)
-      for (int p = 0; p < NP; ++p)
-        qv[g][p] = g < heads ? _mm512_loadu_si512(q + (g0 + g) * D + p * 32) : _mm512_setzero_si512();
-    for (int64_t t0 = 0; t0 < T; t0 += kW) {
-      const int64_t n = std::min<int64_t>(kW, T - t0);
-      for (int64_t i = 0, b = t0 / bs, o = t0 % bs; i < n; ++i) {
-        offsets[i] = (table[b] * bs + o) * row_stride;
-        if (++o == bs) o = 0, ++b;
-      }
-      for (int64_t i = 0; i < kW; ++i) {
-        if (i >= n) {
-          for (int g = 0; g < kScoreHeads; ++g) dots[g][i] = set1(0.f);
-          continue;
-        }
-        __m512i kv[NP];
-        for (int p = 0; p < NP; ++p) kv[p] = _mm512_loadu_si512(k_head + offsets[i] + p * 32);
-        for (int g = 0; g < kScoreHeads; ++g) {
-          if (g >= heads) break;
-          Vf d = _mm512_dpbf16_ps(set1(0.f), (__m512bh)qv[g][0], (__m512bh)kv[0]);
-          for (int p = 1; p < NP; ++p) d = _mm512_dpbf16_ps(d, (__m512bh)qv[g][p], (__m512bh)kv[p]);
-          dots[g][i] = d;
-        }
-      }
-      for (int64_t g = 0; g < heads; ++g)
-        store(scores + (g0 + g) * T + t0, mul(sum16(dots[g]), set1(a.scale)), n);
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    for (int64_t i = 0, b = t0 / bs, o = t0 % bs; i < n; ++i) {
+      offsets[i] = (table[b] * bs + o) * row_stride;
+      if (++o == bs) o = 0, ++b;
     }
-  }
-  softmax_rows(scores, G, T, inv_sum);
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-  for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {  // pass 2: p @ V
-    const int64_t heads = std::min<int64_t>(kValueHeads, G - g0);
-    Vf even[kValueHeads][NP], odd[kValueHeads][NP];
-    for (int g = 0; g < kValueHeads; ++g)
-      for (int p = 0; p < NP; ++p) even[g][p] = odd[g][p] = set1(0.f);
-    for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {
-      const c10::BFloat16* rows = v_head + table[b] * block_stride;
-      for (int64_t t = t0, o = 0; t < std::min(T, t0 + bs); ++t, ++o) {
-        Vf ve[NP], vo[NP];
-        for (int p = 0; p < NP; ++p) {
-          const __m512i v = _mm512_loadu_si512(rows + o * row_stride + p * 32);
-          ve[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-          vo[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+    for (int64_t i = 0; i < kW; ++i) {
+      if (i >= n) {
+        for (int64_t j = 0; j < HG; ++j) dots[j * kW + i] = set1(0.f);
+        continue;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        __m512i kv[NP];
+        for (int p = 0; p < NP; ++p) kv[p] = _mm512_loadu_si512(k_head + offsets[i] + h * D + p * 32);
+        for (int64_t g = 0; g < G; ++g) {
+          const c10::BFloat16* qg = q + (h * G + g) * D;
+          Vf d = _mm512_dpbf16_ps(set1(0.f), (__m512bh)_mm512_loadu_si512(qg), (__m512bh)kv[0]);
+          for (int p = 1; p < NP; ++p)
+            d = _mm512_dpbf16_ps(d, (__m512bh)_mm512_loadu_si512(qg + p * 32), (__m512bh)kv[p]);
+          dots[(h * G + g) * kW + i] = d;
         }
-        for (int g = 0; g < kValueHeads; ++g) {
-          if (g >= heads) break;
-          const Vf pg = set1(scores[(g0 + g) * T + t]);
+      }
+    }
+    for (int64_t j = 0; j < HG; ++j)
+      store(scores + j * T + t0, mul(sum16(dots.data() + j * kW), set1(a.scale)), n);
+  }
+  softmax_rows(scores, HG, T, inv_sum);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {  // pass 2: p @ V
+    const c10::BFloat16* rows = v_head + table[b] * block_stride;
+    if (t0 + bs < T) {  // the next block's slices of these heads: rows jump with the table
+      const char* next = reinterpret_cast<const char*>(v_head + table[b + 1] * block_stride);
+      for (int64_t o = 0; o < std::min(bs, T - t0 - bs); ++o)
+        for (int64_t byte = 0; byte < H * D * 2; byte += 64)
+          __builtin_prefetch(next + o * row_stride * 2 + byte);
+    }
+    const int64_t rows_here = std::min(bs, T - t0);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
+        const int64_t heads = std::min<int64_t>(kValueHeads, G - g0);
+        Vf even[kValueHeads][NP], odd[kValueHeads][NP];
+        Vf* saved = acc.data() + (h * G + g0) * 2 * NP;
+        for (int g = 0; g < kValueHeads; ++g)
+          for (int p = 0; p < NP; ++p)
+            if (g < heads) even[g][p] = saved[(g * 2) * NP + p], odd[g][p] = saved[(g * 2 + 1) * NP + p];
+        const float* pg0 = scores + (h * G + g0) * T + t0;
+        for (int64_t o = 0; o < rows_here; ++o) {
+          Vf ve[NP], vo[NP];
           for (int p = 0; p < NP; ++p) {
-            even[g][p] = fmadd(pg, ve[p], even[g][p]);
-            odd[g][p] = fmadd(pg, vo[p], odd[g][p]);
+            const __m512i v = _mm512_loadu_si512(rows + o * row_stride + h * D + p * 32);
+            ve[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            vo[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
+          }
+          for (int g = 0; g < kValueHeads; ++g) {
+            if (g >= heads) break;
+            const Vf pg = set1(pg0[g * T + o]);
+            for (int p = 0; p < NP; ++p) {
+              even[g][p] = fmadd(pg, ve[p], even[g][p]);
+              odd[g][p] = fmadd(pg, vo[p], odd[g][p]);
+            }
           }
         }
+        for (int g = 0; g < kValueHeads; ++g)
+          for (int p = 0; p < NP; ++p)
+            if (g < heads) saved[(g * 2) * NP + p] = even[g][p], saved[(g * 2 + 1) * NP + p] = odd[g][p];
       }
     }
-    for (int g = 0; g < kValueHeads; ++g) {
-      if (g >= heads) break;
-      const Vf inv = set1(inv_sum[g0 + g]);
-      for (int p = 0; p < NP; ++p) {
-        o_t* dst = out + (g0 + g) * D + p * 32;
-        store(dst, mul(_mm512_permutex2var_ps(even[g][p], first_16, odd[g][p]), inv));
-        store(dst + kW, mul(_mm512_permutex2var_ps(even[g][p], last_16, odd[g][p]), inv));
-      }
+  }
+  const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t j = 0; j < HG; ++j) {
+    const Vf inv = set1(inv_sum[j]);
+    for (int p = 0; p < NP; ++p) {
+      const Vf even = acc[(j * 2) * NP + p], odd = acc[(j * 2 + 1) * NP + p];
+      o_t* dst = out + j * D + p * 32;
+      store(dst, mul(_mm512_permutex2var_ps(even, first_16, odd), inv));
+      store(dst + kW, mul(_mm512_permutex2var_ps(even, last_16, odd), inv));
     }
   }
 }
 #else
 constexpr bool kBf16Heads = false;
 template <int NP, typename o_t>
-void decode_head_bf16(const Decode&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
-                      const int32_t*, int64_t, o_t*, std::vector<float>&) {}
+void decode_heads_bf16(const Decode&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                       const int32_t*, int64_t, o_t*, std::vector<float>&, int64_t) {}
 #endif
 
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
 // over every thread (each row reads K/V from the cache; a block's rows share them through L1/L2).
 constexpr int64_t kRowsPerTask = 8;
+// Row blocks from which a task serves several kv heads (below it, one head per task keeps every
+// thread busy at batch 1).
+constexpr int64_t kFuseHeadsMinBlocks = 8;
 
 }  // namespace
 
@@ -288,13 +307,25 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t first = 0; first < starts_[s + 1] - starts_[s]; first += kRowsPerTask)
       blocks_.push_back({s, first, std::min(kRowsPerTask, starts_[s + 1] - starts_[s] - first)});
+  // With many row blocks (a decode batch) a task serves several kv heads, so K rows are read
+  // whole rather than one head's 2-line slice at a time, which the hardware prefetcher hardly
+  // follows across blocks. Only decode_heads_bf16 serves more than one head; at most 16 query
+  // heads per task (its per-row dot products stay in L1).
+  const bool bf16_heads = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
+                          k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
+  if (bf16_heads && static_cast<int64_t>(blocks_.size()) >= kFuseHeadsMinBlocks)
+    for (int64_t h = Hkv; h > 1; --h)
+      if (Hkv % h == 0 && h * (Hq / Hkv) <= 16) {
+        heads_per_task_ = h;
+        break;
+      }
 }
 
 int64_t AttentionTasks::size() const {
-  return static_cast<int64_t>(blocks_.size()) * k_cache_.size(2);
+  return static_cast<int64_t>(blocks_.size()) * (k_cache_.size(2) / heads_per_task_);
 }
 
-// Tasks [begin, end): task = row block * Hkv + kv head.
+// Tasks [begin, end): task = row block * (Hkv / heads_per_task_) + kv head group.
 void AttentionTasks::run(int64_t begin, int64_t end) const {
   const int64_t Hq = query_.size(1), D = query_.size(2), Hkv = k_cache_.size(2);
   const Decode a{tables_, max_blocks_, k_cache_.size(1), Hkv, D, Hq / Hkv, scale_};
@@ -308,30 +339,31 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
       QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
         scalar_t* op = out_.data_ptr<scalar_t>();
         thread_local std::vector<float> buf;
+        const int64_t H = heads_per_task_, per_block = Hkv / H;
         for (int64_t task = begin; task < end; ++task) {
-          const RowBlock& b = blocks_[task / Hkv];
-          const int64_t h = task % Hkv, q_len = starts_[b.seq + 1] - starts_[b.seq];
+          const RowBlock& b = blocks_[task / per_block];
+          const int64_t h = task % per_block * H, q_len = starts_[b.seq + 1] - starts_[b.seq];
           const int32_t* table = a.tables + b.seq * a.max_blocks;
           for (int64_t i = b.first; i < b.first + b.count; ++i) {
             const int64_t row = starts_[b.seq] + i, T = lens_[b.seq] - q_len + 1 + i;
             const int64_t offset = (row * Hq + h * a.group) * D;  // in out
             if (T <= 0) {
-              for (int64_t j = 0; j < a.group * D; ++j) op[offset + j] = 0;
+              for (int64_t j = 0; j < H * a.group * D; ++j) op[offset + j] = 0;
               continue;
             }
             const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
             constexpr bool bf16_heads = kBf16Heads && std::is_same_v<kv_t, c10::BFloat16> &&
                                         std::is_same_v<q_t, c10::BFloat16>;
             if (bf16_heads && D == 64)
-              decode_head_bf16<2>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
-                                  reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
-                                  reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
-                                  op + offset, buf);
+              decode_heads_bf16<2>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
+                                   reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
+                                   reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
+                                   op + offset, buf, H);
             else if (bf16_heads && D == 128)
-              decode_head_bf16<4>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
-                                  reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
-                                  reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
-                                  op + offset, buf);
+              decode_heads_bf16<4>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
+                                   reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
+                                   reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
+                                   op + offset, buf, H);
             else if (D == 64)
               decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
             else if (D == 128)

@@ -55,7 +55,7 @@ std::string int8_kernel_isa();
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out);
-// paged_attention as tasks (row block x kv head) a caller spreads over its own threads (the decode
+// paged_attention as tasks (row block x kv head group) a caller spreads over its own threads (the decode
 // stack); paged_attention itself runs them through at::parallel_for. Validates in the
 // constructor, so run() cannot fail. The index tensors must outlive it.
 class AttentionTasks {
@@ -75,6 +75,7 @@ class AttentionTasks {
   int64_t max_blocks_ = 0;
   float scale_;
   std::vector<RowBlock> blocks_;
+  int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves
 };
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping);
