@@ -71,7 +71,7 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
         out = dense_linear(rows, codes)
         # In place when nothing follows: the product is taken in fp32 and rounded once into bf16,
         # as the out-of-place product would be by _finish (a bias is added before that rounding).
-        out = out.mul_(scales) if bias is None else out * scales
+        out = cpu_native.scale_columns_(out, scales) if bias is None else out * scales
     return _finish(out, x, bias, out_features)
 
 

@@ -187,6 +187,17 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def scale_columns_(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """In place x [M, N] *= scales [N] fp32 (fp32 products rounded once into x's dtype): the bits of
+    torch's x.mul_(scales), natively where it can be (torch's promotes through a copy)."""
+    ops = native_ops()
+    if ops is not None and x.dtype in _NATIVE_DTYPES and x.dim() == 2 and x.is_contiguous() and \
+            scales.dtype == torch.float32 and scales.is_contiguous():
+        ops.scale_columns_(x, scales)
+        return x
+    return x.mul_(scales)
+
+
 def cpu_rotary_embedding(qkv, cos, signed_sin, num_heads: int) -> None:
     ops = native_ops()
     rows = qkv if qkv.dim() == 3 else qkv.flatten(0, -3) if qkv.is_contiguous() else None

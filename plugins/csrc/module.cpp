@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (torch.argmax's rule)");
+  m.def("scale_columns_", &scale_columns_, "x[m, n] *= scales[n] in fp32, rounded once, in place");
   m.def("exp_is_torchs", &silu_exp_is_torchs, "whether SiLU uses torch's own vector exp");
 
   // module_local: the portable test build loads a second copy of these types in one process.

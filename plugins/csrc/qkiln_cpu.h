@@ -87,4 +87,5 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                       int64_t num_heads);
 at::Tensor argmax_rows(const at::Tensor& logits);
+void scale_columns_(at::Tensor& x, const at::Tensor& scales);
 bool silu_exp_is_torchs();

@@ -132,6 +132,17 @@ def test_silu_and_mul_is_bit_identical_to_the_reference(ext, dtype, shape):
         assert rel_error(out, reference_silu_and_mul(gate_up)) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 37), (1, 16)])
+def test_scale_columns_is_torchs_mul(ext, dtype, shape):
+    """The int8 head's per-channel scale, in place: the bits of torch's x.mul_(fp32 scales)."""
+    x = (torch.randn(shape) * 30).to(dtype)
+    scales = torch.rand(shape[1]) / 100
+    expected = x.clone().mul_(scales)
+    actual = cpu_native.scale_columns_(x, scales)
+    assert actual.data_ptr() == x.data_ptr() and torch.equal(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_rotary_embedding_is_bit_identical_to_the_reference(ext, dtype, head_dim):
