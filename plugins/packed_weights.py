@@ -93,10 +93,14 @@ class FP8Weight:
     target: str
 
 
+def onednn_bf16_available() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """bf16 [out, in] -> the same weight pre-packed for oneDNN's GEMM (cpu_linear.dense_linear
     reads either form; results are bit-identical), or unchanged where oneDNN lacks bf16."""
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if not onednn_bf16_available():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 

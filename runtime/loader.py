@@ -13,6 +13,7 @@ from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError
 
 from .config import ModelConfig
+from .dense_linear import pack_dense_linears
 from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
 from .quantized_linear import make_quantized_linear
@@ -53,6 +54,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     fused = fuse_tensors(weights, {}, src.config.num_hidden_layers, projection_out_sizes(src.config)) if fuse \
         else frozenset()
     model = build_model(src.config, weights, torch_dtype, fused=fused).to(device)
+    pack_dense_linears(model)
     return ServingModel(str(name), model, src.tokenizer)
 
 
@@ -79,6 +81,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
         # A tied head quantized as its own copy: logits use it, embedding lookups stay exact.
         model.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
     model = model.to(device)
+    pack_dense_linears(model)  # layers left unquantized (recipe `ignore`), a tied bf16 head
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
