@@ -53,8 +53,11 @@ def _sync(device) -> None:
 
 
 def _packed_tensors(module: nn.Module):
-    """Tensors of a quantized linear's packed weight (a plugins dataclass), minus the prefill copy."""
+    """Tensors of a quantized linear's packed weight (a plugins dataclass), minus the prefill copy;
+    or a dense linear's oneDNN-packed weight (runtime/dense_linear.PackedLinear)."""
     packed = getattr(module, "packed", None)
+    if isinstance(packed, torch.Tensor):
+        yield packed
     if packed is None or not dataclasses.is_dataclass(packed):
         return
     for f in dataclasses.fields(packed):
@@ -68,8 +71,8 @@ def weight_bytes(model: nn.Module) -> int:
     seen: dict[int, int] = {}
     for module in model.modules():
         tensors = list(module.parameters(recurse=False)) + list(_packed_tensors(module))
-        for t in tensors:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+        for t in tensors:  # oneDNN-packed weights have no data pointer: each is its own storage
+            seen[id(t) if t.is_mkldnn else t.data_ptr()] = t.numel() * t.element_size()
     for emb in _gather_only_embeddings(model):
         seen.pop(emb.weight.data_ptr(), None)
     return sum(seen.values())

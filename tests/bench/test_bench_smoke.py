@@ -125,6 +125,11 @@ def test_roofline_byte_counts(tiny, tmp_path):
     # tiny llama: 2 layers x (K + V) x 2 kv heads x head_dim 32 x 2 bytes (bf16)
     assert kv_bytes_per_token(dense) == 2 * 2 * 2 * 32 * 2
     assert weight_bytes(packed.model) < 0.5 * weight_bytes(dense.model)  # int4 linears, bf16 tied embedding
+    # The bf16 source's linears are oneDNN-packed (no data pointer) and its tied head a packed copy of
+    # the embedding, which decode then only gathers from: every source tensor once, in bf16.
+    from qkiln.runtime.source import load_source
+
+    assert weight_bytes(dense.model) == 2 * sum(t.numel() for t in load_source(str(tiny)).state_dict.values())
     assert _positive(measure_bandwidth(num_bytes=8 << 20, num_repeats=2)["bytes_per_s"])
 
 
