@@ -25,10 +25,9 @@ from qkiln.quant.scheme import (ActivationScheme, AWQOptions, GPTQOptions, KVCac
 
 # Shipped in calib_data/bundled/ (licenses there), so builds need no download. On SmolLM2-135M, GPTQ
 # W4 g128 (before true-sequential) on 128 x 512 tokens of it closed 44% of RTN's gap on wiki.test.raw
-# (16384 tokens) vs 46%
-# for a Wikipedia-only excerpt of the same size and 29% for self:128 (the previous default), and
-# closed the most of it on text that is not Wikipedia (Persuasion 48% vs 11% and 16%, TinyStories
-# 34% vs 16% and 28%): it generalizes (bench/results/quant_quality_calibration.json).
+# (16384 tokens) vs 46% for a Wikipedia-only excerpt of the same size and 29% for self:128 (the
+# previous default), and closed the most of it on text that is not Wikipedia (Persuasion 48% vs 11%
+# and 16%, TinyStories 34% vs 16% and 28%): it generalizes (bench/results/quant_quality_calibration.json).
 DEFAULT_CALIBRATION_SOURCE = "mix:bundled:wikitext2-valid+bundled:pride-and-prejudice"
 TARGETS = ("cpu", "cuda")
 

@@ -25,11 +25,12 @@ from qkiln.plugins.reference import fake_quantize_fp8_per_token
 SMALL_M = 16
 
 
-def dense_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """bf16 rows [M, in] @ weight^T -> bf16 [M, out]; weight bf16 [out, in], plain or oneDNN-packed."""
+def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 rows [M, in] @ weight^T (+ bias) -> bf16 [M, out]; weight bf16 [out, in], plain or
+    oneDNN-packed: F.linear's bits either way."""
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")
-    return rows @ weight.t()
+        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(rows, weight, bias)
 
 
 def _finish(out, x, bias, out_features: int):

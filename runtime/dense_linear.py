@@ -10,6 +10,7 @@ GEMM of a decode step.
 import torch
 from torch import nn
 
+from qkiln.plugins.cpu_linear import dense_linear
 from qkiln.plugins.packed_weights import onednn_bf16_available, onednn_pack
 
 from .model import CausalLM
@@ -23,8 +24,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        out = dense_linear(x.reshape(-1, self.in_features), self.packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -311,9 +311,9 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   // whole rather than one head's 2-line slice at a time, which the hardware prefetcher hardly
   // follows across blocks. Only decode_heads_bf16 serves more than one head; at most 16 query
   // heads per task (its per-row dot products stay in L1).
-  const bool bf16_heads = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
-                          k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
-  if (bf16_heads && static_cast<int64_t>(blocks_.size()) >= kFuseHeadsMinBlocks)
+  bf16_heads_ = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
+                k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
+  if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) >= kFuseHeadsMinBlocks)
     for (int64_t h = Hkv; h > 1; --h)
       if (Hkv % h == 0 && h * (Hq / Hkv) <= 16) {
         heads_per_task_ = h;
@@ -352,19 +352,16 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
               continue;
             }
             const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
-            constexpr bool bf16_heads = kBf16Heads && std::is_same_v<kv_t, c10::BFloat16> &&
-                                        std::is_same_v<q_t, c10::BFloat16>;
-            if (bf16_heads && D == 64)
-              decode_heads_bf16<2>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
-                                   reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
-                                   reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
-                                   op + offset, buf, H);
-            else if (bf16_heads && D == 128)
-              decode_heads_bf16<4>(a, reinterpret_cast<const c10::BFloat16*>(qrow),
-                                   reinterpret_cast<const c10::BFloat16*>(kp) + h * D,
-                                   reinterpret_cast<const c10::BFloat16*>(vp) + h * D, table, T,
-                                   op + offset, buf, H);
-            else if (D == 64)
+            if (bf16_heads_) {  // q_t and kv_t are bf16 here, D is 64 or 128 (the constructor)
+              using bf16 = c10::BFloat16;
+              const auto *qb = reinterpret_cast<const bf16*>(qrow),
+                         *kb = reinterpret_cast<const bf16*>(kp) + h * D,
+                         *vb = reinterpret_cast<const bf16*>(vp) + h * D;
+              if (D == 64)
+                decode_heads_bf16<2>(a, qb, kb, vb, table, T, op + offset, buf, H);
+              else
+                decode_heads_bf16<4>(a, qb, kb, vb, table, T, op + offset, buf, H);
+            } else if (D == 64)
               decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
             else if (D == 128)
               decode_head_tiled<8>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);

@@ -75,7 +75,8 @@ class AttentionTasks {
   int64_t max_blocks_ = 0;
   float scale_;
   std::vector<RowBlock> blocks_;
-  int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves
+  bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query and cache, D 64/128)
+  int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
 };
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping);
