@@ -63,8 +63,8 @@ def parse_int_list(spec: str, what: str) -> list[int]:
     return values
 
 
-def load_model(model: str, dtype: str = "auto") -> ServingModel:
-    return load_for_serving(model, dtype=dtype)
+def load_model(model: str, dtype: str = "auto", int8_activations: bool = False) -> ServingModel:
+    return load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
 
 
 def make_engine(loaded: ServingModel, **engine_kwargs) -> LLMEngine:
@@ -139,14 +139,14 @@ def main(model: str, *,
          num_requests: int = 64, input_len: str = "128", output_len: str = "128", prompts_jsonl: Path | None = None,
          shared_prefix_len: int = 0, max_num_seqs: str = "64", max_num_batched_tokens: int = 1024,
          num_kv_blocks: int | None = None, kv_dtype: str | None = None, prefix_caching: bool = True,
-         dtype: str = "auto", repeats: int = 3, threads: int | None = None, seed: int = 0,
-         json_out: Path | None = None, plot: Path | None = None):
+         dtype: str = "auto", int8_activations: bool = False, repeats: int = 3,
+         threads: int | None = None, seed: int = 0, json_out: Path | None = None, plot: Path | None = None):
     """Offline throughput: N requests at once through the engine; requests/s and tokens/s."""
     check_at_least(1, repeats=repeats)
     num_threads = set_threads(threads)
     seq_limits = parse_int_list(max_num_seqs, "--max-num-seqs")
     log(f"loading {model}")
-    loaded = load_model(model, dtype)
+    loaded = load_model(model, dtype, int8_activations)
     workload = make_workload(loaded.tokenizer, num_requests, input_len, output_len, prompts_jsonl=prompts_jsonl,
                              shared_prefix_len=shared_prefix_len, seed=seed,
                              model_vocab_size=loaded.model.config.vocab_size)
@@ -158,7 +158,7 @@ def main(model: str, *,
         runs.append({"max_num_seqs": limit, **result})
         del engine
         gc.collect()
-    config = {"model": model, "dtype": dtype, "threads": num_threads, "repeats": repeats,
+    config = {"model": model, "dtype": dtype, "int8_activations": int8_activations, "threads": num_threads, "repeats": repeats,
               "workload": workload.description, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": num_kv_blocks, "kv_dtype": kv_dtype, "enable_prefix_caching": prefix_caching}
     report = make_report("throughput", config, {"runs": runs})

@@ -13,6 +13,8 @@ Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernel
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
+Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
+int8 per 32 channels, int4 or int8 weights; ~1.4x the bf16 GEMM, not exact (packed_weights.py).
 Every bf16 GEMM goes through `dense_linear`, which reads the weight plain or pre-packed for oneDNN
 (packed_weights.onednn_pack); both give the same bits.
 """
@@ -74,6 +76,13 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
         # as the out-of-place product would be by _finish (a bias is added before that rounding).
         out = cpu_native.scale_columns_(out, scales) if bias is None else out * scales
     return _finish(out, x, bias, out_features)
+
+
+def cpu_w4a8_linear(x, packed, scales, zero_scales, group_size: int, out_features: int, bias=None):
+    """x [..., in] -> [..., out] in x's dtype through the int8-activation GEMM (W4A8Weight)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = cpu_native.w4a8_gemm(rows, packed, scales, zero_scales, bias, group_size, out_features)
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None):

@@ -25,8 +25,8 @@ import torch
 from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_attention.cpp", "cpu_small_ops.cpp",
-            "decode_stack.cpp", "module.cpp")
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_attention.cpp",
+            "cpu_small_ops.cpp", "decode_stack.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
 CHUNK = 64  # weights per row per chunk (kChunk)
 _MISSING = object()
@@ -138,6 +138,30 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
     """x [M, in] -> [M, out] in x's dtype, through the native int4 kernel."""
     return native_extension().w4a16_gemm(x2d.contiguous(), packed, scales, c, bias, group_size,
                                          out_features)
+
+
+W4A8_BLOCK = 32  # input channels per activation scale (kBlock in cpu_gemm_w4a8.cpp)
+W4A8_PANEL = 48  # output channels the packed layout pads to (kPanel)
+
+
+def pack_w4a8(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
+    """Unsigned codes u [out, in] (0..15 or 0..255), scales and zero points [out, G] ->
+    (packed uint8 [out_p / 16, in / 4, 16, 4], scales fp32 [G, out_p], zero scales s * z fp32
+    [G, out_p]) for cpu_gemm_w4a8.cpp, out_p padding `out` to a multiple of 48 with zeros."""
+    out_features, in_features = codes.shape
+    out_padded = -(-out_features // W4A8_PANEL) * W4A8_PANEL
+    row_pad = (0, 0, 0, out_padded - out_features)
+    u = torch.nn.functional.pad(codes.to(torch.uint8), row_pad)
+    packed = u.reshape(out_padded // 16, 16, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
+    s = torch.nn.functional.pad(scales.float(), row_pad)
+    zs = torch.nn.functional.pad(scales.float() * zero_points.float(), row_pad)
+    return packed, s.t().contiguous(), zs.t().contiguous()
+
+
+def w4a8_gemm(x2d, packed, scales, zero_scales, bias, group_size: int, out_features: int):
+    """x [M, in] -> [M, out] in x's dtype: activations rounded to int8 per 32 channels."""
+    return native_extension().w4a8_gemm(x2d.contiguous(), packed, scales, zero_scales, bias,
+                                        group_size, out_features)
 
 
 def w8a16_gemm(x2d, weight, scales, bias):

@@ -15,6 +15,8 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
         int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor
     qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor
     qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
+    qkiln::w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size,
+        int out_features, Tensor? bias) -> Tensor      (CPU only: opt-in int8 activations)
     qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
     qkiln::silu_and_mul(Tensor gate_up) -> Tensor
@@ -40,7 +42,7 @@ from torch import Tensor
 from qkiln.plugins import cpu_attention, cpu_linear, cpu_native, reference
 from qkiln.plugins import reference_small_ops as small
 from qkiln.plugins.kv_cache import KVCache, offset_key
-from qkiln.plugins.packed_weights import FP8Weight, W4A16Weight, W8A16Weight
+from qkiln.plugins.packed_weights import FP8Weight, W4A8Weight, W4A16Weight, W8A16Weight
 
 # Registered through the low-level `torch.library.Library` rather than `@custom_op`: a decode
 # step makes ~300 op calls, and custom_op's Python wrapper measured ~17 us per call against
@@ -59,6 +61,8 @@ _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros,
             "int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor")
 _LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
+_LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, "
+            "int out_features, Tensor? bias) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
 _LIB.define("silu_and_mul(Tensor gate_up) -> Tensor")
@@ -170,6 +174,14 @@ def _(x, weight, weight_scale, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+_register("w4a8_linear", cpu_linear.cpu_w4a8_linear, _no_kernel("w4a8_linear"), _no_kernel("w4a8_linear"))
+
+
+@torch.library.register_fake("qkiln::w4a8_linear")
+def _(x, packed, scales, zero_scales, group_size, out_features, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def _triton_small_op(name: str):
     def run(*args):
         from qkiln.plugins import triton_small_ops
@@ -229,13 +241,28 @@ def argmax(logits: Tensor) -> Tensor:
     return cpu_native.argmax_rows(logits) if logits.device.type == "cpu" else logits.argmax(dim=-1)
 
 
+def _int8_act(x: Tensor, weight: W4A16Weight | W8A16Weight) -> W4A8Weight | None:
+    """The weight's int8-activation form when it has one and x has many rows (opt-in CPU path)."""
+    a8 = weight.int8_act
+    return a8 if a8 is not None and x.numel() > cpu_linear.SMALL_M * x.shape[-1] else None
+
+
+def w4a8_linear(x: Tensor, weight: W4A8Weight, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.qkiln.w4a8_linear(x, weight.packed, weight.scales, weight.zero_scales,
+                                       weight.group_size, weight.out_features, bias)
+
+
 def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> Tensor:
+    if (a8 := _int8_act(x, weight)) is not None:
+        return w4a8_linear(x, a8, bias)
     return torch.ops.qkiln.w4a16_linear(x, weight.packed, weight.scales, weight.zeros,
                                         weight.group_size, weight.in_features,
                                         weight.out_features, bias, weight.dequantized)
 
 
 def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:
+    if (a8 := _int8_act(x, weight)) is not None:
+        return w4a8_linear(x, a8, bias)
     return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias, weight.dequantized)
 
 

@@ -44,6 +44,13 @@ extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
     and out_p pads `out` to a multiple of 16 with zero rows (q = 8, scale = 0, zero = 0).
     w8a16: weight int8 [out, in], scales bf16 [out] (`_weight_int8pack_mm`).
 
+Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only, not exact):
+    int8_act = W4A8Weight for csrc/cpu_gemm_w4a8.cpp: unsigned codes (int4 0..15, symmetric as
+    q + 8; int8 weights as w + 128, one group) in uint8 [out_p / 16, in / 4, 16, 4], scales and
+    scale * zero point fp32 [num_groups, out_p], out_p a multiple of 48. Replaces `dequantized`
+    (1 byte per weight instead of 2). Needs `in` and group_size multiples of 32 and the native
+    extension; otherwise the weight is prepared as without the option.
+
 Both cpu layouts:
     dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > SMALL_M rows,
     where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
@@ -67,6 +74,16 @@ CPU_GROUP_SIZES = (256, 128, 64, 32)
 
 
 @dataclass
+class W4A8Weight:
+    """Packed for the int8-activation GEMM (cpu_native.pack_w4a8); int4 or int8 codes alike."""
+    packed: torch.Tensor
+    scales: torch.Tensor
+    zero_scales: torch.Tensor
+    group_size: int
+    out_features: int
+
+
+@dataclass
 class W4A16Weight:
     packed: torch.Tensor
     scales: torch.Tensor
@@ -76,6 +93,7 @@ class W4A16Weight:
     out_features: int
     target: str
     dequantized: torch.Tensor | None = None
+    int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
 
 
 @dataclass
@@ -84,6 +102,7 @@ class W8A16Weight:
     scales: torch.Tensor
     target: str
     dequantized: torch.Tensor | None = None  # cpu: the codes as bf16 [out, in] (exact), many rows
+    int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
 
 
 @dataclass
@@ -121,13 +140,25 @@ def _unsigned_int4(qweight: torch.Tensor, zeros: torch.Tensor | None):
     return qweight.int(), zeros.float()
 
 
+def _int8_act_weight(codes, scales, zero_point, group_size: int) -> W4A8Weight | None:
+    """W4A8Weight of unsigned codes [out, in], or None where the int8-activation kernel can't run."""
+    out_features, in_features = codes.shape
+    if in_features % cpu_native.W4A8_BLOCK or group_size % cpu_native.W4A8_BLOCK or \
+            cpu_native.native_extension() is None:
+        return None
+    packed, s, zs = cpu_native.pack_w4a8(codes, scales, zero_point)
+    return W4A8Weight(packed, s, zs, group_size, out_features)
+
+
 def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
                   keep_dequantized: bool = False,
-                  dtype: torch.dtype = torch.bfloat16, use_native: bool = True) -> W4A16Weight:
+                  dtype: torch.dtype = torch.bfloat16, use_native: bool = True,
+                  int8_activations: bool = False) -> W4A16Weight:
     """Canonical grouped int4 -> W4A16Weight for `target` (layouts in the module docstring).
 
     dtype: the activation dtype the cuda kernel will see (scales/zeros are stored in it).
     use_native: False keeps torch's tinygemm on target cpu (benchmarks and A/B checks).
+    int8_activations (cpu): many rows through the int8-activation GEMM instead of `dequantized`.
     """
     _check_target(target)
     out_features, in_features = qweight.shape
@@ -137,7 +168,14 @@ def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
     q, zero_point = _unsigned_int4(qweight, zeros)
     if target == "cuda":
         return _prepare_w4a16_cuda(q, scales, zero_point, group_size, dtype)
-    return _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized, use_native)
+    int8_act = None
+    if int8_activations:
+        zp = torch.full_like(scales, 8.0, dtype=torch.float32) if zero_point is None else zero_point
+        int8_act = _int8_act_weight(q, scales, zp, group_size)
+    weight = _prepare_w4a16_cpu(q, scales, zero_point, group_size,
+                                keep_dequantized and int8_act is None, use_native)
+    weight.int8_act = int8_act
+    return weight
 
 
 def _prepare_w4a16_cuda(q, scales, zero_point, group_size: int, dtype) -> W4A16Weight:
@@ -207,23 +245,33 @@ def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantiz
 
 
 def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
-                  keep_dequantized: bool = False) -> W8A16Weight:
+                  keep_dequantized: bool = False, int8_activations: bool = False) -> W8A16Weight:
     """Canonical int8 [out, in] with per-channel scales [out] -> W8A16Weight for `target`.
 
     use_native: False keeps torch's `_weight_int8pack_mm` on target cpu.
     keep_dequantized (cpu): also keep the codes as bf16 (exact; 2 bytes per weight) for the
     many-row GEMM, which otherwise converts the whole weight on every call (a 49152 x 576 head:
     ~35 ms per 64-row step, more than the GEMM itself).
+    int8_activations (cpu): many rows through the int8-activation GEMM (codes w + 128, zero point
+    128, one group) instead of `dequantized`.
     """
     _check_target(target)
     if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
         raise RecipeError("w8a16 needs int8 weights [out, in] and per-channel scales [out]")
     if target == "cuda":
         return W8A16Weight(qweight.t().contiguous(), scales.float()[None].contiguous(), "cuda")
-    dequantized = onednn_pack(qweight.to(torch.bfloat16)) if keep_dequantized else None
+    in_features = qweight.shape[1]
+    int8_act = None
+    if int8_activations:
+        codes = (qweight.to(torch.int16) + 128).to(torch.uint8)
+        int8_act = _int8_act_weight(codes, scales[:, None], torch.full_like(scales[:, None], 128.0),
+                                    in_features)
+    dequantized = onednn_pack(qweight.to(torch.bfloat16)) if keep_dequantized and int8_act is None \
+        else None
     if use_native and cpu_native.native_extension():
-        return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized)
-    return W8A16Weight(qweight.contiguous(), scales.to(torch.bfloat16), "cpu", dequantized)
+        return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized,
+                           int8_act)
+    return W8A16Weight(qweight.contiguous(), scales.to(torch.bfloat16), "cpu", dequantized, int8_act)
 
 
 def prepare_fp8_w8a8(weight, weight_scale, target: str) -> FP8Weight:

@@ -115,6 +115,34 @@ def reference_w8a16_linear(x, qweight, scales, bias=None):
     return _linear(x, qweight.float() * scales.float()[:, None], bias)
 
 
+INT8_BLOCK = 32  # input channels per activation scale of the int8-activation linears
+
+
+def quantize_int8_blocks(x: torch.Tensor):
+    """x [..., in] (in % 32 == 0) -> (q int8 [..., in], scale fp32 [..., in / 32]), one scale per
+    32 channels: q = round_half_even(x * (127 / amax)), scale = amax / 127 (0 for an all-zero
+    block), the exact fp32 operations of csrc/cpu_gemm_w4a8.cpp."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // INT8_BLOCK, INT8_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).to(torch.int8).reshape(x.shape)
+    return q, (amax / 127.0).squeeze(-1)
+
+
+def fake_quantize_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through quantize_int8_blocks, back in float32 (what those linears compute with)."""
+    q, scale = quantize_int8_blocks(x)
+    blocks = q.float().reshape(*x.shape[:-1], -1, INT8_BLOCK) * scale[..., None]
+    return blocks.reshape(x.shape)
+
+
+def reference_w4a8_linear(x, qweight, scales, zeros, group_size: int, bias=None):
+    """Canonical grouped int4 (or int8 with one group, `zeros` None) weights x activations rounded
+    to int8 per 32 channels (fake_quantize_int8_blocks), float32 GEMM."""
+    weight = dequantize_grouped(qweight, scales, zeros, group_size)
+    return _linear(fake_quantize_int8_blocks(x), weight, bias).to(x.dtype)
+
+
 def fake_quantize_fp8_per_token(x: torch.Tensor):
     """Dynamic per-token fp8: (x_q fp8 [..., in], scale fp32 [..., 1]) with x ~= x_q * scale."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)

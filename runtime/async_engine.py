@@ -134,11 +134,13 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_model(cls, model: str, dtype: str = "auto", name: str | None = None, **engine_kwargs) -> "AsyncLLMEngine":
-        """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it."""
+    def from_model(cls, model: str, dtype: str = "auto", name: str | None = None,
+                   int8_activations: bool = False, **engine_kwargs) -> "AsyncLLMEngine":
+        """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it
+        (int8_activations: loader.load_for_serving)."""
         from .loader import load_for_serving
 
-        loaded = load_for_serving(model, dtype=dtype)
+        loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
         kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
         config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs)
         return cls(LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales), name or loaded.name)

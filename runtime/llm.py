@@ -19,8 +19,9 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", **engine_kwargs):
-        loaded = load_for_serving(model, dtype=dtype)
+    def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, **engine_kwargs):
+        """int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
+        loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
         kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer,
                                 EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs),

@@ -43,12 +43,21 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: bool = True) -> ServingModel:
-    """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules."""
+def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: bool = True,
+                     int8_activations: bool = False) -> ServingModel:
+    """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules.
+    int8_activations: an artifact's int4/int8 linears compute steps of more than 16 rows with
+    activations rounded to int8 per 32 channels (CPU only, opt-in: faster, not exact;
+    plugins/csrc/cpu_gemm_w4a8.cpp). Steps of up to 16 rows stay exact."""
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
-    if path.is_dir() and (path / "manifest.json").exists():
-        return load_artifact(path, torch_dtype, device, fuse)
+    is_artifact = path.is_dir() and (path / "manifest.json").exists()
+    if int8_activations and (not is_artifact or str(device) != "cpu"):
+        raise ArtifactError("int8 activations apply to an artifact's quantized linears on the CPU; "
+                            f"{name} on {device} has none to apply them to: drop the option or "
+                            "build an artifact (qkiln build) first")
+    if is_artifact:
+        return load_artifact(path, torch_dtype, device, fuse, int8_activations)
     src = load_source(name)
     weights = dict(src.state_dict)
     fused = fuse_tensors(weights, {}, src.config.num_hidden_layers, projection_out_sizes(src.config)) if fuse \
@@ -58,7 +67,8 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     return ServingModel(str(name), model, src.tokenizer)
 
 
-def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True) -> ServingModel:
+def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,
+                  int8_activations: bool = False) -> ServingModel:
     verify_artifact(path)  # hashes, version, target: refuse before loading anything
     manifest = read_manifest(path)
     config = ModelConfig.from_dict(manifest.architecture)
@@ -73,7 +83,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
             return torch.nn.Linear(in_features, out_features, bias=bias)
         b = tensors.get(name + ".bias")
         return make_quantized_linear(name, linears[name], tensors, target, dtype,
-                                     None if b is None else b.to(dtype))
+                                     None if b is None else b.to(dtype), int8_activations)
 
     plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
     model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)

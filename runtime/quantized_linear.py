@@ -33,7 +33,10 @@ class QuantizedLinear(nn.Module):
 
 
 def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tensor], target: str,
-                          dtype: torch.dtype, bias: torch.Tensor | None) -> QuantizedLinear:
+                          dtype: torch.dtype, bias: torch.Tensor | None,
+                          int8_activations: bool = False) -> QuantizedLinear:
+    """int8_activations (cpu): int4/int8 weights also packed for the int8-activation GEMM of many
+    rows (plugins/packed_weights.py); fp8 linears are unaffected."""
     fmt = entry["format"]
     out_features, in_features = entry["out_features"], entry["in_features"]
     try:
@@ -43,10 +46,11 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
             qweight = codes if zeros is not None else (codes.to(torch.int16) - 8).to(torch.int8)
             gs = entry["group_size"] or in_features
             packed = prepare_w4a16(qweight, tensors[name + ".scales"].float(), zeros, gs, target,
-                                   keep_dequantized=target == "cpu", dtype=dtype)
+                                   keep_dequantized=target == "cpu", dtype=dtype,
+                                   int8_activations=int8_activations)
         elif fmt == "int8":
             packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target,
-                                   keep_dequantized=target == "cpu")
+                                   keep_dequantized=target == "cpu", int8_activations=int8_activations)
         elif fmt == "fp8":
             packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float().reshape(-1),
                                       target)

@@ -15,6 +15,12 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const c10::optional<at::Tensor>& bias);
 std::string int4_kernel_isa();
 
+// cpu_gemm_w4a8.cpp: many rows, int8 activations per 32 channels (opt-in, not exact)
+at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& zero_scales, const c10::optional<at::Tensor>& bias,
+                     int64_t G, int64_t out_features);
+std::string w4a8_kernel_isa();
+
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
 // (bf16 x, M >= 2) or f32 = x widened [M, K].

@@ -1,0 +1,117 @@
+"""The opt-in int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp) against plugins/reference.py.
+
+The kernel and the reference round activations to int8 with the same fp32 operations, so the
+only differences are fp32 summation order and the output rounding: fp32 outputs must agree to
+FP32_TOLERANCE, bf16 / fp16 outputs to HALF_TOLERANCE (2^-8 relative per value). Inputs are
+fresh random numbers every run. Skips (saying why) when the extension cannot build.
+"""
+
+import pytest
+import torch
+from plugins_testlib import canonical_int4, rel_error
+
+from qkiln.plugins import cpu_native, prepare_w4a16, prepare_w8a16, w4a16_linear, w8a16_linear
+from qkiln.plugins.reference import (fake_quantize_int8_blocks, quantize_int8_blocks,
+                                     reference_w4a8_linear, reference_w4a16_linear,
+                                     reference_w8a16_linear)
+
+FP32_TOLERANCE = 1e-5
+HALF_TOLERANCE = 1.5e-2
+# (out, in, group): in=576/group 128 ends in a 64-wide group; group 32 is one activation block
+# per weight group; group == in is one group (the int8 head's form); out=37 and 100 pad the
+# last 48-channel panel; 1 output channel is all padding but one.
+SHAPES = [(40, 576, 128), (37, 576, 32), (100, 96, 96), (1, 64, 64), (48, 1536, 128)]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = cpu_native.native_extension()
+    if module is None:
+        pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
+    return module
+
+
+def unsigned(qweight, zeros):
+    """Canonical int4 -> (codes 0..15, zero points) as the kernel reads them."""
+    if zeros is None:
+        return (qweight.int() + 8).to(torch.uint8), torch.full((qweight.shape[0], 1), 8.0)
+    return qweight, zeros
+
+
+def test_activation_quantization_is_blockwise_int8():
+    x = torch.randn(5, 96) * torch.rand(5, 96) * 10
+    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    q, scale = quantize_int8_blocks(x)
+    assert q.dtype == torch.int8 and scale.shape == (5, 3) and q.abs().max() <= 127
+    assert scale[1, 1] == 0 and (q[1, 32:64] == 0).all()
+    blocks = x.reshape(5, 3, 32).abs().amax(-1)
+    assert torch.equal(q.reshape(5, 3, 32).abs().amax(-1) == 127, blocks > 0)  # each block uses the range
+    error = (fake_quantize_int8_blocks(x) - x).abs().reshape(5, 3, 32)
+    assert (error <= scale[..., None] / 2 + 1e-6).all()  # rounded to the nearest step
+
+
+@pytest.mark.parametrize("out_features,in_features,group_size", SHAPES)
+@pytest.mark.parametrize("is_symmetric", [True, False])
+def test_kernel_matches_reference(ext, out_features, in_features, group_size, is_symmetric):
+    qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
+    codes, zero_points = unsigned(qweight, zeros)
+    zp = zero_points.expand_as(scales) if zero_points.shape[1] == 1 else zero_points
+    packed, s, zs = cpu_native.pack_w4a8(codes, scales, zp)
+    assert packed.shape == (-(-out_features // 48) * 3, in_features // 4, 16, 4)
+    bias = torch.randn(out_features)
+    for rows, dtype in [(17, torch.float32), (64, torch.bfloat16), (130, torch.float16), (5, torch.float32)]:
+        x = torch.randn(rows, in_features).to(dtype)
+        for b in (None, bias):
+            expected = reference_w4a8_linear(x.float(), qweight, scales, zeros, group_size, b)
+            actual = ext.w4a8_gemm(x, packed, s, zs, b, group_size, out_features)
+            assert actual.dtype == dtype and actual.shape == (rows, out_features)
+            tolerance = FP32_TOLERANCE if dtype == torch.float32 else HALF_TOLERANCE
+            assert rel_error(actual, expected) < tolerance, (rows, dtype, b is None)
+
+
+def test_kernel_refuses_mismatched_layouts(ext):
+    qweight, scales, zeros = canonical_int4(48, 96, 32, is_symmetric=False)
+    packed, s, zs = cpu_native.pack_w4a8(qweight, scales, zeros)
+    with pytest.raises(RuntimeError, match="in_features"):
+        ext.w4a8_gemm(torch.randn(20, 96), packed, s, zs, None, 48, 48)  # group not a multiple of 32
+    with pytest.raises(RuntimeError, match="packed"):
+        ext.w4a8_gemm(torch.randn(20, 64), packed, s, zs, None, 32, 48)
+
+
+def test_front_doors_use_int8_activations_for_many_rows_only(ext):
+    qweight, scales, zeros = canonical_int4(60, 576, 128, is_symmetric=True)
+    weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True,
+                           int8_activations=True)
+    assert weight.int8_act is not None and weight.dequantized is None  # replaces the bf16 copy
+    many, few = torch.randn(3, 20, 576).to(torch.bfloat16), torch.randn(2, 576).to(torch.bfloat16)
+    assert rel_error(w4a16_linear(many, weight),
+                     reference_w4a8_linear(many.float(), qweight, scales, zeros, 128)) < HALF_TOLERANCE
+    assert rel_error(w4a16_linear(few, weight),  # <= 16 rows: the exact W4A16 kernel
+                     reference_w4a16_linear(few.float(), qweight, scales, zeros, 128)) < HALF_TOLERANCE
+    exact = reference_w4a16_linear(many.float(), qweight, scales, zeros, 128)
+    assert rel_error(w4a16_linear(many, weight), exact) > 1e-3  # many rows did round activations
+
+    q8, s8 = torch.randint(-128, 128, (50, 576), dtype=torch.int8), torch.rand(50) * 0.01
+    head = prepare_w8a16(q8, s8, "cpu", keep_dequantized=True, int8_activations=True)
+    assert head.int8_act is not None and head.dequantized is None
+    expected = reference_w4a8_linear(many.float(), q8, s8[:, None], None, 576)
+    assert rel_error(w8a16_linear(many, head), expected) < HALF_TOLERANCE
+    assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) < HALF_TOLERANCE
+
+
+def test_shapes_the_kernel_cannot_take_keep_the_exact_path(ext):
+    qweight, scales, zeros = canonical_int4(16, 80, 32, is_symmetric=True)  # 80 % 32 != 0
+    weight = prepare_w4a16(qweight, scales, zeros, 32, "cpu", keep_dequantized=True,
+                           int8_activations=True)
+    assert weight.int8_act is None and weight.dequantized is not None
+
+
+def test_portable_build_matches_reference(ext):
+    """The plain C++ fallback for CPUs without AVX512-VNNI (built without AVX-512; cached)."""
+    portable = cpu_native.build_portable_extension()
+    assert portable.w4a8_kernel_isa() == "portable"
+    qweight, scales, zeros = canonical_int4(37, 576, 128, is_symmetric=False)
+    packed, s, zs = cpu_native.pack_w4a8(qweight, scales, zeros)
+    x = torch.randn(21, 576)
+    expected = reference_w4a8_linear(x, qweight, scales, zeros, 128)
+    assert rel_error(portable.w4a8_gemm(x, packed, s, zs, None, 128, 37), expected) < FP32_TOLERANCE
