@@ -15,12 +15,14 @@ from .model_ref import LoadedModel
 from .simulate import simulated_model
 
 
-def load_artifact_model(path: Path) -> LoadedModel:
+def load_artifact_model(path: Path, int8_activations: bool = False) -> LoadedModel:
+    """int8_activations: as served with that option (simulate.simulated_model)."""
     verify_artifact(path, check_target=False)  # evaluation runs anywhere; serving checks the target
     manifest = read_manifest(path)
     config = ModelConfig.from_dict(manifest.architecture)
     scheme = QuantScheme.from_dict(manifest.recipe["scheme"])
     qm = from_tensors(config, scheme, load_tensors(path, manifest, verify=False), manifest.quantization)
-    model, backend = simulated_model(qm)
+    model, backend = simulated_model(qm, int8_activations)
     return LoadedModel(str(path), Tokenizer.from_dir(Path(path) / "tokenizer"), model,
-                       {"kind": "artifact", "recipe": manifest.recipe.get("name")}, backend)
+                       {"kind": "artifact", "recipe": manifest.recipe.get("name"),
+                        "int8_activations": int8_activations}, backend)

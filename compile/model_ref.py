@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from qkiln.errors import ArtifactError
 from qkiln.runtime.source import load_source
 
 
@@ -25,11 +26,15 @@ class LoadedModel:
             return self.model(ids, backend=self.backend).float()
 
 
-def open_model(name: str) -> LoadedModel:
+def open_model(name: str, int8_activations: bool = False) -> LoadedModel:
+    """int8_activations: score an artifact as served with that CPU option (simulated)."""
     path = Path(name)
     if path.is_dir() and (path / "manifest.json").is_file():
         from .artifact_model import load_artifact_model  # an artifact: quantized layers from its manifest
 
-        return load_artifact_model(path)
+        return load_artifact_model(path, int8_activations)
+    if int8_activations:
+        raise ArtifactError(f"int8 activations apply to an artifact's quantized linears; {name} is a "
+                            "source model: drop the option or build an artifact (qkiln build) first")
     src = load_source(name)
     return LoadedModel(name, src.tokenizer, src.build_model(torch.float32), {"kind": src.kind, "sha256": src.sha256})

@@ -9,7 +9,8 @@ calibration propagates through so each layer is calibrated on its quantized pred
 import torch
 from torch import nn
 
-from qkiln.quant import Fp8Weight, fake_quant_kv, fake_quantize_activation
+from qkiln.plugins.reference import INT8_BLOCK, fake_quantize_int8_blocks
+from qkiln.quant import Fp8Weight, QuantizedWeight, fake_quant_kv, fake_quantize_activation
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
 from qkiln.runtime.source import build_model
@@ -59,8 +60,25 @@ def attach_lm_head(model: CausalLM, weight: torch.Tensor) -> None:
     model.lm_head.weight.data = weight.to(model.model.embed_tokens.weight.dtype)
 
 
-def simulated_model(qm: QuantizedModel) -> tuple[CausalLM, DenseAttention]:
-    """A whole fp32 model that computes as `qm` would; pass the backend to its forward."""
+def _int8_activations_hook(module, args):
+    return (fake_quantize_int8_blocks(args[0]).to(args[0].dtype),)
+
+
+def takes_int8_activations(weight) -> bool:
+    """Whether the runtime's opt-in int8-activation GEMM serves this weight (the CPU kernel needs
+    in_features and the group size to be multiples of 32; other weights stay exact)."""
+    if not isinstance(weight, QuantizedWeight):
+        return False
+    in_features = weight.qweight.shape[1]
+    return in_features % INT8_BLOCK == 0 and (weight.group_size or in_features) % INT8_BLOCK == 0
+
+
+def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple[CausalLM, DenseAttention]:
+    """A whole fp32 model that computes as `qm` would; pass the backend to its forward.
+
+    int8_activations: also round the inputs of its integer linears to int8 per 32 channels, as a
+    CPU runtime serving with int8 activations does for steps of more than 16 rows (every scored
+    window here is such a step)."""
     state = qm.dequantized_state_dict()
     model = build_model(qm.config, state, torch.float32)
     if "lm_head" in qm.weights and model.lm_head is None:  # tied head quantized as its own copy
@@ -69,4 +87,8 @@ def simulated_model(qm: QuantizedModel) -> tuple[CausalLM, DenseAttention]:
         for name, module in model.named_modules():
             if name in qm.weights and isinstance(qm.weights[name], Fp8Weight):
                 module.register_forward_pre_hook(_act_hook(name, qm))
+    if int8_activations:
+        for name, module in model.named_modules():
+            if takes_int8_activations(qm.weights.get(name)):
+                module.register_forward_pre_hook(_int8_activations_hook)
     return model, simulated_kv_backend(qm)

@@ -36,18 +36,21 @@ def eval_cmd(
     reference: Annotated[Optional[str], typer.Option(help="model to compare against (KL, top-1)")] = None,
     batch_size: Annotated[int, typer.Option(help="windows per forward pass")] = 4,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the report here")] = None,
+    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="score an artifact as served with --int8-activations")] = False,
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
     from qkiln.compile.evaluate import evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
-        m = open_model(model)
+        m = open_model(model, int8_activations)
         ref = open_model(reference) if reference else None
         report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
         _fail(e)
     report["model"] = model
+    if int8_activations:
+        report["int8_activations"] = True
     if reference:
         report["reference"] = reference
     text = json.dumps(report, indent=2)

@@ -64,3 +64,22 @@ def test_refused_where_there_is_nothing_to_apply_it_to(artifact):
     source, _ = artifact
     with pytest.raises(ArtifactError, match="int8 activations"):
         load_for_serving(str(source), int8_activations=True)
+
+
+def test_eval_simulates_what_serving_with_int8_activations_computes(artifact):
+    from qkiln.compile.model_ref import open_model
+    from qkiln.plugins.reference import fake_quantize_int8_blocks
+
+    source, path = artifact
+    exact, int8 = open_model(str(path)), open_model(str(path), int8_activations=True)
+    ids = torch.tensor([[(5 * i + 1) % 250 for i in range(48)]])
+    moved = (int8(ids) - exact(ids)).abs().max() / exact(ids).abs().max()
+    assert 0 < moved < 0.05 and int8.description["int8_activations"]
+    # Each integer linear's input is rounded exactly as the kernel's reference rounds it.
+    seen = []
+    head = int8.model.lm_head
+    head.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    int8(ids)
+    assert torch.equal(seen[0], fake_quantize_int8_blocks(seen[0]))  # already on the int8 grid
+    with pytest.raises(ArtifactError, match="int8 activations"):
+        open_model(str(source), int8_activations=True)
