@@ -5,7 +5,9 @@
 Measures, in one process and on the same token ids (random ids, `ignore_eos`, greedy):
 - batch-1 decode tokens/s (`input_len` prompt, `output_len` tokens; latency.py's definition) for
   Hugging Face `generate` in bf16, qkiln on a W4A16 artifact (also with its native decode stack
-  off: `qkiln-w4a16-python-layers`) and qkiln on the bf16 source, plus llama.cpp (same GGUF) and
+  off: `qkiln-w4a16-python-layers`; and with `--int8-activations`, many-row steps computing with
+  int8 activations per 32 channels: `qkiln-w4a16-int8act`, reported as such, not exact) and qkiln
+  on the bf16 source, plus llama.cpp (same GGUF) and
   ONNX Runtime GenAI (`--ort-model`) when installed;
 - offline throughput, `num_requests` x `input_len` in / `output_len` out: qkiln (all requests at
   once, continuous batching) against HF static batching at each of `--hf-batch-sizes`, of which
@@ -37,6 +39,7 @@ from .workload import check_at_least, load_tokenizer, make_workload
 
 W4A16_RECIPE = "w4a16-rtn"
 TARGETS = {"decode_w4a16_vs_hf": 8.0, "throughput_w4a16_vs_best_hf": 4.0}
+_NOT_RUN = {"skipped": "not requested"}
 
 
 def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
@@ -72,10 +75,11 @@ def _batch1_latency(name: str, loaded, decode_wl, bandwidth: float, args: dict) 
     return lat
 
 
-def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
+def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, args: dict,
+                int8_activations: bool = False) -> tuple[dict, dict]:
     """Batch-1 latency (with roofline) and offline throughput of one qkiln model."""
     log(f"[{name}] loading {model}")
-    loaded = load_model(model, "auto")
+    loaded = load_model(model, "auto", int8_activations)
     lat = _batch1_latency(name, loaded, decode_wl, bandwidth, args)
     engine = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
                          max_num_batched_tokens=args["max_num_batched_tokens"])
@@ -137,6 +141,9 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     decode["qkiln-w4a16"], offline["qkiln-w4a16"] = _qkiln_rows("qkiln-w4a16", str(artifact), decode_wl, tput_wl,
                                                                 bw, args)
     decode["qkiln-w4a16-python-layers"] = _python_layers_latency(str(artifact), decode_wl, bw, args)
+    if args["include_int8_activations"]:  # the same artifact, many-row steps with int8 activations
+        decode["qkiln-w4a16-int8act"], offline["qkiln-w4a16-int8act"] = _qkiln_rows(
+            "qkiln-w4a16-int8act", str(artifact), decode_wl, tput_wl, bw, args, int8_activations=True)
     if args["include_bf16"]:
         decode["qkiln-bf16"], offline["qkiln-bf16"] = _qkiln_rows("qkiln-bf16", model, decode_wl, tput_wl, bw, args)
     log("[llama.cpp] batch-1 decode")
@@ -146,6 +153,8 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     ratios = {"decode_w4a16_vs_hf": _ratio(decode["qkiln-w4a16"], decode["hf-bf16"], "decode_tokens_per_s"),
               "throughput_w4a16_vs_best_hf": _ratio(offline["qkiln-w4a16"], offline["hf-bf16"],
                                                     "output_tokens_per_s"),
+              "throughput_w4a16_int8act_vs_best_hf": _ratio(offline.get("qkiln-w4a16-int8act", _NOT_RUN),
+                                                            offline["hf-bf16"], "output_tokens_per_s"),
               "decode_stack_vs_python_layers": _ratio(decode["qkiln-w4a16"], decode["qkiln-w4a16-python-layers"],
                                                       "decode_tokens_per_s"),
               "decode_w4a16_vs_llama_cpp": _ratio(decode["qkiln-w4a16"], decode["llama.cpp"], "decode_tokens_per_s"),
@@ -192,7 +201,8 @@ def _plots(results: dict, directory: Path) -> None:
 def main(model: str = "smollm2-135m", *,
          artifact: Path | None = None, work_dir: Path | None = None, threads: int = 2, repeats: int = 3,
          input_len: int = 128, output_len: int = 128, num_requests: int = 64, hf_batch_sizes: str = "16,32,64",
-         max_num_batched_tokens: int = 1024, bf16: bool = True, ort_model: Path | None = None, seed: int = 0,
+         max_num_batched_tokens: int = 1024, bf16: bool = True, int8_activations: bool = True,
+         ort_model: Path | None = None, seed: int = 0,
          json_out: Path | None = None, plot: Path | None = None):
     """Reproduce the CPU comparison table (HF generate vs qkiln W4A16 / bf16, optional llama.cpp, ORT GenAI)."""
     from qkiln.compile.layer_cache import default_cache_dir
@@ -201,7 +211,8 @@ def main(model: str = "smollm2-135m", *,
     check_at_least(2, output_len=output_len)
     args = {"threads": set_threads(threads), "repeats": repeats, "input_len": input_len, "output_len": output_len,
             "num_requests": num_requests, "hf_batch_sizes": parse_int_list(hf_batch_sizes, "--hf-batch-sizes"),
-            "max_num_batched_tokens": max_num_batched_tokens, "include_bf16": bf16, "ort_model": ort_model,
+            "max_num_batched_tokens": max_num_batched_tokens, "include_bf16": bf16,
+            "include_int8_activations": int8_activations, "ort_model": ort_model,
             "seed": seed}
     results = run_cpu_compare(model, artifact, work_dir or default_cache_dir().parent / "bench", args)
     report = make_report("cpu-compare", {"model": model, **args}, results)

@@ -139,7 +139,7 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     report = cpu_compare.main(str(tiny), **args)
     _check_envelope(report, "cpu-compare")
     res = report["results"]
-    for name in ("hf-bf16", "qkiln-w4a16", "qkiln-bf16"):
+    for name in ("hf-bf16", "qkiln-w4a16", "qkiln-bf16", "qkiln-w4a16-int8act"):
         assert _positive(res["batch1_decode"][name]["decode_tokens_per_s"]), name
         assert _positive(res["batch1_decode"][name]["roofline"]["percent_of_roofline"]), name
         assert _positive(res["offline_throughput"][name]["output_tokens_per_s"]), name
@@ -148,6 +148,7 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert _positive(res["ratios"]["decode_w4a16_vs_hf"]) and _positive(res["ratios"]["throughput_w4a16_vs_best_hf"])
     assert _positive(res["batch1_decode"]["qkiln-w4a16-python-layers"]["decode_tokens_per_s"])
     assert _positive(res["ratios"]["decode_stack_vs_python_layers"])
+    assert _positive(res["ratios"]["throughput_w4a16_int8act_vs_best_hf"])
     assert (tmp_path / "plots" / "cpu_compare_decode.png").is_file()
     built = cpu_compare.ensure_artifact(str(tiny), None, tmp_path / "work")  # reused, not rebuilt
     assert str(built) == res["artifact"]
