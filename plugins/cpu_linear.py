@@ -14,7 +14,8 @@ weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
-int8 per 32 channels, int4 or int8 weights; ~1.4x the bf16 GEMM, not exact (packed_weights.py).
+int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-1.3x at 1024;
+not exact (packed_weights.py).
 Every bf16 GEMM goes through `dense_linear`, which reads the weight plain or pre-packed for oneDNN
 (packed_weights.onednn_pack); both give the same bits.
 """

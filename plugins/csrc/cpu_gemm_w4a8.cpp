@@ -4,8 +4,9 @@
 //
 // Not exact, unlike the W4A16 / W8A16 kernels: each row's activations are rounded to int8 with
 // one fp32 scale per 32 channels (llama.cpp's Q8_0, what its Q4_0 and ONNX Runtime GenAI's int4
-// CPU path compute with). Measured on SmolLM2 RTN W4 g128 (wiki.test, 16384 tokens, simulated):
-// perplexity +0.33% over exact W4A16; one scale per token instead costs +3.65%.
+// CPU path compute with). Measured on SmolLM2 RTN W4 g128 with its int8 head (wiki.test, 16384
+// tokens, `qkiln eval --int8-activations`): perplexity 38.478 -> 38.645 (+0.43%) over exact
+// W4A16; one scale per token instead (decoder linears only) cost +3.65%.
 //
 // Activations, per row m and block b of 32 channels (plain C++ rounding, so the torch reference
 // in plugins/reference.py gives the same bits):
@@ -24,10 +25,13 @@
 //
 // Blocking: a microkernel keeps MR x NR accumulators (4 rows x 3 tiles: 12 int32 block sums and
 // 12 fp32 totals in registers, 3 weight registers); tasks are (128-row chunk, panel of 48
-// channels), so a chunk's activations stay in L2 while the panels go by. Measured against the
-// oneDNN-packed bf16 GEMM on SmolLM2's four linear shapes, 2 threads: 1.45-1.5x at 64 rows,
-// ~1.38x at 1024 (variants: 6 x 2 and 3 x 4 register blocks, folded broadcasts, a per-group fp32
-// accumulator set all measured within noise or slower; without row chunks 1024 rows gained 1.19x).
+// channels), so a chunk's activations stay in L2 while the panels go by, and a task prefetches
+// the next panel's weights (into L2) during its first rows. Measured against the oneDNN-packed
+// bf16 GEMM on SmolLM2's shapes (2 threads, noisy host): one layer's four linears with cached
+// weights 1.50x at 64 rows, 1.14-1.30x at 1024; all 30 layers' linears in sequence at 64 rows
+// (weights from memory, as in a decode step) 52-55 -> 32-37 ms; the 49152-row head 1.3-1.55x.
+// Tried and not kept: 6 x 2 and 3 x 4 register blocks, broadcasts folded into vpdpbusd, a per-group
+// fp32 accumulator set (within noise or slower); no row chunks (1024 rows: 1.19x instead of 1.38x).
 // Without AVX512-VNNI the same layout runs through plain C++ (tests of the portable build).
 
 #include "gemv_common.h"
