@@ -10,6 +10,7 @@ fixed upstream after 3.6). Until the pinned triton has the fix, tests patch that
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -25,3 +26,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = _patch_with_scalar_index
+
+
+@pytest.fixture(scope="module")
+def native_ext():
+    """qkiln's compiled CPU kernels (plugins/cpu_native.py), or a skip saying why not."""
+    from qkiln.plugins import cpu_native
+
+    module = cpu_native.native_extension()
+    if module is None:
+        pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
+    return module

@@ -21,14 +21,6 @@ BF16_TOLERANCE = 1.5e-2  # bf16 activations or outputs: 2^-8 relative per value
 SHAPES = [(40, 576, 128), (37, 576, 64), (37, 96, 64), (16, 256, 32), (12, 1536, 128)]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_native.native_extension()
-    if module is None:
-        pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
-    return module
-
-
 def unsigned(qweight, zeros):
     return qweight.int() + 8 if zeros is None else qweight.int()
 
@@ -48,7 +40,7 @@ def test_packing_places_each_nibble_where_the_layout_says():
 
 @pytest.mark.parametrize("is_symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("out_features,in_features,group_size", SHAPES)
-def test_int4_kernel_is_exact_for_bf16_activations(ext, out_features, in_features, group_size,
+def test_int4_kernel_is_exact_for_bf16_activations(native_ext, out_features, in_features, group_size,
                                                    is_symmetric):
     qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
     packed, tiled, zero_term = cpu_native.pack_w4a16(unsigned(qweight, zeros), scales, zeros,
@@ -71,7 +63,7 @@ def test_int4_kernel_is_exact_for_bf16_activations(ext, out_features, in_feature
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_w4a16_op_uses_the_native_layout(ext, rows):
+def test_w4a16_op_uses_the_native_layout(native_ext, rows):
     qweight, scales, zeros = canonical_int4(40, 576, 128, is_symmetric=False)
     weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True)
     assert cpu_native.is_native_w4a16(weight.scales) and weight.zeros.dtype == torch.float32
@@ -101,7 +93,7 @@ def assert_int8_exact(actual, x, qweight, scales, bias):
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])  # 5, 16: the tile converted once, reused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
-def test_int8_kernel_is_exact_without_rounding_activations(ext, out_features, in_features,
+def test_int8_kernel_is_exact_without_rounding_activations(native_ext, out_features, in_features,
                                                            rows, dtype):
     qweight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
     qweight[0, :3] = -128  # the extreme value is exact in bf16 too
@@ -117,7 +109,7 @@ def test_int8_kernel_is_exact_without_rounding_activations(ext, out_features, in
         (EXACT_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
 
 
-def test_disabled_by_environment(ext, monkeypatch, capsys):
+def test_disabled_by_environment(native_ext, monkeypatch, capsys):
     monkeypatch.setenv("QKILN_NATIVE_CPU", "0")
     monkeypatch.setattr(cpu_native, "_extension", cpu_native._MISSING)
     assert cpu_native.native_extension() is None
@@ -126,7 +118,7 @@ def test_disabled_by_environment(ext, monkeypatch, capsys):
     assert weight.scales.dtype == torch.bfloat16  # torch's tinygemm layout instead
 
 
-def test_portable_build_matches_reference(ext):
+def test_portable_build_matches_reference(native_ext):
     """The C++ fallback for CPUs without AVX512-BF16 (built without AVX-512; cached after once)."""
     portable = cpu_native.build_portable_extension()
     assert portable.int4_kernel_isa() == "portable"
@@ -165,7 +157,7 @@ def argmax_cases():
     yield signed_zero
 
 
-def test_argmax_rows_is_torchs_argmax(ext):
+def test_argmax_rows_is_torchs_argmax(native_ext):
     from qkiln.plugins import ops
 
     for logits in argmax_cases():

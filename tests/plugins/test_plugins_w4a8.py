@@ -23,14 +23,6 @@ HALF_TOLERANCE = 1.5e-2
 SHAPES = [(40, 576, 128), (37, 576, 32), (100, 96, 96), (1, 64, 64), (48, 1536, 128)]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = cpu_native.native_extension()
-    if module is None:
-        pytest.skip("native CPU extension did not build (see the stderr line from cpu_native)")
-    return module
-
-
 def unsigned(qweight, zeros):
     """Canonical int4 -> (codes 0..15, zero points) as the kernel reads them."""
     if zeros is None:
@@ -52,7 +44,7 @@ def test_activation_quantization_is_blockwise_int8():
 
 @pytest.mark.parametrize("out_features,in_features,group_size", SHAPES)
 @pytest.mark.parametrize("is_symmetric", [True, False])
-def test_kernel_matches_reference(ext, out_features, in_features, group_size, is_symmetric):
+def test_kernel_matches_reference(native_ext, out_features, in_features, group_size, is_symmetric):
     qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
     codes, zero_points = unsigned(qweight, zeros)
     zp = zero_points.expand_as(scales) if zero_points.shape[1] == 1 else zero_points
@@ -63,22 +55,22 @@ def test_kernel_matches_reference(ext, out_features, in_features, group_size, is
         x = torch.randn(rows, in_features).to(dtype)
         for b in (None, bias):
             expected = reference_w4a8_linear(x.float(), qweight, scales, zeros, group_size, b)
-            actual = ext.w4a8_gemm(x, packed, s, zs, b, group_size, out_features)
+            actual = native_ext.w4a8_gemm(x, packed, s, zs, b, group_size, out_features)
             assert actual.dtype == dtype and actual.shape == (rows, out_features)
             tolerance = FP32_TOLERANCE if dtype == torch.float32 else HALF_TOLERANCE
             assert rel_error(actual, expected) < tolerance, (rows, dtype, b is None)
 
 
-def test_kernel_refuses_mismatched_layouts(ext):
+def test_kernel_refuses_mismatched_layouts(native_ext):
     qweight, scales, zeros = canonical_int4(48, 96, 32, is_symmetric=False)
     packed, s, zs = cpu_native.pack_w4a8(qweight, scales, zeros)
     with pytest.raises(RuntimeError, match="in_features"):
-        ext.w4a8_gemm(torch.randn(20, 96), packed, s, zs, None, 48, 48)  # group not a multiple of 32
+        native_ext.w4a8_gemm(torch.randn(20, 96), packed, s, zs, None, 48, 48)  # group not a multiple of 32
     with pytest.raises(RuntimeError, match="packed"):
-        ext.w4a8_gemm(torch.randn(20, 64), packed, s, zs, None, 32, 48)
+        native_ext.w4a8_gemm(torch.randn(20, 64), packed, s, zs, None, 32, 48)
 
 
-def test_front_doors_use_int8_activations_for_many_rows_only(ext):
+def test_front_doors_use_int8_activations_for_many_rows_only(native_ext):
     qweight, scales, zeros = canonical_int4(60, 576, 128, is_symmetric=True)
     weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True,
                            int8_activations=True)
@@ -99,14 +91,14 @@ def test_front_doors_use_int8_activations_for_many_rows_only(ext):
     assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) < HALF_TOLERANCE
 
 
-def test_shapes_the_kernel_cannot_take_keep_the_exact_path(ext):
+def test_shapes_the_kernel_cannot_take_keep_the_exact_path(native_ext):
     qweight, scales, zeros = canonical_int4(16, 80, 32, is_symmetric=True)  # 80 % 32 != 0
     weight = prepare_w4a16(qweight, scales, zeros, 32, "cpu", keep_dequantized=True,
                            int8_activations=True)
     assert weight.int8_act is None and weight.dequantized is not None
 
 
-def test_portable_build_matches_reference(ext):
+def test_portable_build_matches_reference(native_ext):
     """The plain C++ fallback for CPUs without AVX512-VNNI (built without AVX-512; cached)."""
     portable = cpu_native.build_portable_extension()
     assert portable.w4a8_kernel_isa() == "portable"
