@@ -158,7 +158,8 @@ def main(model: str, *,
         runs.append({"max_num_seqs": limit, **result})
         del engine
         gc.collect()
-    config = {"model": model, "dtype": dtype, "int8_activations": int8_activations, "threads": num_threads, "repeats": repeats,
+    config = {"model": model, "dtype": dtype, "int8_activations": int8_activations, "threads": num_threads,
+              "repeats": repeats,
               "workload": workload.description, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": num_kv_blocks, "kv_dtype": kv_dtype, "enable_prefix_caching": prefix_caching}
     report = make_report("throughput", config, {"runs": runs})

@@ -6,10 +6,10 @@ takes effect when qkiln is imported before torch (the `qkiln` command always is)
 W4A16, 64 x 128/128 on 2 threads: +9% output tokens/s (decode step median 104 -> 90 ms), peak RSS
 +3%; HF generate unchanged. An explicit THP_MEM_ALLOC_ENABLE=0 in the environment is respected.
 
-Freed memory kept: glibc serves allocations above its mmap threshold (128 KB, rising to at most
-32 MB) with a fresh mmap and unmaps them on free, so every step's large temporaries (a 64 x 49152
-logits tensor, a 1024-token prefill's MLP activations) are faulted in again, and on huge pages
-each fault zeroes 2 MB: a bf16 -> fp32 copy of 64 x 49152 logits measured 11.5 ms against 0.2 ms
+Freed memory kept: by default glibc gives large freed blocks back to the OS (munmap of an mmap'd
+block, or trimming the top of its heap), so every step's large temporaries (a 64 x 49152 logits
+tensor, a 1024-token prefill's MLP activations) are faulted in again, and on huge pages each fault
+zeroes 2 MB: a bf16 -> fp32 copy of 64 x 49152 logits measured 11.5 ms against 0.2 ms
 into reused memory (2 threads). Raising the mmap and trim thresholds makes glibc recycle freed
 blocks from its heap instead; the heap keeps its peak size. Offline SmolLM2 W4A16 64 x 128/128, same
 process, 3 rounds: the 8 prefill steps 6.67 -> 5.76 s (median), decode steps unchanged within
