@@ -58,3 +58,11 @@ def test_corrupt_gguf(tmp_path, smollm2, cut):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(smollm2.path.read_bytes()[:cut])
     assert_one_line_error(run_cli("eval", str(bad), "--data", "x"), "GGUF")
+
+
+def test_int8_activations_on_a_source_model(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello")
+    for args in (("generate", str(tmp_path / "m"), "--prompt", "hi"),
+                 ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"))):
+        assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build")
