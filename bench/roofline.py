@@ -53,8 +53,9 @@ def _sync(device) -> None:
 
 
 def _packed_tensors(module: nn.Module):
-    """Tensors of a quantized linear's packed weight (a plugins dataclass), minus the prefill copy;
-    or a dense linear's oneDNN-packed weight (runtime/dense_linear.PackedLinear)."""
+    """Tensors of a quantized linear's packed weight (a plugins dataclass), minus the many-row
+    copies (`dequantized`, and `int8_act`, a nested dataclass, not a tensor); or a dense linear's
+    oneDNN-packed weight (runtime/dense_linear.PackedLinear)."""
     packed = getattr(module, "packed", None)
     if isinstance(packed, torch.Tensor):
         yield packed

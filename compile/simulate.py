@@ -9,7 +9,8 @@ calibration propagates through so each layer is calibrated on its quantized pred
 import torch
 from torch import nn
 
-from qkiln.plugins.reference import INT8_BLOCK, fake_quantize_int8_blocks
+from qkiln.plugins.packed_weights import int8_activations_fit
+from qkiln.plugins.reference import fake_quantize_int8_blocks
 from qkiln.quant import Fp8Weight, QuantizedWeight, fake_quant_kv, fake_quantize_activation
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
@@ -65,12 +66,11 @@ def _int8_activations_hook(module, args):
 
 
 def takes_int8_activations(weight) -> bool:
-    """Whether the runtime's opt-in int8-activation GEMM serves this weight (the CPU kernel needs
-    in_features and the group size to be multiples of 32; other weights stay exact)."""
+    """Whether the runtime's opt-in int8-activation GEMM serves this integer weight."""
     if not isinstance(weight, QuantizedWeight):
         return False
     in_features = weight.qweight.shape[1]
-    return in_features % INT8_BLOCK == 0 and (weight.group_size or in_features) % INT8_BLOCK == 0
+    return int8_activations_fit(in_features, weight.group_size or in_features)
 
 
 def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple[CausalLM, DenseAttention]:

@@ -140,7 +140,6 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
                                          out_features)
 
 
-W4A8_BLOCK = 32  # input channels per activation scale (kBlock in cpu_gemm_w4a8.cpp)
 W4A8_PANEL = 48  # output channels the packed layout pads to (kPanel)
 
 

@@ -68,6 +68,7 @@ import torch
 
 from qkiln.errors import RecipeError
 from qkiln.plugins import cpu_native
+from qkiln.plugins.reference import INT8_BLOCK
 
 TARGETS = ("cpu", "cuda")
 CPU_GROUP_SIZES = (256, 128, 64, 32)
@@ -140,11 +141,16 @@ def _unsigned_int4(qweight: torch.Tensor, zeros: torch.Tensor | None):
     return qweight.int(), zeros.float()
 
 
+def int8_activations_fit(in_features: int, group_size: int) -> bool:
+    """Whether the int8-activation GEMM takes these shapes: `in` and the weight group size must be
+    multiples of its 32-channel activation blocks (other weights stay exact)."""
+    return in_features % INT8_BLOCK == 0 and group_size % INT8_BLOCK == 0
+
+
 def _int8_act_weight(codes, scales, zero_point, group_size: int) -> W4A8Weight | None:
     """W4A8Weight of unsigned codes [out, in], or None where the int8-activation kernel can't run."""
     out_features, in_features = codes.shape
-    if in_features % cpu_native.W4A8_BLOCK or group_size % cpu_native.W4A8_BLOCK or \
-            cpu_native.native_extension() is None:
+    if not int8_activations_fit(in_features, group_size) or cpu_native.native_extension() is None:
         return None
     packed, s, zs = cpu_native.pack_w4a8(codes, scales, zero_point)
     return W4A8Weight(packed, s, zs, group_size, out_features)
