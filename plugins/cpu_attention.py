@@ -1,9 +1,9 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
-Native first: for float caches (bf16/fp16/fp32) without key smoothing, attention (decodes and
-prefill chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V
-through the block tables, no gather copies); fp8/int4 caches and key smoothing keep the torch
-code below.
+Native first: for float and fp8 caches without key smoothing, attention (decodes and prefill
+chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V
+through the block tables, no gather copies; fp8 is widened in registers, its per-head scales
+folded into the scores and the output); int4 caches and key smoothing keep the torch code below.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
 for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block
@@ -70,7 +70,7 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
     ops = _native_for(k_cache, k_channel_scale)
     if ops is not None and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and \
             value.stride(-1) == 1 and value.stride(-2) == value.shape[-1]:
-        ops.cache_write(key, value, k_cache, v_cache, slot_mapping)
+        ops.cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     slots, rows = _write_memo.get((slot_mapping,), None, lambda: _valid_slots(slot_mapping))
     if rows is not None:
@@ -92,11 +92,11 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
             cache.flatten(0, 1).index_copy_(0, slots, x.to(cache.dtype))
 
 
-_NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
 
 def _native_for(k_cache, k_channel_scale):
-    """The native ops when they serve this cache (float storage, no key smoothing), else None."""
+    """The native ops when they serve this cache (float or fp8 storage, no key smoothing), else None."""
     if k_cache.dtype not in _NATIVE_CACHE_DTYPES or k_channel_scale is not None or \
             k_cache.shape[-1] % 16:
         return None
@@ -182,7 +182,8 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
     dense_heads = query.stride(-1) == 1 and query.stride(-2) == query.shape[-1]
     if ops is not None and dense_heads:  # decodes and prefill chunks alike
         out = torch.empty(query.shape, dtype=query.dtype)
-        ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+        ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                            k_scale, v_scale)
         return out
     step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
                           lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))

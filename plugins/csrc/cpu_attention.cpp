@@ -1,5 +1,5 @@
-// qkiln CPU paged attention over float KV caches (decodes and prefill chunks in one call), and
-// the float cache write.
+// qkiln CPU paged attention over float and fp8 KV caches (decodes and prefill chunks in one
+// call), and their cache write.
 //
 // Built with the other kernels by plugins/cpu_native.py. Threads: at::parallel_for (torch's
 // intra-op pool). Reference: plugins/reference.py.
@@ -13,6 +13,9 @@
 // the float kernels fold the scale into the query like cpu_attention.py):
 //     scores[g, t] = (scale * q[g]) . K[t],  p = exp(scores - max),  out[g] = (p @ V) / sum(p)
 // Slots past T are never read, so stale or NaN bytes in unused slots cannot leak.
+// fp8 e4m3fn caches (kv_cache.py: x ~= float(k) * k_scale[h]) are widened to fp32 / bf16 in
+// registers as they are read, never copied: k_scale[h] joins the score scale, v_scale[h] the
+// 1 / sum of the output, so an fp8 step reads half the bytes of a bf16 one.
 // Prefill costs O(q_len * T) like any exact attention; the rows of a block re-read the same K/V
 // from L1/L2, not from memory.
 //
@@ -27,7 +30,8 @@ namespace {
 struct Decode {
   const int32_t* tables;
   int64_t max_blocks, block_size, num_kv_heads, head_dim, group;
-  float scale;
+  float scale;            // scores = scale * q . K (fp8: times k_scale of the head)
+  float out_scale = 1.f;  // out = out_scale * (p @ V) / sum(p) (fp8: v_scale of the head)
 };
 
 // Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum.
@@ -87,7 +91,7 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
 }
 
 // decode_head for D = 16 * NV: the query row and the accumulators live in registers, scores are
@@ -153,26 +157,40 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 
+// 32 K/V elements of a row as bf16 bits. An fp8 row is widened exactly, to x / 256 (e4m3's fields
+// as fp16, then fp32, then bf16: every value is representable on the way and none is a bf16
+// subnormal, which vdpbf16ps would flush); kRowUnit puts the 256 back into the head scales.
+inline __m512i bf16x32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+inline __m512i bf16x32(const c10::Float8_e4m3fn* p) {
+  const __m512i fp16 = fp8_as_fp16_div256(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  const __m512 low = _mm512_cvtph_ps(_mm512_castsi512_si256(fp16));
+  const __m512 high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(fp16, 1));
+  return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+template <typename kv_t>
+constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.f;
+
 // decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
 // (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
 // half the instructions of decode_head_tiled, which widens every K/V element to fp32 once per
-// query head and at 64 decodes was bound by that (1 thread took 1.9x the time of 2).
+// query head and at 64 decodes was bound by that (1 thread took 1.9x the time of 2). The cache is
+// bf16 or fp8 (bf16x32); k_scale / v_scale: per kv head of the task (fp8), else nullptr.
 // Scores: vdpbf16ps multiplies bf16 query/key pairs exactly and sums in fp32 (32 products an
 // instruction, K read as is); the scale is applied to the sums. p @ V stays fp32: a bf16 V row
 // splits into its even and odd elements as fp32 (a shift and a mask), accumulated per parity
 // and interleaved back at the end. Scores walk the rows once, each row's H head slices in turn
 // (with H = Hkv a block is one contiguous stream); p @ V walks each block once per head, with
 // the next block's slices prefetched.
-template <int NP, typename o_t>
-void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloat16* k_head,
-                       const c10::BFloat16* v_head, const int32_t* table, int64_t T, o_t* out,
-                       std::vector<float>& buf, int64_t H) {
+template <int NP, typename kv_t, typename o_t>
+void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
+                       const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
+                       const float* k_scale, const float* v_scale) {
   constexpr int64_t D = NP * 32;
   constexpr int kValueHeads = 8 / NP;  // query heads whose accumulators stay in registers
   const int64_t G = a.group, HG = H * G, row_stride = a.num_kv_heads * D, bs = a.block_size;
@@ -182,6 +200,11 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
   thread_local std::vector<Vf> dots, acc;  // [H * G][kW] row dot products, [H * G][2][NP]
   dots.resize(HG * kW);
   acc.assign(HG * 2 * NP, set1(0.f));
+  float score_scale[16], out_scale[16];  // per kv head of the task (H * G <= 16)
+  for (int64_t h = 0; h < H; ++h) {
+    score_scale[h] = k_scale ? a.scale * (k_scale[h] * kRowUnit<kv_t>) : a.scale;
+    out_scale[h] = v_scale ? v_scale[h] * kRowUnit<kv_t> : 1.f;
+  }
   int64_t offsets[kW];
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
@@ -196,7 +219,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
       }
       for (int64_t h = 0; h < H; ++h) {
         __m512i kv[NP];
-        for (int p = 0; p < NP; ++p) kv[p] = _mm512_loadu_si512(k_head + offsets[i] + h * D + p * 32);
+        for (int p = 0; p < NP; ++p) kv[p] = bf16x32(k_head + offsets[i] + h * D + p * 32);
         for (int64_t g = 0; g < G; ++g) {
           const c10::BFloat16* qg = q + (h * G + g) * D;
           Vf d = _mm512_dpbf16_ps(set1(0.f), (__m512bh)_mm512_loadu_si512(qg), (__m512bh)kv[0]);
@@ -207,17 +230,17 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
       }
     }
     for (int64_t j = 0; j < HG; ++j)
-      store(scores + j * T + t0, mul(sum16(dots.data() + j * kW), set1(a.scale)), n);
+      store(scores + j * T + t0, mul(sum16(dots.data() + j * kW), set1(score_scale[j / G])), n);
   }
   softmax_rows(scores, HG, T, inv_sum);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {  // pass 2: p @ V
-    const c10::BFloat16* rows = v_head + table[b] * block_stride;
+    const kv_t* rows = v_head + table[b] * block_stride;
     if (t0 + bs < T) {  // the next block's slices of these heads: rows jump with the table
       const char* next = reinterpret_cast<const char*>(v_head + table[b + 1] * block_stride);
       for (int64_t o = 0; o < std::min(bs, T - t0 - bs); ++o)
-        for (int64_t byte = 0; byte < H * D * 2; byte += 64)
-          __builtin_prefetch(next + o * row_stride * 2 + byte);
+        for (int64_t byte = 0; byte < H * D * int64_t(sizeof(kv_t)); byte += 64)
+          __builtin_prefetch(next + o * row_stride * int64_t(sizeof(kv_t)) + byte);
     }
     const int64_t rows_here = std::min(bs, T - t0);
     for (int64_t h = 0; h < H; ++h) {
@@ -232,7 +255,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
         for (int64_t o = 0; o < rows_here; ++o) {
           Vf ve[NP], vo[NP];
           for (int p = 0; p < NP; ++p) {
-            const __m512i v = _mm512_loadu_si512(rows + o * row_stride + h * D + p * 32);
+            const __m512i v = bf16x32(rows + o * row_stride + h * D + p * 32);
             ve[p] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
             vo[p] = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));
           }
@@ -254,7 +277,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
   const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t j = 0; j < HG; ++j) {
-    const Vf inv = set1(inv_sum[j]);
+    const Vf inv = set1(inv_sum[j] * out_scale[j / G]);
     for (int p = 0; p < NP; ++p) {
       const Vf even = acc[(j * 2) * NP + p], odd = acc[(j * 2 + 1) * NP + p];
       o_t* dst = out + j * D + p * 32;
@@ -265,9 +288,9 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
 }
 #else
 constexpr bool kBf16Heads = false;
-template <int NP, typename o_t>
-void decode_heads_bf16(const Decode&, const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
-                       const int32_t*, int64_t, o_t*, std::vector<float>&, int64_t) {}
+template <int NP, typename kv_t, typename o_t>
+void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const kv_t*, const int32_t*,
+                       int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*) {}
 #endif
 
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
@@ -282,7 +305,9 @@ constexpr int64_t kFuseHeadsMinBlocks = 8;
 AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale, at::Tensor& out)
+                               double scale, at::Tensor& out,
+                               const c10::optional<at::Tensor>& k_scale,
+                               const c10::optional<at::Tensor>& v_scale)
     : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
       scale_(static_cast<float>(scale)) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
@@ -297,6 +322,15 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
               "block_tables, seq_lens, query_start_loc must be contiguous int32");
   const int64_t num_seqs = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t Hkv = k_cache.size(2);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "paged_attention: k_scale and v_scale go with an fp8 cache, and only with one");
+  if (fp8) {
+    for (const at::Tensor& t : {*k_scale, *v_scale})
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == Hkv,
+                  "paged_attention: k_scale / v_scale must be contiguous fp32 [num_kv_heads]");
+    k_scale_ = *k_scale, v_scale_ = *v_scale;
+  }
   TORCH_CHECK(k_cache.size(3) == D && D % kW == 0 && Hq % Hkv == 0 &&
               query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
@@ -312,7 +346,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   // follows across blocks. Only decode_heads_bf16 serves more than one head; at most 16 query
   // heads per task (its per-row dot products stay in L1).
   bf16_heads_ = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
-                k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128);
+                (k_cache.scalar_type() == at::kBFloat16 || fp8) && (D == 64 || D == 128);
   if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) >= kFuseHeadsMinBlocks)
     for (int64_t h = Hkv; h > 1; --h)
       if (Hkv % h == 0 && h * (Hq / Hkv) <= 16) {
@@ -329,7 +363,9 @@ int64_t AttentionTasks::size() const {
 void AttentionTasks::run(int64_t begin, int64_t end) const {
   const int64_t Hq = query_.size(1), D = query_.size(2), Hkv = k_cache_.size(2);
   const Decode a{tables_, max_blocks_, k_cache_.size(1), Hkv, D, Hq / Hkv, scale_};
-  QKILN_DISPATCH(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
+  const float* k_scale = k_scale_.defined() ? k_scale_.data_ptr<float>() : nullptr;
+  const float* v_scale = v_scale_.defined() ? v_scale_.data_ptr<float>() : nullptr;
+  QKILN_DISPATCH_KV(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
     using kv_t = scalar_t;
     const kv_t* kp = k_cache_.data_ptr<kv_t>();
     const kv_t* vp = v_cache_.data_ptr<kv_t>();
@@ -352,21 +388,28 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
               continue;
             }
             const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
-            if (bf16_heads_) {  // q_t and kv_t are bf16 here, D is 64 or 128 (the constructor)
-              using bf16 = c10::BFloat16;
-              const auto *qb = reinterpret_cast<const bf16*>(qrow),
-                         *kb = reinterpret_cast<const bf16*>(kp) + h * D,
-                         *vb = reinterpret_cast<const bf16*>(vp) + h * D;
-              if (D == 64)
-                decode_heads_bf16<2>(a, qb, kb, vb, table, T, op + offset, buf, H);
-              else
-                decode_heads_bf16<4>(a, qb, kb, vb, table, T, op + offset, buf, H);
-            } else if (D == 64)
-              decode_head_tiled<4>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+            const kv_t *kh = kp + h * D, *vh = vp + h * D;
+            constexpr bool kBf16Rows = std::is_same_v<kv_t, c10::BFloat16> ||
+                                       std::is_same_v<kv_t, c10::Float8_e4m3fn>;
+            if constexpr (kBf16Rows) {
+              if (bf16_heads_) {  // q_t is bf16 here, D is 64 or 128 (the constructor)
+                const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
+                const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
+                if (D == 64)
+                  decode_heads_bf16<2>(a, qb, kh, vh, table, T, op + offset, buf, H, ks, vs);
+                else
+                  decode_heads_bf16<4>(a, qb, kh, vh, table, T, op + offset, buf, H, ks, vs);
+                continue;
+              }
+            }
+            Decode head = a;  // one kv head per task here (H == 1)
+            if (k_scale) head.scale = a.scale * k_scale[h], head.out_scale = v_scale[h];
+            if (D == 64)
+              decode_head_tiled<4>(head, qrow, kh, vh, table, T, op + offset, buf);
             else if (D == 128)
-              decode_head_tiled<8>(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+              decode_head_tiled<8>(head, qrow, kh, vh, table, T, op + offset, buf);
             else
-              decode_head(a, qrow, kp + h * D, vp + h * D, table, T, op + offset, buf);
+              decode_head(head, qrow, kh, vh, table, T, op + offset, buf);
           }
         }
       });
@@ -379,49 +422,72 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
 // seq_lens[s] - q_len + i and attends to the sequence's slots [0, that position] through its block
 // table, as one decode of that length. out [N, Hq, D] contiguous, any float dtype.
 // query [N, Hq, D] (rows at any stride, heads dense: a view of the fused qkv); caches
-// [blocks, block_size, Hkv, D] bf16/fp16/fp32, D % 16 == 0.
+// [blocks, block_size, Hkv, D] bf16/fp16/fp32, or fp8 e4m3fn with k_scale / v_scale fp32 [Hkv];
+// D % 16 == 0.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+                     const at::Tensor& query_start_loc, double scale, at::Tensor& out,
+                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             scale, out);
+                             scale, out, k_scale, v_scale);
   at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) { tasks.run(begin, end); });
 }
 
-// key/value [N, Hkv, D] (rows at any stride, heads dense) -> caches at slot_mapping [N] int64
-// (-1 skipped), converted to the cache dtype (float caches only).
+// key/value [N, Hkv, D] (rows at any stride, heads dense; each any float dtype) -> caches at
+// slot_mapping [N] int64 (-1 skipped), converted to the cache dtype. An fp8 cache stores
+// clamp(x / scale[h], +-448) rounded to e4m3 (kv_cache.quantize_fp8, bit for bit), with its
+// k_scale / v_scale fp32 [Hkv]; float caches take no scales.
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                 const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-              k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "cache_write: slot_mapping must be contiguous int64, caches contiguous");
-  const int64_t N = key.size(0), width = k_cache.size(2) * k_cache.size(3);
+              k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == v_cache.scalar_type(),
+              "cache_write: slot_mapping must be contiguous int64, caches contiguous of one dtype");
+  const int64_t N = key.size(0), Hkv = k_cache.size(2), D = k_cache.size(3), width = Hkv * D;
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "cache_write: k_scale and v_scale go with an fp8 cache, and only with one");
+  if (fp8)
+    for (const at::Tensor& t : {*k_scale, *v_scale})
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == Hkv,
+                  "cache_write: k_scale / v_scale must be contiguous fp32 [num_kv_heads]");
   for (const at::Tensor* x : {&key, &value})
-    TORCH_CHECK(x->dim() == 3 && x->size(1) * x->size(2) == width && x->stride(2) == 1 &&
-                x->stride(1) == x->size(2) && x->dtype() == key.dtype(),
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == N && x->size(1) * x->size(2) == width &&
+                x->stride(2) == 1 && x->stride(1) == x->size(2),
                 "cache_write: key/value must be [N, Hkv, D] with dense heads");
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(slots[i] < num_slots, "cache_write: slot ", slots[i], " is past the cache");
-  QKILN_DISPATCH(k_cache.scalar_type(), "qkiln_cw_c", [&] {
+  const at::Tensor* scales[2] = {fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr};
+  QKILN_DISPATCH_KV(k_cache.scalar_type(), "qkiln_cw_c", [&] {
     using c_t = scalar_t;
-    QKILN_DISPATCH(key.scalar_type(), "qkiln_cw_x", [&] {
-      for (auto [x, cache] : {std::pair{&key, &k_cache}, std::pair{&value, &v_cache}}) {
-        const scalar_t* src = x->data_ptr<scalar_t>();
-        c_t* dst = cache->data_ptr<c_t>();
+    for (int which = 0; which < 2; ++which) {
+      const at::Tensor& x = which ? value : key;
+      c_t* dst = (which ? v_cache : k_cache).data_ptr<c_t>();
+      const float* head_scale = scales[which] ? scales[which]->data_ptr<float>() : nullptr;
+      QKILN_DISPATCH(x.scalar_type(), "qkiln_cw_x", [&] {
+        const scalar_t* src = x.data_ptr<scalar_t>();
         for (int64_t i = 0; i < N; ++i) {
           if (slots[i] < 0) continue;
-          const scalar_t* row = src + i * x->stride(0);
+          const scalar_t* row = src + i * x.stride(0);
           c_t* slot = dst + slots[i] * width;
-          if constexpr (std::is_same_v<scalar_t, c_t>) {
+          if constexpr (std::is_same_v<c_t, c10::Float8_e4m3fn>) {
+            for (int64_t h = 0; h < Hkv; ++h) {
+              const Vf divisor = set1(head_scale[h]);
+              for (int64_t j = 0; j < D; j += kW) {
+                const Vf v = clamp_abs(div(load(row + h * D + j, D - j), divisor), 448.f);
+                store(slot + h * D + j, v, D - j);
+              }
+            }
+          } else if constexpr (std::is_same_v<scalar_t, c_t>) {
             std::memcpy(slot, row, width * sizeof(c_t));
           } else {
             for (int64_t j = 0; j < width; j += kW) store(slot + j, load(row + j, width - j), width - j);
           }
         }
-      }
-    });
+      });
+    }
   });
 }
-

@@ -12,8 +12,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_kernel_isa", &w4a8_kernel_isa, "the w4a8 kernel this build compiled");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
-  m.def("paged_attention", &paged_attention, "causal paged attention over every query row");
-  m.def("cache_write", &cache_write, "write K/V rows into float paged caches");
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention, "causal paged attention over every query row",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("out"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("cache_write", &cache_write, "write K/V rows into float or fp8 paged caches",
+        py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -23,7 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_is_torchs", &silu_exp_is_torchs, "whether SiLU uses torch's own vector exp");
 
   // module_local: the portable test build loads a second copy of these types in one process.
-  namespace py = pybind11;
   py::class_<NativeLinear>(m, "NativeLinear", py::module_local())
       .def(py::init([](int64_t bits, at::Tensor weight, at::Tensor scales,
                        c10::optional<at::Tensor> zero_term, c10::optional<at::Tensor> bias,

@@ -57,10 +57,12 @@ struct Int8Gemv {
 };
 std::string int8_kernel_isa();
 
-// cpu_attention.cpp
+// cpu_attention.cpp (k_scale / v_scale: fp8 caches only)
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     const at::Tensor& query_start_loc, double scale, at::Tensor& out);
+                     const at::Tensor& query_start_loc, double scale, at::Tensor& out,
+                     const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                     const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 // paged_attention as tasks (row block x kv head group) a caller spreads over its own threads (the decode
 // stack); paged_attention itself runs them through at::parallel_for. Validates in the
 // constructor, so run() cannot fail. The index tensors must outlive it.
@@ -68,7 +70,9 @@ class AttentionTasks {
  public:
   AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                 const at::Tensor& query_start_loc, double scale, at::Tensor& out);
+                 const at::Tensor& query_start_loc, double scale, at::Tensor& out,
+                 const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                 const c10::optional<at::Tensor>& v_scale = c10::nullopt);
   int64_t size() const;
   void run(int64_t begin, int64_t end) const;
 
@@ -77,15 +81,18 @@ class AttentionTasks {
     int64_t seq, first, count;
   };
   at::Tensor query_, k_cache_, v_cache_, out_;
+  at::Tensor k_scale_, v_scale_;  // fp8 caches: fp32 [Hkv]; undefined otherwise
   const int32_t *tables_ = nullptr, *lens_ = nullptr, *starts_ = nullptr;
   int64_t max_blocks_ = 0;
   float scale_;
   std::vector<RowBlock> blocks_;
-  bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query and cache, D 64/128)
+  bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query, bf16/fp8 cache, D 64/128)
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
 };
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                 const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                 const c10::optional<at::Tensor>& v_scale = c10::nullopt);
 
 // cpu_small_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -15,11 +15,16 @@
 #include <type_traits>
 #include <vector>
 
-// float, bf16, fp16 (the kernels have no double path).
+// float, bf16, fp16 (the kernels have no double path); KV adds fp8 e4m3fn caches.
 #define QKILN_DISPATCH(TYPE, NAME, ...)                                        \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)             \
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+#define QKILN_DISPATCH_KV(TYPE, NAME, ...)                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)     \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)             \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                 \
+                     AT_DISPATCH_CASE(at::kFloat8_e4m3fn, __VA_ARGS__))
 
 namespace {
 
@@ -52,6 +57,41 @@ inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) {
 }
 inline void store(c10::Half* p, Vf v, int64_t n = kW) {
   _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// fp8 e4m3fn (bias 7) bytes in 16-bit lanes -> fp16 bits with the same exponent and mantissa
+// fields (bias 15): exactly x / 256, subnormals included; NaN (0x7F, 0xFF) stays NaN.
+inline __m512i fp8_as_fp16_div256(__m512i bytes) {
+  const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi16(0x7F));
+  __m512i bits = _mm512_or_si512(_mm512_slli_epi16(magnitude, 7),
+                                 _mm512_slli_epi16(_mm512_and_si512(bytes, _mm512_set1_epi16(0x80)), 8));
+  return _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(magnitude, _mm512_set1_epi16(0x7F)),
+                               _mm512_set1_epi16(0x7E00));
+}
+inline Vf load(const c10::Float8_e4m3fn* p, int64_t n = kW) {
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_maskz_loadu_epi8(lanes(n), p)));
+  const Vf div256 = _mm512_cvtph_ps(_mm512_castsi512_si256(fp8_as_fp16_div256(words)));
+  return _mm512_mul_ps(div256, _mm512_set1_ps(256.f));
+}
+// fp32 -> e4m3fn bytes as c10::Float8_e4m3fn rounds (nearest even; below 2^-6 onto the subnormal
+// grid; NaN -> 0x7F). Finite inputs must be within +-448 (the caller clamps; larger ones would
+// round to the NaN code as in c10).
+inline void store(c10::Float8_e4m3fn* p, Vf v, int64_t n = kW) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, 20), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(magnitude, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd));
+  __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 20), _mm512_set1_epi32(120 << 3));
+  const Vf scaled = _mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(512.f));  // exact
+  const __m512i subnormal = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(0x3C800000)),
+                               subnormal);  // |x| < 2^-6
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));
+  _mm_mask_storeu_epi8(p, lanes(n), _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign)));
+}
+// min(max(v, -limit), limit), NaN kept (torch.clamp's rule; maxps returns its second operand on NaN).
+inline Vf clamp_abs(Vf v, float limit) {
+  return _mm512_min_ps(_mm512_set1_ps(limit), _mm512_max_ps(_mm512_set1_ps(-limit), v));
 }
 inline Vf set1(float x) { return _mm512_set1_ps(x); }
 inline Vf add(Vf a, Vf b) { return _mm512_add_ps(a, b); }
@@ -129,6 +169,12 @@ inline Vf load(const c10::Half* p, int64_t n = kW) { return load_any(p, n); }
 inline void store(float* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
 inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
 inline void store(c10::Half* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
+inline Vf load(const c10::Float8_e4m3fn* p, int64_t n = kW) { return load_any(p, n); }
+inline void store(c10::Float8_e4m3fn* p, Vf v, int64_t n = kW) { store_any(p, v, n); }
+inline Vf clamp_abs(Vf v, float limit) {
+  for (float& e : v.x) e = std::isnan(e) ? e : std::min(limit, std::max(-limit, e));
+  return v;
+}
 template <typename F> inline Vf map2(Vf a, Vf b, F f) { for (int i = 0; i < kW; ++i) a.x[i] = f(a.x[i], b.x[i]); return a; }
 inline Vf set1(float x) { Vf v; for (float& e : v.x) e = x; return v; }
 inline Vf add(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p + q; }); }

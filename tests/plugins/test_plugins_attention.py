@@ -48,11 +48,13 @@ def test_cpu_attention_rows_depend_only_on_their_sequence():
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("group", [1, 3, 5, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_cpu_bf16_heads_match_reference(head_dim, group, block_size, specs):
-    """bf16 query over a bf16 cache at D = 64 / 128 (the native kernel's vdpbf16ps path where the
-    CPU has it): GQA groups larger than one register chunk, tiles that span blocks, tasks serving
-    both kv heads (8+ row blocks, group <= 8) or one."""
-    cache = make_cache("bf16", 40, 2, head_dim, block_size=block_size)
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, specs):
+    """bf16 query over a bf16 or fp8 cache at D = 64 / 128 (the native kernel's vdpbf16ps path
+    where the CPU has it; fp8 widened in registers, its per-head scales folded in): GQA groups
+    larger than one register chunk, tiles that span blocks, tasks serving both kv heads (8+ row
+    blocks, group <= 8) or one."""
+    cache = make_cache(kv_dtype, 40, 2, head_dim, block_size=block_size)
     batch = PagedBatch(specs, cache, num_heads=2 * group)
     args = batch.attention_args(cache, torch.bfloat16)
     expected = reference_paged_attention(*args)

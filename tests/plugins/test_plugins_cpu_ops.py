@@ -12,6 +12,7 @@ ulps of the dtype (one ulp of the normalized value times the weight) on at most 
 order only, fp32 SiLU by torch's scalar exp on its row tails: <= 1e-6 relative. Skips (saying why) when the extension cannot build.
 """
 
+import math
 import random
 
 import pytest
@@ -50,7 +51,7 @@ def random_specs(num_seqs: int, block_size: int, prefill: bool):
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "mixed"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 4), (32, 6, 2)])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8"])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decode_attention_matches_the_reference(ext, kv_dtype, head_dim, num_heads, num_kv_heads,
                                                 block_size, prefill):
@@ -87,6 +88,38 @@ def test_cache_write_matches_the_reference_and_skips_padding(ext, kv_dtype):
     reference_cache_write(key, value, *reference.op_tensors(), slots)
     for a, b in ((native.k, reference.k), (native.v, reference.v)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # NaN poison included
+
+
+def e4m3_test_values() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties round to even) and the
+    floats just either side of them, subnormals, the 2^-6 edge, saturation, inf and NaN."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.full_like(mids, math.inf), torch.full_like(mids, -math.inf)
+    edges = torch.tensor([2 ** -6, 2 ** -6 * 0.99, 2 ** -10, 1e-30, -1e-30, 0.0, -0.0, 447.9, 448.1,
+                          460.0, 470.0, -600.0, math.inf, -math.inf, math.nan])
+    return torch.cat([grid, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), edges])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_write_rounds_like_torch(ext, dtype):
+    """clamp(x / scale, +-448) -> e4m3 in the kernel, bit for bit the torch quantizer's bytes."""
+    values = e4m3_test_values()
+    key = torch.randn(64, 3, 64) * 3
+    key.view(-1)[:len(values)] = values
+    key = key.to(dtype)
+    value = (torch.rand(64, 3, 64) * 0.03 - 0.015).to(dtype)  # around the subnormal range
+    native, reference = make_cache("fp8", 6, 3, 64), make_cache("fp8", 6, 3, 64)
+    native.k_scale.fill_(1.0)  # the grid as is; v_scale stays random
+    reference.k_scale.fill_(1.0)
+    reference.v_scale.copy_(native.v_scale)
+    slots = torch.randperm(6 * 16)[:64]
+    slots[5] = -1
+    cache_write(key, value, native, slots)
+    reference_cache_write(key, value, *reference.op_tensors(), slots)
+    for a, b in ((native.k, reference.k), (native.v, reference.v)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,8 +213,9 @@ def test_bf16_model_gives_the_same_logits_with_or_without_the_fused_ops(ext, fus
     assert (actual == expected).float().mean().item() >= 0.9
 
 
-def test_paged_attention_front_door_uses_the_native_decode(ext):
-    cache = make_cache("bf16", 20, 3, 64)
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_paged_attention_front_door_uses_the_native_decode(ext, kv_dtype):
+    cache = make_cache(kv_dtype, 20, 3, 64)
     batch = PagedBatch([(33, 1), (16, 1)], cache, 9)
     query = batch.query.bfloat16()
     out = paged_attention(query, cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
@@ -214,3 +248,17 @@ def test_portable_build_ops_match_the_references(ext):
     portable.paged_attention(query, cache.k, cache.v, tables, lens, starts, scale, out)
     expected = reference_paged_attention(*args)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
+    cache = make_cache("fp8", 40, 2, 32, block_size=5)
+    args = PagedBatch(random_specs(3, 5, prefill=True), cache, 6).attention_args(cache, torch.float32)
+    portable.paged_attention(args[0], cache.k, cache.v, *args[-4:], out := torch.empty_like(args[0]),
+                             cache.k_scale, cache.v_scale)
+    assert rel_error(out, reference_paged_attention(*args)) < TOLERANCE[torch.float32]
+    key = e4m3_test_values().view(-1, 2, 32)  # 1024 values: 16 rows
+    written, expected_cache = make_cache("fp8", 4, 2, 32), make_cache("fp8", 4, 2, 32)
+    for c in (written, expected_cache):
+        c.k_scale.fill_(1.0), c.v_scale.fill_(0.5)
+    slots = torch.randperm(64)[:key.shape[0]]
+    portable.cache_write(key, key, written.k, written.v, slots, written.k_scale, written.v_scale)
+    reference_cache_write(key, key, *expected_cache.op_tensors(), slots)
+    assert torch.equal(written.k.view(torch.uint8), expected_cache.k.view(torch.uint8))
+    assert torch.equal(written.v.view(torch.uint8), expected_cache.v.view(torch.uint8))
