@@ -3,7 +3,7 @@
 At batch 1 a CPU decode step of a small model is hundreds of small kernel calls, and through
 Python modules and the dispatcher each costs more than many of the kernels themselves. For the
 common serving configuration (every linear in a native quantized layout, q/k/v and gate/up
-fused, float KV caches without scales, bf16/fp16 activations) `NativeDecodeStack` hands the
+fused, float or fp8 KV caches (a key offset allowed, no key smoothing), bf16/fp16 activations) `NativeDecodeStack` hands the
 whole layer loop to csrc/decode_stack.cpp, which calls the same kernels in the same order as
 model.py's fused path, so the hidden states are bit-identical (tests/runtime compare them), in ONE
 parallel region per step (the tiles of each linear split over the threads, barriers between
@@ -20,6 +20,7 @@ import os
 import torch
 
 from qkiln.plugins import KVCache, cpu_native
+from qkiln.plugins.kv_cache import FP8_DTYPE
 from qkiln.plugins.cpu_linear import SMALL_M
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
@@ -28,7 +29,7 @@ from .paged_attention import AttentionMetadata
 from .quantized_linear import QuantizedLinear
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
 
 def _native_linear(module, ext):
@@ -44,9 +45,14 @@ def _native_linear(module, ext):
     return None
 
 
-def _plain_float_cache(cache: KVCache) -> bool:
-    """Float storage and no scales, offsets or smoothing of any kind (the kernel reads raw K/V)."""
-    extras = [v for name, v in vars(cache).items() if name not in ("k", "v") and isinstance(v, torch.Tensor)]
+_STACK_CACHE_TENSORS = ("k", "v", "k_scale", "v_scale", "k_offset")  # what the stack passes on
+
+
+def _stack_serves(cache: KVCache) -> bool:
+    """Float or fp8 storage on the CPU, nothing the stack does not pass on (int4 group scales, key
+    smoothing)."""
+    extras = [v for name, v in vars(cache).items()
+              if name not in _STACK_CACHE_TENSORS and isinstance(v, torch.Tensor)]
     return cache.k.dtype in _CACHE_DTYPES and cache.k.device.type == "cpu" and not extras
 
 
@@ -69,14 +75,15 @@ class NativeDecodeStack:
         for layer, cache in zip(model.model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None or \
-                    not _plain_float_cache(cache):
+                    not _stack_serves(cache):
                 return None
             linears = [_native_linear(m, ext) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                          mlp.down_proj)]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
-            layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v))
+            layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v,
+                                         cache.k_scale, cache.v_scale, cache.k_offset))
         norm = model.model.norm
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps)

@@ -21,7 +21,8 @@
 // rethrown after it.
 //
 // runtime/decode_stack.py decides when a model and a step qualify (native linears everywhere,
-// float caches, decodes only, M <= 16) and builds this object once per engine.
+// float or fp8 caches without key smoothing, decodes only, M <= 16) and builds this object once
+// per engine.
 
 #include "decode_stack.h"
 
@@ -144,9 +145,11 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       serial([&] {
         rotary_embedding(qkv, cos, signed_sin, Hq + Hkv);
         at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-        cache_write(k, v, k_cache, v_cache, slot_mapping);
+        // kv_cache.offset_key's arithmetic: the key in fp32 minus the offset
+        const at::Tensor key = l.k_offset.defined() ? at::sub(k.to(at::kFloat), l.k_offset) : k;
+        cache_write(key, v, k_cache, v_cache, slot_mapping, l.k_scale, l.v_scale);
         tasks.emplace(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_,
-                      attn);
+                      attn, l.k_scale, l.v_scale);
       });
       if (tasks) {
         const auto [begin, end] = share(tasks->size(), tid, n);

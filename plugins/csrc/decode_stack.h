@@ -31,11 +31,13 @@ class NativeLinear {
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):
-// q/k/v as one linear, gate/up as one linear, float paged K/V caches without scales.
+// q/k/v as one linear, gate/up as one linear, float or fp8 paged K/V caches.
 struct StackLayer {
   NativeLinear qkv, o, gate_up, down;
   at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden], the activation dtype
   at::Tensor k_cache, v_cache;       // [blocks, block_size, Hkv, D]
+  c10::optional<at::Tensor> k_scale, v_scale;  // fp32 [Hkv], fp8 caches only
+  at::Tensor k_offset;  // fp32 [Hkv, D] subtracted from keys before the write, or undefined
 };
 
 class DecodeStack {

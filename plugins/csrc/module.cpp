@@ -42,11 +42,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
-                       at::Tensor v_cache) {
-             return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache};
+                       at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
+                       c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> k_offset) {
+             return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache,
+                               k_scale, v_scale, k_offset.value_or(at::Tensor())};
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
-           py::arg("input_norm"), py::arg("post_norm"), py::arg("k_cache"), py::arg("v_cache"));
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("k_cache"), py::arg("v_cache"),
+           py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+           py::arg("k_offset") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<StackLayer>, at::Tensor, int64_t, int64_t, int64_t, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),

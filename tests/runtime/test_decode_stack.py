@@ -21,14 +21,15 @@ def artifacts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     source = write_tiny_hf_model(tmp / "m", "llama")
     out = {name: build(str(source), load_recipe(name), tmp / name, use_cache=False, progress=False,
-                       log=lambda m: None).path for name in ("w4a16-rtn", "w8a16")}
+                       log=lambda m: None).path for name in ("w4a16-rtn", "w8a16", "w4a16-rtn+kv-fp8")}
     return source, out
 
 
 def _engine(path, monkeypatch, stack: bool, dtype="bf16", **config) -> LLMEngine:
     monkeypatch.setenv("QKILN_DECODE_STACK", "1" if stack else "0")
     loaded = load_for_serving(str(path), dtype=dtype)
-    return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config))
+    config.setdefault("kv_dtype", loaded.kv_dtype)  # an artifact's KV scheme, as `qkiln serve` does
+    return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config), kv_scales=loaded.kv_scales)
 
 
 def _run_recording(engine: LLMEngine, prompts, max_tokens: int):
@@ -63,14 +64,19 @@ def _run_recording(engine: LLMEngine, prompts, max_tokens: int):
     return [done[i] for i in ids], logits, steps
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16"])
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-fp8"])
 def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, recipe):
+    """kv-fp8: calibrated per-head scales and a key offset, written and read in the stack."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 33)]
     fast = _engine(paths[recipe], monkeypatch, stack=True)
     slow = _engine(paths[recipe], monkeypatch, stack=False)
     assert fast.runner.decode_stack is not None and slow.runner.decode_stack is None
+    if recipe.endswith("kv-fp8"):
+        cache = fast.runner.backend.caches[0]
+        assert cache.k.dtype == torch.float8_e4m3fn and cache.k_offset is not None
+        assert not torch.equal(cache.k_scale, torch.ones_like(cache.k_scale))
     tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 12)
     tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 12)
     assert tokens_fast == tokens_slow
@@ -96,7 +102,7 @@ def test_mixed_and_large_steps_take_the_python_path(artifacts, monkeypatch):
 
 def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypatch):
     source, paths = artifacts
-    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, kv_dtype="fp8").runner.decode_stack is None
+    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, kv_dtype="int4").runner.decode_stack is None
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, dtype="fp32").runner.decode_stack is None
     assert _engine(source, monkeypatch, stack=True).runner.decode_stack is None  # bf16 linears
     monkeypatch.setattr(cpu_native, "_ops_enabled", False)
