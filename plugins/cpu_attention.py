@@ -1,9 +1,11 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
-Native first: for float and fp8 caches without key smoothing, attention (decodes and prefill
-chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads K/V
-through the block tables, no gather copies; fp8 is widened in registers, its per-head scales
-folded into the scores and the output); int4 caches and key smoothing keep the torch code below.
+Native first: for float, fp8 and int4 caches without key smoothing, attention (decodes and
+prefill chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads
+K/V through the block tables, no gather copies; fp8 is widened in registers, its per-head scales
+folded into the scores and the output; int4 rows are dequantized tile by tile into L1, once for
+the whole GQA group). Key smoothing, and int4 at head dims other than 32/64/128, keep the torch
+code below.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
 for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block
@@ -70,7 +72,8 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
     ops = _native_for(k_cache, k_channel_scale)
     if ops is not None and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1] and \
             value.stride(-1) == 1 and value.stride(-2) == value.shape[-1]:
-        ops.cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        ops.cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_group_scale,
+                        k_group_min, v_group_scale, v_group_min)
         return
     slots, rows = _write_memo.get((slot_mapping,), None, lambda: _valid_slots(slot_mapping))
     if rows is not None:
@@ -93,14 +96,22 @@ def cpu_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_scal
 
 
 _NATIVE_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
+_NATIVE_INT4_HEAD_DIMS = (32, 64, 128)
+
+
+def native_serves(k_cache, k_channel_scale) -> bool:
+    """Whether csrc/cpu_attention.cpp reads and writes this cache: no key smoothing; float or fp8
+    storage with head_dim % 16 == 0, or int4 at head_dim 32/64/128."""
+    if k_channel_scale is not None:
+        return False
+    if k_cache.dtype == torch.uint8:
+        return 2 * k_cache.shape[-1] in _NATIVE_INT4_HEAD_DIMS
+    return k_cache.dtype in _NATIVE_CACHE_DTYPES and k_cache.shape[-1] % 16 == 0
 
 
 def _native_for(k_cache, k_channel_scale):
-    """The native ops when they serve this cache (float or fp8 storage, no key smoothing), else None."""
-    if k_cache.dtype not in _NATIVE_CACHE_DTYPES or k_channel_scale is not None or \
-            k_cache.shape[-1] % 16:
-        return None
-    return native_ops()
+    """The native ops when they serve this cache (native_serves), else None."""
+    return native_ops() if native_serves(k_cache, k_channel_scale) else None
 
 
 class _StepIndex:
@@ -183,7 +194,7 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
     if ops is not None and dense_heads:  # decodes and prefill chunks alike
         out = torch.empty(query.shape, dtype=query.dtype)
         ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                            k_scale, v_scale)
+                            k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min)
         return out
     step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
                           lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))

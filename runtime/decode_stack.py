@@ -3,7 +3,8 @@
 At batch 1 a CPU decode step of a small model is hundreds of small kernel calls, and through
 Python modules and the dispatcher each costs more than many of the kernels themselves. For the
 common serving configuration (every linear in a native quantized layout, q/k/v and gate/up
-fused, float or fp8 KV caches (a key offset allowed, no key smoothing), bf16/fp16 activations) `NativeDecodeStack` hands the
+fused, KV caches the native attention serves (float, fp8, int4; a key offset allowed, no key
+smoothing), bf16/fp16 activations) `NativeDecodeStack` hands the
 whole layer loop to csrc/decode_stack.cpp, which calls the same kernels in the same order as
 model.py's fused path, so the hidden states are bit-identical (tests/runtime compare them), in ONE
 parallel region per step (the tiles of each linear split over the threads, barriers between
@@ -20,7 +21,7 @@ import os
 import torch
 
 from qkiln.plugins import KVCache, cpu_native
-from qkiln.plugins.kv_cache import FP8_DTYPE
+from qkiln.plugins.cpu_attention import native_serves
 from qkiln.plugins.cpu_linear import SMALL_M
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
@@ -29,7 +30,6 @@ from .paged_attention import AttentionMetadata
 from .quantized_linear import QuantizedLinear
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
 
 def _native_linear(module, ext):
@@ -45,15 +45,9 @@ def _native_linear(module, ext):
     return None
 
 
-_STACK_CACHE_TENSORS = ("k", "v", "k_scale", "v_scale", "k_offset")  # what the stack passes on
-
-
 def _stack_serves(cache: KVCache) -> bool:
-    """Float or fp8 storage on the CPU, nothing the stack does not pass on (int4 group scales, key
-    smoothing)."""
-    extras = [v for name, v in vars(cache).items()
-              if name not in _STACK_CACHE_TENSORS and isinstance(v, torch.Tensor)]
-    return cache.k.dtype in _CACHE_DTYPES and cache.k.device.type == "cpu" and not extras
+    """A CPU cache the native attention reads (every other cache tensor is passed on)."""
+    return cache.k.device.type == "cpu" and native_serves(cache.k, cache.k_channel_scale)
 
 
 class NativeDecodeStack:
@@ -83,7 +77,7 @@ class NativeDecodeStack:
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
             layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v,
-                                         cache.k_scale, cache.v_scale, cache.k_offset))
+                                         *cache.op_tensors()[2:8], cache.k_offset))
         norm = model.model.norm
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps)

@@ -94,14 +94,80 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
 }
 
+// The K or V rows of one 16-token tile of one kv head, for decode_head_tiled: fill(t0, n, value)
+// points rows[0 .. n) at tokens t0 .. t0 + n - 1 of K (value false) or V.
+// CacheRows: into a float or fp8 cache (kv_t), through the block table.
+template <typename kv_t>
+struct CacheRows {
+  const kv_t *k_head, *v_head;  // the head's slice of slot 0
+  const int32_t* table;
+  int64_t block_size, row_stride;
+  const kv_t* rows[kW];
+  void fill(int64_t t0, int64_t n, bool value) {
+    const kv_t* head = value ? v_head : k_head;
+    for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
+      rows[i] = head + (table[b] * block_size + o) * row_stride;
+      if (++o == block_size) o = 0, ++b;
+    }
+  }
+};
+
+constexpr int64_t kMaxInt4HeadDim = 128;
+
+// One packed int4 row of D elements -> fp32, x = q * scale + min per group of `group` elements
+// (kv_cache.dequantize_int4_groups; low nibble = even element).
+inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum,
+                                int64_t D, int64_t group, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (group % kW == 0) {  // each 16-element chunk lies in one group
+    for (int64_t j = 0; j < D; j += kW) {
+      const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j / 2)));
+      const __m128i codes = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi16(15)),  // [lo, hi] byte pairs
+                                         _mm_slli_epi16(_mm_srli_epi16(words, 4), 8));
+      const Vf x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
+      store(out + j, add(mul(x, set1(static_cast<float>(scale[j / group]))),
+                         set1(static_cast<float>(minimum[j / group]))));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < D; ++j) {
+    const int code = j % 2 ? packed[j / 2] >> 4 : packed[j / 2] & 15;
+    out[j] = static_cast<float>(code) * static_cast<float>(scale[j / group]) +
+             static_cast<float>(minimum[j / group]);
+  }
+}
+
+// Int4Rows: an int4 cache's rows dequantized into fp32 once per tile, for every query head of the
+// group (the bytes and the per-(slot, head, group) fp16 scale / min through the block table).
+struct Int4Rows {
+  const uint8_t *k_head, *v_head;  // the head's bytes of slot 0
+  const c10::Half *k_scale, *k_min, *v_scale, *v_min;  // the head's groups of slot 0
+  const int32_t* table;
+  int64_t block_size, head_dim, group, num_kv_heads;
+  float values[kW * kMaxInt4HeadDim];
+  const float* rows[kW];
+  void fill(int64_t t0, int64_t n, bool value) {
+    const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
+    for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
+      const int64_t slot = table[b] * block_size + o;
+      dequantize_int4_row((value ? v_head : k_head) + slot * bytes,
+                          (value ? v_scale : k_scale) + slot * groups,
+                          (value ? v_min : k_min) + slot * groups, head_dim, group, values + i * head_dim);
+      rows[i] = values + i * head_dim;
+      if (++o == block_size) o = 0, ++b;
+    }
+  }
+};
+
 // decode_head for D = 16 * NV: the query row and the accumulators live in registers, scores are
 // reduced 16 tokens at a time (sum16), and each 16-token tile of K/V is read once from memory and
 // served to the whole GQA group from L1.
-template <int NV, typename kv_t, typename q_t, typename o_t>
-void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* v_head,
-                       const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf) {
+template <int NV, typename Rows, typename q_t, typename o_t>
+void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t* out,
+                       std::vector<float>& buf) {
   constexpr int64_t D = NV * kW;
-  const int64_t G = a.group, row_stride = a.num_kv_heads * D, bs = a.block_size;
+  const int64_t G = a.group;
   buf.resize(2 * G * D + G * T + G);
   float *qf = buf.data(), *acc = qf + G * D, *scores = acc + G * D;  // [G, D], [G, D], [G, T]
   float* inv_sum = scores + G * T;
@@ -109,23 +175,15 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
     store(qf + i, mul(load(q + i), set1(a.scale)));
     store(acc + i, set1(0.f));
   }
-  int64_t offsets[kW];  // element offsets of the tile's rows in k_head / v_head
-  auto tile_rows = [&](int64_t t0, int64_t n) {
-    int64_t b = t0 / bs, o = t0 % bs;
-    for (int64_t i = 0; i < n; ++i) {
-      offsets[i] = (table[b] * bs + o) * row_stride;
-      if (++o == bs) o = 0, ++b;
-    }
-  };
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
-    tile_rows(t0, n);
+    rows.fill(t0, n, false);
     for (int64_t g = 0; g < G; ++g) {
       Vf qv[NV], dots[kW];
       for (int j = 0; j < NV; ++j) qv[j] = load(qf + g * D + j * kW);
       for (int i = 0; i < kW; ++i) {
         if (i >= n) { dots[i] = set1(0.f); continue; }
-        const kv_t* row = k_head + offsets[i];
+        const auto* row = rows.rows[i];
         Vf d = mul(qv[0], load(row));
         for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
         dots[i] = d;
@@ -136,14 +194,14 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
   softmax_rows(scores, G, T, inv_sum);
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 2: p @ V
     const int64_t n = std::min<int64_t>(kW, T - t0);
-    tile_rows(t0, n);
+    rows.fill(t0, n, true);
     for (int64_t g = 0; g < G; ++g) {
       Vf even[NV], odd[NV];  // two chains halve the FMA latency chain
       for (int j = 0; j < NV; ++j) even[j] = load(acc + g * D + j * kW), odd[j] = set1(0.f);
       const float* p = scores + g * T + t0;
       int64_t i = 0;
       for (; i + 1 < n; i += 2) {
-        const kv_t *r0 = v_head + offsets[i], *r1 = v_head + offsets[i + 1];
+        const auto *r0 = rows.rows[i], *r1 = rows.rows[i + 1];
         const Vf p0 = set1(p[i]), p1 = set1(p[i + 1]);
         for (int j = 0; j < NV; ++j) {
           even[j] = fmadd(p0, load(r0 + j * kW), even[j]);
@@ -151,7 +209,7 @@ void decode_head_tiled(const Decode& a, const q_t* q, const kv_t* k_head, const 
         }
       }
       if (i < n)
-        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(p[i]), load(v_head + offsets[i] + j * kW), even[j]);
+        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(p[i]), load(rows.rows[i] + j * kW), even[j]);
       for (int j = 0; j < NV; ++j) store(acc + g * D + j * kW, add(even[j], odd[j]));
     }
   }
@@ -305,9 +363,7 @@ constexpr int64_t kFuseHeadsMinBlocks = 8;
 AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale, at::Tensor& out,
-                               const c10::optional<at::Tensor>& k_scale,
-                               const c10::optional<at::Tensor>& v_scale)
+                               double scale, at::Tensor& out, const KVParams& params)
     : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
       scale_(static_cast<float>(scale)) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
@@ -323,15 +379,15 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   const int64_t num_seqs = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t Hkv = k_cache.size(2);
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
-              "paged_attention: k_scale and v_scale go with an fp8 cache, and only with one");
-  if (fp8) {
-    for (const at::Tensor& t : {*k_scale, *v_scale})
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == Hkv,
-                  "paged_attention: k_scale / v_scale must be contiguous fp32 [num_kv_heads]");
-    k_scale_ = *k_scale, v_scale_ = *v_scale;
+  int4_ = k_cache.scalar_type() == at::kByte;
+  params.check(k_cache, D, "paged_attention");
+  k_scale_ = params.k_scale.value_or(at::Tensor()), v_scale_ = params.v_scale.value_or(at::Tensor());
+  if (int4_) {
+    k_group_scale_ = *params.k_group_scale, k_group_min_ = *params.k_group_min;
+    v_group_scale_ = *params.v_group_scale, v_group_min_ = *params.v_group_min;
+    TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_attention: int4 caches need head_dim 32, 64 or 128");
   }
-  TORCH_CHECK(k_cache.size(3) == D && D % kW == 0 && Hq % Hkv == 0 &&
+  TORCH_CHECK(k_cache.size(3) * (int4_ ? 2 : 1) == D && D % kW == 0 && Hq % Hkv == 0 &&
               query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
   tables_ = block_tables.data_ptr<int32_t>();
@@ -365,17 +421,15 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
   const Decode a{tables_, max_blocks_, k_cache_.size(1), Hkv, D, Hq / Hkv, scale_};
   const float* k_scale = k_scale_.defined() ? k_scale_.data_ptr<float>() : nullptr;
   const float* v_scale = v_scale_.defined() ? v_scale_.data_ptr<float>() : nullptr;
-  QKILN_DISPATCH_KV(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
-    using kv_t = scalar_t;
-    const kv_t* kp = k_cache_.data_ptr<kv_t>();
-    const kv_t* vp = v_cache_.data_ptr<kv_t>();
-    QKILN_DISPATCH(query_.scalar_type(), "qkiln_attn_q", [&] {
-      using q_t = scalar_t;
-      const q_t* qp = query_.data_ptr<q_t>();
-      QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
-        scalar_t* op = out_.data_ptr<scalar_t>();
-        thread_local std::vector<float> buf;
-        const int64_t H = heads_per_task_, per_block = Hkv / H;
+  const int64_t H = heads_per_task_, per_block = Hkv / H;
+  QKILN_DISPATCH(query_.scalar_type(), "qkiln_attn_q", [&] {
+    using q_t = scalar_t;
+    const q_t* qp = query_.data_ptr<q_t>();
+    QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
+      scalar_t* op = out_.data_ptr<scalar_t>();
+      thread_local std::vector<float> buf;
+      // attend(h, table, T, query row, out row): one query row's heads h .. h + H * group - 1
+      auto each_row = [&](auto&& attend) {
         for (int64_t task = begin; task < end; ++task) {
           const RowBlock& b = blocks_[task / per_block];
           const int64_t h = task % per_block * H, q_len = starts_[b.seq + 1] - starts_[b.seq];
@@ -387,31 +441,53 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
               for (int64_t j = 0; j < H * a.group * D; ++j) op[offset + j] = 0;
               continue;
             }
-            const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
-            const kv_t *kh = kp + h * D, *vh = vp + h * D;
-            constexpr bool kBf16Rows = std::is_same_v<kv_t, c10::BFloat16> ||
-                                       std::is_same_v<kv_t, c10::Float8_e4m3fn>;
-            if constexpr (kBf16Rows) {
-              if (bf16_heads_) {  // q_t is bf16 here, D is 64 or 128 (the constructor)
-                const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
-                const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
-                if (D == 64)
-                  decode_heads_bf16<2>(a, qb, kh, vh, table, T, op + offset, buf, H, ks, vs);
-                else
-                  decode_heads_bf16<4>(a, qb, kh, vh, table, T, op + offset, buf, H, ks, vs);
-                continue;
-              }
-            }
-            Decode head = a;  // one kv head per task here (H == 1)
-            if (k_scale) head.scale = a.scale * k_scale[h], head.out_scale = v_scale[h];
-            if (D == 64)
-              decode_head_tiled<4>(head, qrow, kh, vh, table, T, op + offset, buf);
-            else if (D == 128)
-              decode_head_tiled<8>(head, qrow, kh, vh, table, T, op + offset, buf);
-            else
-              decode_head(head, qrow, kh, vh, table, T, op + offset, buf);
+            attend(h, table, T, qp + row * query_.stride(0) + h * a.group * D, op + offset);
           }
         }
+      };
+      if (int4_) {
+        const int64_t groups = k_group_scale_.size(3);
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, scalar_t* orow) {
+          thread_local Int4Rows rows;
+          rows = {k_cache_.data_ptr<uint8_t>() + h * D / 2, v_cache_.data_ptr<uint8_t>() + h * D / 2,
+                  k_group_scale_.data_ptr<c10::Half>() + h * groups, k_group_min_.data_ptr<c10::Half>() + h * groups,
+                  v_group_scale_.data_ptr<c10::Half>() + h * groups, v_group_min_.data_ptr<c10::Half>() + h * groups,
+                  table, a.block_size, D, D / groups, Hkv};
+          if (D == 32) decode_head_tiled<2>(a, qrow, rows, T, orow, buf);
+          else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf);
+          else decode_head_tiled<8>(a, qrow, rows, T, orow, buf);
+        });
+        return;
+      }
+      QKILN_DISPATCH_KV(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
+        using kv_t = scalar_t;
+        const kv_t* kp = k_cache_.data_ptr<kv_t>();
+        const kv_t* vp = v_cache_.data_ptr<kv_t>();
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow) {
+          const kv_t *kh = kp + h * D, *vh = vp + h * D;
+          constexpr bool kBf16Rows = std::is_same_v<kv_t, c10::BFloat16> ||
+                                     std::is_same_v<kv_t, c10::Float8_e4m3fn>;
+          if constexpr (kBf16Rows) {
+            if (bf16_heads_) {  // q_t is bf16 here, D is 64 or 128 (the constructor)
+              const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
+              const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
+              if (D == 64)
+                decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs);
+              else
+                decode_heads_bf16<4>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs);
+              return;
+            }
+          }
+          Decode head = a;  // one kv head per task here (H == 1)
+          if (k_scale) head.scale = a.scale * k_scale[h], head.out_scale = v_scale[h];
+          CacheRows<kv_t> rows{kh, vh, table, a.block_size, Hkv * D};
+          if (D == 64)
+            decode_head_tiled<4>(head, qrow, rows, T, orow, buf);
+          else if (D == 128)
+            decode_head_tiled<8>(head, qrow, rows, T, orow, buf);
+          else
+            decode_head(head, qrow, kh, vh, table, T, orow, buf);
+        });
       });
     });
   });
@@ -427,67 +503,143 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+                     const KVParams& params) {
   const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             scale, out, k_scale, v_scale);
+                             scale, out, params);
   at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) { tasks.run(begin, end); });
 }
 
+void KVParams::check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn, int4 = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()) && fp8 == (k_scale || v_scale),
+              op, ": k_scale and v_scale go with an fp8 cache, and only with one");
+  if (fp8)
+    for (const at::Tensor& t : {*k_scale, *v_scale})
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == k_cache.size(2),
+                  op, ": k_scale / v_scale must be contiguous fp32 [num_kv_heads]");
+  const bool all_groups = k_group_scale && k_group_min && v_group_scale && v_group_min;
+  TORCH_CHECK(int4 == all_groups && int4 == (k_group_scale || k_group_min || v_group_scale || v_group_min),
+              op, ": group scales and minimums go with an int4 (uint8) cache, and only with one");
+  if (int4) {
+    const int64_t groups = k_group_scale->size(-1);
+    for (const at::Tensor& t : {*k_group_scale, *k_group_min, *v_group_scale, *v_group_min})
+      TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 4 &&
+                      t.size(0) == k_cache.size(0) && t.size(1) == k_cache.size(1) &&
+                      t.size(2) == k_cache.size(2) && t.size(3) == groups && groups > 0 &&
+                      head_dim % groups == 0 && (head_dim / groups) % 2 == 0,
+                  op, ": int4 group scales / minimums must be contiguous fp16 [blocks, block_size, "
+                  "Hkv, head_dim / group] with an even group");
+  }
+}
+
+namespace {
+
+// x rounded to fp16, then moved one fp16 step toward +inf (up) or -inf when rounding went the
+// other way: kv_cache._round_fp16_toward.
+inline c10::Half fp16_toward(float x, bool up) {
+  const c10::Half r(x);
+  const float rf = static_cast<float>(r);
+  if (std::isnan(x) || (up ? rf >= x : rf <= x)) return r;
+  uint16_t bits = r.x;
+  if ((bits & 0x7FFF) == 0) bits = up ? 0x0001 : 0x8001;
+  else if (((bits & 0x8000) == 0) == up) ++bits;  // away from zero
+  else --bits;                                     // toward zero
+  return c10::Half(bits, c10::Half::from_bits());
+}
+
+// One head's row x [D] -> packed codes [D / 2] and per-group fp16 scale / min, exactly as
+// kv_cache.quantize_int4_groups: min rounded down and scale up to fp16, codes round half to even.
+template <typename x_t>
+void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, c10::Half* scale,
+                       c10::Half* minimum) {
+  constexpr float kEps = std::numeric_limits<float>::epsilon();
+  for (int64_t g0 = 0; g0 < D; g0 += group) {
+    float lo = static_cast<float>(x[g0]), hi = lo;
+    for (int64_t j = g0 + 1; j < g0 + group; ++j) {
+      const float v = static_cast<float>(x[j]);
+      lo = std::min(lo, v), hi = std::max(hi, v);
+    }
+    const c10::Half mn = fp16_toward(lo, false);
+    const c10::Half sc = fp16_toward(std::max((hi - static_cast<float>(mn)) / 15.f, kEps), true);
+    minimum[g0 / group] = mn, scale[g0 / group] = sc;
+    const float m = static_cast<float>(mn), s = static_cast<float>(sc);
+    for (int64_t j = g0; j < g0 + group; j += 2) {
+      const auto code = [&](int64_t k) {
+        const float q = std::nearbyint((static_cast<float>(x[k]) - m) / s);
+        return static_cast<uint8_t>(q >= 0.f ? std::min(q, 15.f) : 0.f);  // NaN -> 0
+      };
+      packed[j / 2] = code(j) | code(j + 1) << 4;
+    }
+  }
+}
+
+}  // namespace
+
 // key/value [N, Hkv, D] (rows at any stride, heads dense; each any float dtype) -> caches at
-// slot_mapping [N] int64 (-1 skipped), converted to the cache dtype. An fp8 cache stores
-// clamp(x / scale[h], +-448) rounded to e4m3 (kv_cache.quantize_fp8, bit for bit), with its
-// k_scale / v_scale fp32 [Hkv]; float caches take no scales.
+// slot_mapping [N] int64 (-1 skipped), in the cache's format (kv_cache.py, bit for bit): float
+// caches convert; fp8 stores clamp(x / scale[h], +-448) rounded to e4m3; int4 stores packed codes
+// and the per-(slot, head, group) fp16 scale and min (params: KVParams).
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                 const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping, const KVParams& params) {
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.scalar_type() == v_cache.scalar_type(),
               "cache_write: slot_mapping must be contiguous int64, caches contiguous of one dtype");
-  const int64_t N = key.size(0), Hkv = k_cache.size(2), D = k_cache.size(3), width = Hkv * D;
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const bool int4 = k_cache.scalar_type() == at::kByte;
+  const int64_t N = key.size(0), Hkv = k_cache.size(2), D = k_cache.size(3) * (int4 ? 2 : 1);
+  const int64_t width = Hkv * D, num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
-              "cache_write: k_scale and v_scale go with an fp8 cache, and only with one");
-  if (fp8)
-    for (const at::Tensor& t : {*k_scale, *v_scale})
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == Hkv,
-                  "cache_write: k_scale / v_scale must be contiguous fp32 [num_kv_heads]");
+  params.check(k_cache, D, "cache_write");
   for (const at::Tensor* x : {&key, &value})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == N && x->size(1) * x->size(2) == width &&
                 x->stride(2) == 1 && x->stride(1) == x->size(2),
                 "cache_write: key/value must be [N, Hkv, D] with dense heads");
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(slots[i] < num_slots, "cache_write: slot ", slots[i], " is past the cache");
-  const at::Tensor* scales[2] = {fp8 ? &*k_scale : nullptr, fp8 ? &*v_scale : nullptr};
-  QKILN_DISPATCH_KV(k_cache.scalar_type(), "qkiln_cw_c", [&] {
-    using c_t = scalar_t;
-    for (int which = 0; which < 2; ++which) {
-      const at::Tensor& x = which ? value : key;
-      c_t* dst = (which ? v_cache : k_cache).data_ptr<c_t>();
-      const float* head_scale = scales[which] ? scales[which]->data_ptr<float>() : nullptr;
-      QKILN_DISPATCH(x.scalar_type(), "qkiln_cw_x", [&] {
-        const scalar_t* src = x.data_ptr<scalar_t>();
+  for (int which = 0; which < 2; ++which) {
+    const at::Tensor& x = which ? value : key;
+    at::Tensor& cache = which ? v_cache : k_cache;
+    QKILN_DISPATCH(x.scalar_type(), "qkiln_cw_x", [&] {
+      using x_t = scalar_t;
+      const x_t* src = x.data_ptr<x_t>();
+      if (int4) {
+        const at::Tensor &gs = which ? *params.v_group_scale : *params.k_group_scale,
+                         &gm = which ? *params.v_group_min : *params.k_group_min;
+        const int64_t groups = gs.size(3), group = D / groups;
+        uint8_t* dst = cache.data_ptr<uint8_t>();
+        c10::Half *scale = gs.data_ptr<c10::Half>(), *minimum = gm.data_ptr<c10::Half>();
         for (int64_t i = 0; i < N; ++i) {
           if (slots[i] < 0) continue;
-          const scalar_t* row = src + i * x.stride(0);
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = slots[i] * Hkv + h;
+            quantize_int4_row(src + i * x.stride(0) + h * D, D, group, dst + at * D / 2,
+                              scale + at * groups, minimum + at * groups);
+          }
+        }
+        return;
+      }
+      const c10::optional<at::Tensor>& head_scale = which ? params.v_scale : params.k_scale;
+      QKILN_DISPATCH_KV(cache.scalar_type(), "qkiln_cw_c", [&] {
+        using c_t = scalar_t;
+        c_t* dst = cache.data_ptr<c_t>();
+        for (int64_t i = 0; i < N; ++i) {
+          if (slots[i] < 0) continue;
+          const x_t* row = src + i * x.stride(0);
           c_t* slot = dst + slots[i] * width;
           if constexpr (std::is_same_v<c_t, c10::Float8_e4m3fn>) {
-            for (int64_t h = 0; h < Hkv; ++h) {
-              const Vf divisor = set1(head_scale[h]);
+            const float* s = head_scale->data_ptr<float>();
+            for (int64_t h = 0; h < Hkv; ++h)
               for (int64_t j = 0; j < D; j += kW) {
-                const Vf v = clamp_abs(div(load(row + h * D + j, D - j), divisor), 448.f);
+                const Vf v = clamp_abs(div(load(row + h * D + j, D - j), set1(s[h])), 448.f);
                 store(slot + h * D + j, v, D - j);
               }
-            }
-          } else if constexpr (std::is_same_v<scalar_t, c_t>) {
+          } else if constexpr (std::is_same_v<x_t, c_t>) {
             std::memcpy(slot, row, width * sizeof(c_t));
           } else {
             for (int64_t j = 0; j < width; j += kW) store(slot + j, load(row + j, width - j), width - j);
           }
         }
       });
-    }
-  });
+    });
+  }
 }

@@ -21,8 +21,8 @@
 // rethrown after it.
 //
 // runtime/decode_stack.py decides when a model and a step qualify (native linears everywhere,
-// float or fp8 caches without key smoothing, decodes only, M <= 16) and builds this object once
-// per engine.
+// caches the native attention serves, decodes only, M <= 16) and builds this object once per
+// engine.
 
 #include "decode_stack.h"
 
@@ -74,8 +74,9 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
                     l.gate_up.out_features() == gate_up && gate_up % 2 == 0 &&
                     l.down.out_features() == hidden,
                 "DecodeStack: linear shapes do not match the attention geometry");
+    const int64_t per_byte = l.k_cache.scalar_type() == at::kByte ? 2 : 1;  // int4: packed pairs
     TORCH_CHECK(l.k_cache.dim() == 4 && l.k_cache.size(2) == num_kv_heads &&
-                    l.k_cache.size(3) == head_dim,
+                    l.k_cache.size(3) * per_byte == head_dim,
                 "DecodeStack: caches must be [blocks, block_size, Hkv, D]");
   }
 }
@@ -147,9 +148,9 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
         at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
         // kv_cache.offset_key's arithmetic: the key in fp32 minus the offset
         const at::Tensor key = l.k_offset.defined() ? at::sub(k.to(at::kFloat), l.k_offset) : k;
-        cache_write(key, v, k_cache, v_cache, slot_mapping, l.k_scale, l.v_scale);
+        cache_write(key, v, k_cache, v_cache, slot_mapping, l.kv);
         tasks.emplace(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_,
-                      attn, l.k_scale, l.v_scale);
+                      attn, l.kv);
       });
       if (tasks) {
         const auto [begin, end] = share(tasks->size(), tid, n);

@@ -31,12 +31,12 @@ class NativeLinear {
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):
-// q/k/v as one linear, gate/up as one linear, float or fp8 paged K/V caches.
+// q/k/v as one linear, gate/up as one linear, float, fp8 or int4 paged K/V caches.
 struct StackLayer {
   NativeLinear qkv, o, gate_up, down;
   at::Tensor input_norm, post_norm;  // RMSNorm weights [hidden], the activation dtype
-  at::Tensor k_cache, v_cache;       // [blocks, block_size, Hkv, D]
-  c10::optional<at::Tensor> k_scale, v_scale;  // fp32 [Hkv], fp8 caches only
+  at::Tensor k_cache, v_cache;       // [blocks, block_size, Hkv, D] (int4: D / 2 bytes)
+  KVParams kv;                       // the cache's scales (fp8) or group scales / minimums (int4)
   at::Tensor k_offset;  // fp32 [Hkv, D] subtracted from keys before the write, or undefined
 };
 

@@ -13,13 +13,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
   namespace py = pybind11;
-  m.def("paged_attention", &paged_attention, "causal paged attention over every query row",
+  using Opt = c10::optional<at::Tensor>;
+  m.def("paged_attention",
+        [](const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+           const at::Tensor& query_start_loc, double scale, at::Tensor& out, Opt k_scale,
+           Opt v_scale, Opt k_group_scale, Opt k_group_min, Opt v_group_scale, Opt v_group_min) {
+          paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                          out, {k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min});
+        },
+        "causal paged attention over every query row (float, fp8 or int4 caches)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("out"),
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
-  m.def("cache_write", &cache_write, "write K/V rows into float or fp8 paged caches",
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("k_group_scale") = py::none(), py::arg("k_group_min") = py::none(),
+        py::arg("v_group_scale") = py::none(), py::arg("v_group_min") = py::none());
+  m.def("cache_write",
+        [](const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+           const at::Tensor& slot_mapping, Opt k_scale, Opt v_scale, Opt k_group_scale,
+           Opt k_group_min, Opt v_group_scale, Opt v_group_min) {
+          cache_write(key, value, k_cache, v_cache, slot_mapping,
+                      {k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min});
+        },
+        "quantize K/V rows into float, fp8 or int4 paged caches",
         py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
-        py::arg("slot_mapping"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("slot_mapping"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("k_group_scale") = py::none(), py::arg("k_group_min") = py::none(),
+        py::arg("v_group_scale") = py::none(), py::arg("v_group_min") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm with Hugging Face's rounding");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add + RMSNorm, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
@@ -42,14 +62,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
-                       at::Tensor v_cache, c10::optional<at::Tensor> k_scale,
-                       c10::optional<at::Tensor> v_scale, c10::optional<at::Tensor> k_offset) {
-             return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache,
-                               k_scale, v_scale, k_offset.value_or(at::Tensor())};
+                       at::Tensor v_cache, Opt k_scale, Opt v_scale, Opt k_group_scale,
+                       Opt k_group_min, Opt v_group_scale, Opt v_group_min, Opt k_offset) {
+             const KVParams kv{k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min};
+             kv.check(k_cache, k_cache.size(3) * (k_cache.scalar_type() == at::kByte ? 2 : 1), "StackLayer");
+             return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache, kv,
+                               k_offset.value_or(at::Tensor())};
            }),
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("k_cache"), py::arg("v_cache"),
            py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+           py::arg("k_group_scale") = py::none(), py::arg("k_group_min") = py::none(),
+           py::arg("v_group_scale") = py::none(), py::arg("v_group_min") = py::none(),
            py::arg("k_offset") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
       .def(py::init<std::vector<StackLayer>, at::Tensor, int64_t, int64_t, int64_t, double>(),

@@ -57,12 +57,18 @@ struct Int8Gemv {
 };
 std::string int8_kernel_isa();
 
-// cpu_attention.cpp (k_scale / v_scale: fp8 caches only)
+// cpu_attention.cpp
+// A cache's quantization parameters (plugins/kv_cache.py), absent for float caches: fp8 k_scale /
+// v_scale fp32 [Hkv]; int4 (uint8 cache of packed pairs) group scale / min fp16
+// [blocks, block_size, Hkv, head_dim / group].
+struct KVParams {
+  c10::optional<at::Tensor> k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min;
+  void check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const;  // TORCH_CHECKs
+};
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                     const c10::optional<at::Tensor>& k_scale = c10::nullopt,
-                     const c10::optional<at::Tensor>& v_scale = c10::nullopt);
+                     const KVParams& params = {});
 // paged_attention as tasks (row block x kv head group) a caller spreads over its own threads (the decode
 // stack); paged_attention itself runs them through at::parallel_for. Validates in the
 // constructor, so run() cannot fail. The index tensors must outlive it.
@@ -71,8 +77,7 @@ class AttentionTasks {
   AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                 const c10::optional<at::Tensor>& k_scale = c10::nullopt,
-                 const c10::optional<at::Tensor>& v_scale = c10::nullopt);
+                 const KVParams& params = {});
   int64_t size() const;
   void run(int64_t begin, int64_t end) const;
 
@@ -82,6 +87,8 @@ class AttentionTasks {
   };
   at::Tensor query_, k_cache_, v_cache_, out_;
   at::Tensor k_scale_, v_scale_;  // fp8 caches: fp32 [Hkv]; undefined otherwise
+  at::Tensor k_group_scale_, k_group_min_, v_group_scale_, v_group_min_;  // int4 caches only
+  bool int4_ = false;
   const int32_t *tables_ = nullptr, *lens_ = nullptr, *starts_ = nullptr;
   int64_t max_blocks_ = 0;
   float scale_;
@@ -90,9 +97,7 @@ class AttentionTasks {
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
 };
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                 at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                 const c10::optional<at::Tensor>& k_scale = c10::nullopt,
-                 const c10::optional<at::Tensor>& v_scale = c10::nullopt);
+                 at::Tensor& v_cache, const at::Tensor& slot_mapping, const KVParams& params = {});
 
 // cpu_small_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

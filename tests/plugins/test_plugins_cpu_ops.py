@@ -2,14 +2,17 @@
 
 Attention: the decode kernel computes in fp32 like cpu_attention.py's torch path, so against the
 reference it must agree to plugins_testlib.TOLERANCE of the query dtype (fp32: 2e-5), on random
-batches drawn fresh per run (lengths crossing block boundaries, GQA, unequal lengths) in caches
-whose unused slots are NaN-poisoned (rel_error fails on any NaN). Small ops: the kernels round where HF's eager code rounds, so SiLU-and-mul and RoPE are
+batches drawn fresh per run (lengths crossing block boundaries, GQA, unequal lengths) in float,
+fp8 and int4 caches whose unused slots are poisoned (NaN; int4 code 15 with NaN scales), so
+rel_error fails on any stray read. Cache writes: fp8 and int4 bytes (and int4's fp16 scales and
+minimums) equal the torch quantizers' bit for bit, ties and saturation included.
+Small ops: the kernels round where HF's eager code rounds, so SiLU-and-mul and RoPE are
 bit-identical to the references in bf16/fp16. RMSNorm's fp32 sum of squares runs in another order
 than torch's, which can move 1/rms by an fp32 ulp and so flip a rounding: norms may differ by two
 ulps of the dtype (one ulp of the normalized value times the weight) on at most 1% of the values
 (observed: <= 0.03%), and a 2-layer bf16 model by bf16 tolerance on >= 90% identical logits
-(observed: >= 99%). fp32 RMSNorm differs by that
-order only, fp32 SiLU by torch's scalar exp on its row tails: <= 1e-6 relative. Skips (saying why) when the extension cannot build.
+(observed: >= 99%). fp32 RMSNorm differs by that order only, fp32 SiLU by torch's scalar exp on its
+row tails: <= 1e-6 relative. Skips (saying why) when the extension cannot build.
 """
 
 import math
@@ -51,7 +54,7 @@ def random_specs(num_seqs: int, block_size: int, prefill: bool):
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "mixed"])
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 9, 3), (128, 4, 4), (32, 6, 2)])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp32", "fp8", "int4"])
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_decode_attention_matches_the_reference(ext, kv_dtype, head_dim, num_heads, num_kv_heads,
                                                 block_size, prefill):
@@ -62,6 +65,17 @@ def test_decode_attention_matches_the_reference(ext, kv_dtype, head_dim, num_hea
     assert out.dtype == args[0].dtype and out.shape == args[0].shape
     expected = reference_paged_attention(*args)
     assert rel_error(out, expected) < TOLERANCE[out.dtype]
+
+
+@pytest.mark.parametrize("kv_dtype,group_size", [("fp8", 16), ("int4", 16), ("int4", 8), ("int4", 64)])
+def test_quantized_caches_serve_bf16_queries(ext, kv_dtype, group_size):
+    """The serving case: bf16 activations over an fp8 or int4 cache (int4 groups smaller than,
+    equal to and larger than a 16-float vector), decodes and a prefill chunk in one call."""
+    cache = make_cache(kv_dtype, 60, 3, 64, group_size=group_size)
+    batch = PagedBatch(random_specs(10, 16, prefill=True), cache, 9)
+    args = batch.attention_args(cache, torch.bfloat16)
+    out = torch.ops.qkiln.paged_attention(*args)
+    assert out.dtype == torch.bfloat16 and rel_error(out, reference_paged_attention(*args)) < TOLERANCE[torch.bfloat16]
 
 
 def test_attention_reads_a_strided_query_for_decode_and_prefill_rows(ext):
@@ -100,6 +114,24 @@ def e4m3_test_values() -> torch.Tensor:
     edges = torch.tensor([2 ** -6, 2 ** -6 * 0.99, 2 ** -10, 1e-30, -1e-30, 0.0, -0.0, 447.9, 448.1,
                           460.0, 470.0, -600.0, math.inf, -math.inf, math.nan])
     return torch.cat([grid, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), edges])
+
+
+@pytest.mark.parametrize("group_size", [2, 8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cache_write_matches_the_quantizer_bit_for_bit(ext, dtype, group_size):
+    """Codes, fp16 scales (rounded up) and minimums (rounded down) as kv_cache.quantize_int4_groups
+    makes them, for keys with a few large channels and constant groups (scale at its floor)."""
+    key = torch.randn(40, 3, 64) * 3
+    key[:, :, 5] *= 40
+    key[7] = 0.25
+    key, value = key.to(dtype), (torch.randn(40, 3, 64) * 0.01).to(dtype)
+    native, reference = (make_cache("int4", 6, 3, 64, group_size=group_size) for _ in range(2))
+    slots = torch.randperm(6 * 16)[:40]
+    slots[3] = -1
+    cache_write(key, value, native, slots)
+    reference_cache_write(key, value, *reference.op_tensors(), slots)
+    for a, b in zip(native.op_tensors()[:8], reference.op_tensors()[:8]):
+        assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -213,7 +245,7 @@ def test_bf16_model_gives_the_same_logits_with_or_without_the_fused_ops(ext, fus
     assert (actual == expected).float().mean().item() >= 0.9
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
 def test_paged_attention_front_door_uses_the_native_decode(ext, kv_dtype):
     cache = make_cache(kv_dtype, 20, 3, 64)
     batch = PagedBatch([(33, 1), (16, 1)], cache, 9)
@@ -262,3 +294,15 @@ def test_portable_build_ops_match_the_references(ext):
     reference_cache_write(key, key, *expected_cache.op_tensors(), slots)
     assert torch.equal(written.k.view(torch.uint8), expected_cache.k.view(torch.uint8))
     assert torch.equal(written.v.view(torch.uint8), expected_cache.v.view(torch.uint8))
+    cache = make_cache("int4", 40, 2, 32, block_size=5)
+    args = PagedBatch(random_specs(3, 5, prefill=True), cache, 6).attention_args(cache, torch.float32)
+    portable.paged_attention(args[0], cache.k, cache.v, *args[-4:], out := torch.empty_like(args[0]),
+                             *cache.op_tensors()[2:8])
+    assert rel_error(out, reference_paged_attention(*args)) < TOLERANCE[torch.float32]
+    written, expected_cache = make_cache("int4", 4, 2, 32), make_cache("int4", 4, 2, 32)
+    value = torch.randn(key.shape)
+    portable.cache_write(key.nan_to_num(0, 448, -448), value, written.k, written.v, slots,
+                         *written.op_tensors()[2:8])
+    reference_cache_write(key.nan_to_num(0, 448, -448), value, *expected_cache.op_tensors(), slots)
+    for a, b in zip(written.op_tensors()[:8], expected_cache.op_tensors()[:8]):
+        assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -11,6 +11,7 @@ from qkiln.runtime.sampling_params import SamplingParams
 from tiny_models import write_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(cpu_native.native_ops() is None, reason="native CPU kernels not built")
+STACK_RECIPES = ("w4a16-rtn", "w8a16", "w4a16-rtn+kv-fp8", "w4a16-rtn+kv-int4")
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,11 @@ def artifacts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack")
     source = write_tiny_hf_model(tmp / "m", "llama")
     out = {name: build(str(source), load_recipe(name), tmp / name, use_cache=False, progress=False,
-                       log=lambda m: None).path for name in ("w4a16-rtn", "w8a16", "w4a16-rtn+kv-fp8")}
+                       log=lambda m: None).path for name in STACK_RECIPES}
+    smoothing = tmp / "kv-smoothing.yaml"  # int4 KV with key smoothing: not natively served
+    smoothing.write_text("scheme:\n  weights: {num_bits: 4, group_size: 32}\n  kv_cache: {dtype: int4, key_smoothing: true}\n")
+    out["smoothing"] = build(str(source), load_recipe(str(smoothing)), tmp / "smoothing", use_cache=False,
+                             progress=False, log=lambda m: None).path
     return source, out
 
 
@@ -64,19 +69,22 @@ def _run_recording(engine: LLMEngine, prompts, max_tokens: int):
     return [done[i] for i in ids], logits, steps
 
 
-@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-fp8"])
+@pytest.mark.parametrize("recipe", STACK_RECIPES)
 def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, recipe):
-    """kv-fp8: calibrated per-head scales and a key offset, written and read in the stack."""
+    """kv-fp8: calibrated per-head scales and a key offset; kv-int4: per-(slot, head, group) scales
+    and minimums; both written and read in the stack."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 33)]
     fast = _engine(paths[recipe], monkeypatch, stack=True)
     slow = _engine(paths[recipe], monkeypatch, stack=False)
     assert fast.runner.decode_stack is not None and slow.runner.decode_stack is None
+    cache = fast.runner.backend.caches[0]
     if recipe.endswith("kv-fp8"):
-        cache = fast.runner.backend.caches[0]
         assert cache.k.dtype == torch.float8_e4m3fn and cache.k_offset is not None
         assert not torch.equal(cache.k_scale, torch.ones_like(cache.k_scale))
+    if recipe.endswith("kv-int4"):
+        assert cache.k.dtype == torch.uint8 and cache.k_group_scale is not None
     tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 12)
     tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 12)
     assert tokens_fast == tokens_slow
@@ -102,7 +110,8 @@ def test_mixed_and_large_steps_take_the_python_path(artifacts, monkeypatch):
 
 def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypatch):
     source, paths = artifacts
-    assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, kv_dtype="int4").runner.decode_stack is None
+    assert _engine(paths["smoothing"], monkeypatch, stack=True).runner.backend.caches[0].k_channel_scale is not None
+    assert _engine(paths["smoothing"], monkeypatch, stack=True).runner.decode_stack is None
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, dtype="fp32").runner.decode_stack is None
     assert _engine(source, monkeypatch, stack=True).runner.decode_stack is None  # bf16 linears
     monkeypatch.setattr(cpu_native, "_ops_enabled", False)
