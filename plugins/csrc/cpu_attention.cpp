@@ -115,9 +115,16 @@ struct CacheRows {
 constexpr int64_t kMaxInt4HeadDim = 128;
 
 // One packed int4 row of D elements -> fp32, x = q * scale + min per group of `group` elements
-// (kv_cache.dequantize_int4_groups; low nibble = even element).
-inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum,
+// (kv_cache.dequantize_int4_groups; low nibble = even element). The row's fp16 scales and
+// minimums are widened once into fp32 first (a scalar c10::Half conversion per group cost more
+// than the codes).
+inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const c10::Half* min_h,
                                 int64_t D, int64_t group, float* out) {
+  float scale[kMaxInt4HeadDim / 2], minimum[kMaxInt4HeadDim / 2];  // groups have >= 2 elements
+  for (int64_t g = 0; g < D / group; g += kW) {
+    store(scale + g, load(scale_h + g, D / group - g), D / group - g);
+    store(minimum + g, load(min_h + g, D / group - g), D / group - g);
+  }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   if (group % kW == 0) {  // each 16-element chunk lies in one group
     for (int64_t j = 0; j < D; j += kW) {
@@ -125,16 +132,14 @@ inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, c
       const __m128i codes = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi16(15)),  // [lo, hi] byte pairs
                                          _mm_slli_epi16(_mm_srli_epi16(words, 4), 8));
       const Vf x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
-      store(out + j, add(mul(x, set1(static_cast<float>(scale[j / group]))),
-                         set1(static_cast<float>(minimum[j / group]))));
+      store(out + j, add(mul(x, set1(scale[j / group])), set1(minimum[j / group])));
     }
     return;
   }
 #endif
   for (int64_t j = 0; j < D; ++j) {
     const int code = j % 2 ? packed[j / 2] >> 4 : packed[j / 2] & 15;
-    out[j] = static_cast<float>(code) * static_cast<float>(scale[j / group]) +
-             static_cast<float>(minimum[j / group]);
+    out[j] = static_cast<float>(code) * scale[j / group] + minimum[j / group];
   }
 }
 
@@ -555,6 +560,14 @@ void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, 
   constexpr float kEps = std::numeric_limits<float>::epsilon();
   for (int64_t g0 = 0; g0 < D; g0 += group) {
     float lo = static_cast<float>(x[g0]), hi = lo;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (group % kW == 0) {
+      Vf vlo = load(x + g0), vhi = vlo;
+      for (int64_t j = g0 + kW; j < g0 + group; j += kW)
+        vlo = _mm512_min_ps(vlo, load(x + j)), vhi = _mm512_max_ps(vhi, load(x + j));
+      lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+    } else
+#endif
     for (int64_t j = g0 + 1; j < g0 + group; ++j) {
       const float v = static_cast<float>(x[j]);
       lo = std::min(lo, v), hi = std::max(hi, v);
@@ -563,6 +576,19 @@ void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, 
     const c10::Half sc = fp16_toward(std::max((hi - static_cast<float>(mn)) / 15.f, kEps), true);
     minimum[g0 / group] = mn, scale[g0 / group] = sc;
     const float m = static_cast<float>(mn), s = static_cast<float>(sc);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (group % kW == 0) {
+      for (int64_t j = g0; j < g0 + group; j += kW) {
+        Vf q = _mm512_roundscale_ps(div(sub(load(x + j), set1(m)), set1(s)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, set1(0.f)), set1(15.f));  // NaN -> 0 (maxps: 2nd operand)
+        const __m128i pairs = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q));  // 8 words: even | odd << 8
+        const __m128i merged = _mm_and_si128(_mm_or_si128(pairs, _mm_srli_epi16(pairs, 4)), _mm_set1_epi16(0xFF));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), _mm_packus_epi16(merged, merged));
+      }
+      continue;
+    }
+#endif
     for (int64_t j = g0; j < g0 + group; j += 2) {
       const auto code = [&](int64_t k) {
         const float q = std::nearbyint((static_cast<float>(x[k]) - m) / s);
