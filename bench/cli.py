@@ -118,6 +118,27 @@ def cpu_compare_command(
     _run("cpu_compare", locals())
 
 
+@bench_app.command("kv-dtypes")
+def kv_dtypes_command(
+    model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",
+    work_dir: Annotated[Optional[Path], typer.Option(help="where the built artifacts are kept")] = None,
+    threads: Annotated[int, typer.Option(help="torch threads")] = 2,
+    repeats: Annotated[int, typer.Option(help="timed repeats per figure (median and spread)")] = 3,
+    input_len: Annotated[int, typer.Option(help="prompt tokens")] = 128,
+    output_len: Annotated[int, typer.Option(help="generated tokens")] = 128,
+    num_requests: Annotated[int, typer.Option(help="requests in the offline throughput run")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (offline)")] = 1024,
+    num_samples: Annotated[int, typer.Option(help="KV calibration samples for the fp8 / int4 builds")] = 32,
+    kv_cache_mib: Annotated[int, typer.Option(help="KV budget the tokens-held column is for")] = 512,
+    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="steps of >16 rows with int8 activations")] = False,
+    seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write PNG bar charts into this directory")] = None,
+):
+    """One W4A16 model with a bf16, fp8 and int4 KV cache: speed and KV room, same run."""
+    _run("kv_dtypes", locals())
+
+
 @bench_app.command("kernels")
 def kernels_command(
     threads: Annotated[int, typer.Option(help="torch threads")] = 2,

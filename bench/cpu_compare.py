@@ -42,8 +42,12 @@ TARGETS = {"decode_w4a16_vs_hf": 8.0, "throughput_w4a16_vs_best_hf": 4.0}
 _NOT_RUN = {"skipped": "not requested"}
 
 
-def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
-    """`artifact` if given; else a cached w4a16-rtn build of `model`, rebuilt when its source changed."""
+def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: str = W4A16_RECIPE,
+                    num_samples: int | None = None) -> Path:
+    """`artifact` if given; else a cached build of `model` with preset `recipe` (calibrating on
+    `num_samples` samples where it calibrates), rebuilt when its source or the scheme changed."""
+    import dataclasses
+
     from qkiln.compile.artifact import read_manifest
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
@@ -52,15 +56,18 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path) -> Path:
     if artifact is not None:
         return artifact
     source = resolve_source(model)
-    out = work_dir / f"{source.stem}-{W4A16_RECIPE}"
+    out = work_dir / f"{source.stem}-{recipe}"
     files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    built = preset(recipe)
+    if num_samples is not None:
+        built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))
     if (out / "manifest.json").is_file():
         m = read_manifest(out)
-        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("scheme") == preset(W4A16_RECIPE).scheme.to_dict():
+        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("scheme") == built.scheme.to_dict():
             log(f"reusing artifact {out}")
             return out
-    log(f"building {out} ({W4A16_RECIPE})")
-    build(str(source), preset(W4A16_RECIPE), out, overwrite=True, progress=False, log=log)
+    log(f"building {out} ({recipe})")
+    build(str(source), built, out, overwrite=True, progress=False, log=log)
     return out
 
 

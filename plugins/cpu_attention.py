@@ -1,11 +1,11 @@
 """CPU paged attention and cache write: the main CPU decode path, plain torch, no SDPA.
 
 Native first: for float, fp8 and int4 caches without key smoothing, attention (decodes and
-prefill chunks) and the cache write run csrc/cpu_attention.cpp (cpu_native.native_ops(): reads
-K/V through the block tables, no gather copies; fp8 is widened in registers, its per-head scales
-folded into the scores and the output; int4 rows are dequantized tile by tile into L1, once for
-the whole GQA group). Key smoothing, and int4 at head dims other than 32/64/128, keep the torch
-code below.
+prefill chunks) and the cache write run csrc/cpu_attention.cpp and cpu_kv_write.cpp
+(cpu_native.native_ops(): K/V read through the block tables, no gather copies; fp8 widened in
+registers, its per-head scales folded into the scores and the output; int4 rows dequantized tile
+by tile into L1, once for the whole GQA group). Key smoothing, and int4 at head dims other than
+32/64/128, keep the torch code below.
 
 Why not `scaled_dot_product_attention`: on CPU in bf16 it is 16-26x slower than matmul + softmax
 for decode shapes (DESIGN.md). Here each call gathers the context's slots through the block

@@ -96,6 +96,7 @@ class AttentionTasks {
   bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query, bf16/fp8 cache, D 64/128)
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
 };
+// cpu_kv_write.cpp
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                  at::Tensor& v_cache, const at::Tensor& slot_mapping, const KVParams& params = {});
 

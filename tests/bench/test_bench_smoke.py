@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tiny_models import write_tiny_hf_model
 
-from qkiln.bench import cpu_compare, latency, serve, throughput
+from qkiln.bench import cpu_compare, kv_dtypes, latency, serve, throughput
 from qkiln.bench.report import summarize
 from qkiln.bench.roofline import kv_bytes_per_token, measure_bandwidth, weight_bytes
 from qkiln.bench.serve import compute_metrics, parse_goodput
@@ -154,6 +154,23 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert str(built) == res["artifact"]
 
 
+def test_kv_dtypes_tiny(tiny, tmp_path):
+    report = kv_dtypes.main(str(tiny), work_dir=tmp_path / "work", threads=1, repeats=1, input_len=8, output_len=4,
+                            num_requests=4, num_samples=2, json_out=tmp_path / "k.json", plot=tmp_path / "plots")
+    _check_envelope(report, "kv-dtypes")
+    rows = report["results"]["kv_dtypes"]
+    assert list(rows) == ["bf16", "fp8", "int4"]
+    for kv, row in rows.items():
+        assert _positive(row["batch1_decode"]["decode_tokens_per_s"]), kv
+        assert _positive(row["offline_throughput"]["output_tokens_per_s"]), kv
+        assert _positive(row["offline_vs_bf16"]) and row["tokens_in_budget"] > 0
+    # bf16 2 bytes an element; fp8 1; int4 half a byte plus an fp16 scale and minimum per 16
+    assert rows["bf16"]["kv_bytes_per_token"] == 2 * rows["fp8"]["kv_bytes_per_token"]
+    assert rows["int4"]["kv_bytes_per_token"] == rows["fp8"]["kv_bytes_per_token"] * (0.5 + 4 / 16)
+    assert rows["bf16"]["decode_vs_bf16"] == 1.0
+    assert (tmp_path / "plots" / "kv_dtypes_throughput.png").is_file()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("qkiln.runtime.server") is None, reason="runtime/server.py absent")
 def test_serve_against_a_started_server(tiny, tmp_path):
     report = serve.main(str(tiny), num_requests=3, input_len="4:6", output_len="3", concurrency="1,0",
@@ -180,6 +197,7 @@ def test_cli_wiring_and_errors(tiny):
     bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--input-len", "0"])
     assert bad.exit_code == 2 and "error: input_len must be" in bad.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
 
 
 def test_cpu_kernels_report(tmp_path):
