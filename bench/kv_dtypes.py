@@ -49,8 +49,9 @@ def _merge(single_runs: list[dict]) -> dict:
 
 
 def run_kv_dtypes(model: str, work_dir: Path, args: dict) -> dict:
-    """Every engine is loaded first and the repeats take turns (bf16, fp8, int4, bf16, ...), so a
-    drift of the shared host lands on all three rows alike instead of on whichever ran last."""
+    """Every engine is loaded first and the repeats take turns (bf16, fp8, int4, bf16, ...; the
+    batch-1 rounds, then the offline ones), so a drift of the shared host lands on all three rows
+    alike instead of on whichever ran last."""
     artifacts = {kv: ensure_artifact(model, None, work_dir, recipe, args["num_samples"])
                  for kv, recipe in KV_RECIPES.items()}
     tokenizer = load_tokenizer(str(artifacts["bf16"]))
@@ -64,10 +65,12 @@ def run_kv_dtypes(model: str, work_dir: Path, args: dict) -> dict:
     runs = {kv: {"batch1": [], "offline": []} for kv in engines}
     for i in range(args["repeats"]):
         for kv, e in engines.items():
-            label = f"kv {kv} (round {i + 1}/{args['repeats']})"
-            runs[kv]["batch1"].append(run_latency(e["batch1"], decode_wl, 1, label=f"{label} batch-1"))
+            runs[kv]["batch1"].append(run_latency(e["batch1"], decode_wl, 1,
+                                                  label=f"kv {kv} batch-1 (round {i + 1}/{args['repeats']})"))
+    for i in range(args["repeats"]):
+        for kv, e in engines.items():
             runs[kv]["offline"].append(run_throughput(e["offline"], tput_wl, 1, warmup=i == 0,
-                                                      label=f"{label} offline"))
+                                                      label=f"kv {kv} offline (round {i + 1}/{args['repeats']})"))
     rows = {kv: {"artifact": str(artifacts[kv]), "kv_bytes_per_token": e["kv_bytes_per_token"],
                  "tokens_in_budget": args["kv_cache_mib"] * (1 << 20) // e["kv_bytes_per_token"],
                  "batch1_decode": _merge(runs[kv]["batch1"]), "offline_throughput": _merge(runs[kv]["offline"])}
