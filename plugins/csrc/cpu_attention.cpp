@@ -251,7 +251,10 @@ constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.
 // splits into its even and odd elements as fp32 (a shift and a mask), accumulated per parity
 // and interleaved back at the end. Scores walk the rows once, each row's H head slices in turn
 // (with H = Hkv a block is one contiguous stream); p @ V walks each block once per head, with
-// the next block's slices prefetched.
+// the next block's slices prefetched. Each K row's V slices are prefetched into L2 as the K pass
+// reaches it: with only the hardware prefetchers the two passes ran at ~11 GB/s against ~30 a
+// plain read reaches (64 decodes x 192 tokens, 30 layers; four same-process A/Bs: 0.67-0.95 ->
+// 0.51-0.71 ms a layer, 23-29% less).
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
                        const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
@@ -281,6 +284,11 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       if (i >= n) {
         for (int64_t j = 0; j < HG; ++j) dots[j * kW + i] = set1(0.f);
         continue;
+      }
+      {  // this row's V slices into L2 now, while the K pass computes: pass 2 finds them there
+        const char* vrow = reinterpret_cast<const char*>(v_head + offsets[i]);
+        for (int64_t byte = 0; byte < H * D * int64_t(sizeof(kv_t)); byte += 64)
+          _mm_prefetch(vrow + byte, _MM_HINT_T1);
       }
       for (int64_t h = 0; h < H; ++h) {
         __m512i kv[NP];
