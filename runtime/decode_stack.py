@@ -77,7 +77,9 @@ class NativeDecodeStack:
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
             layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v,
-                                         *cache.op_tensors()[2:8], cache.k_offset))
+                                         cache.k_scale, cache.v_scale, cache.k_group_scale,
+                                         cache.k_group_min, cache.v_group_scale, cache.v_group_min,
+                                         cache.k_offset))
         norm = model.model.norm
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps)
