@@ -280,29 +280,41 @@ def test_portable_build_ops_match_the_references(ext):
     portable.paged_attention(query, cache.k, cache.v, tables, lens, starts, scale, out)
     expected = reference_paged_attention(*args)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def _quant_params(cache):
+    """A cache's k/v scales (fp8) and group scales / minimums (int4), as the native ops take them."""
+    return (cache.k_scale, cache.v_scale, cache.k_group_scale, cache.k_group_min, cache.v_group_scale,
+            cache.v_group_min)
+
+
+def test_portable_build_serves_quantized_caches(ext):
+    """fp8 and int4 caches through the plain-C++ build: attention against the reference, writes
+    bit for bit (the fp8 edge values; int4 on the same values with NaN and inf made finite)."""
+    portable = cpu_native.build_portable_extension()
     cache = make_cache("fp8", 40, 2, 32, block_size=5)
     args = PagedBatch(random_specs(3, 5, prefill=True), cache, 6).attention_args(cache, torch.float32)
     portable.paged_attention(args[0], cache.k, cache.v, *args[-4:], out := torch.empty_like(args[0]),
-                             cache.k_scale, cache.v_scale)
+                             *_quant_params(cache))
     assert rel_error(out, reference_paged_attention(*args)) < TOLERANCE[torch.float32]
     key = e4m3_test_values().view(-1, 2, 32)  # 1024 values: 16 rows
     written, expected_cache = make_cache("fp8", 4, 2, 32), make_cache("fp8", 4, 2, 32)
     for c in (written, expected_cache):
         c.k_scale.fill_(1.0), c.v_scale.fill_(0.5)
     slots = torch.randperm(64)[:key.shape[0]]
-    portable.cache_write(key, key, written.k, written.v, slots, written.k_scale, written.v_scale)
+    portable.cache_write(key, key, written.k, written.v, slots, *_quant_params(written))
     reference_cache_write(key, key, *expected_cache.op_tensors(), slots)
     assert torch.equal(written.k.view(torch.uint8), expected_cache.k.view(torch.uint8))
     assert torch.equal(written.v.view(torch.uint8), expected_cache.v.view(torch.uint8))
     cache = make_cache("int4", 40, 2, 32, block_size=5)
     args = PagedBatch(random_specs(3, 5, prefill=True), cache, 6).attention_args(cache, torch.float32)
     portable.paged_attention(args[0], cache.k, cache.v, *args[-4:], out := torch.empty_like(args[0]),
-                             *cache.op_tensors()[2:8])
+                             *_quant_params(cache))
     assert rel_error(out, reference_paged_attention(*args)) < TOLERANCE[torch.float32]
     written, expected_cache = make_cache("int4", 4, 2, 32), make_cache("int4", 4, 2, 32)
     value = torch.randn(key.shape)
     portable.cache_write(key.nan_to_num(0, 448, -448), value, written.k, written.v, slots,
-                         *written.op_tensors()[2:8])
+                         *_quant_params(written))
     reference_cache_write(key.nan_to_num(0, 448, -448), value, *expected_cache.op_tensors(), slots)
     for a, b in zip(written.op_tensors()[:8], expected_cache.op_tensors()[:8]):
         assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))

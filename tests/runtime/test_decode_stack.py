@@ -24,7 +24,8 @@ def artifacts(tmp_path_factory):
     out = {name: build(str(source), load_recipe(name), tmp / name, use_cache=False, progress=False,
                        log=lambda m: None).path for name in STACK_RECIPES}
     smoothing = tmp / "kv-smoothing.yaml"  # int4 KV with key smoothing: not natively served
-    smoothing.write_text("scheme:\n  weights: {num_bits: 4, group_size: 32}\n  kv_cache: {dtype: int4, key_smoothing: true}\n")
+    smoothing.write_text("scheme:\n  weights: {num_bits: 4, group_size: 32}\n"
+                         "  kv_cache: {dtype: int4, key_smoothing: true}\n")
     out["smoothing"] = build(str(source), load_recipe(str(smoothing)), tmp / "smoothing", use_cache=False,
                              progress=False, log=lambda m: None).path
     return source, out
