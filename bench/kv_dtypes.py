@@ -16,30 +16,23 @@ What the schemes cost in accuracy: `qkiln bench quality` (quant/kv.py quotes it)
 import gc
 from pathlib import Path
 
-from qkiln.plugins import kv_bytes_per_block
-
 from .cpu_compare import ensure_artifact
 from .latency import run_latency
 from .report import fmt, log, make_report, plot_bars, print_table, summarize, write_report
+from .roofline import kv_bytes_per_token
 from .throughput import load_model, make_engine, run_throughput, set_threads
 from .workload import check_at_least, load_tokenizer, make_workload
 
 KV_RECIPES = {"bf16": "w4a16-rtn", "fp8": "w4a16-rtn+kv-fp8", "int4": "w4a16-rtn+kv-int4"}
 
 
-def _kv_bytes_per_token(loaded) -> int:
-    c = loaded.model.config
-    kv_dtype = loaded.kv_dtype if loaded.kv_dtype != "auto" else "bf16"
-    return kv_bytes_per_block(c.num_hidden_layers, 1, c.num_key_value_heads, c.head_dim, kv_dtype,
-                              loaded.kv_group_size)
-
-
 def _engines(artifact: Path, tput_wl, args: dict) -> dict:
     loaded = load_model(str(artifact), "auto", args["int8_activations"])
-    return {"kv_bytes_per_token": _kv_bytes_per_token(loaded),
+    offline = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
+                          max_num_batched_tokens=args["max_num_batched_tokens"])
+    return {"kv_bytes_per_token": round(kv_bytes_per_token(offline)),  # the cache as allocated
             "batch1": make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"])),
-            "offline": make_engine(loaded, max_num_seqs=tput_wl.num_requests,
-                                   max_num_batched_tokens=args["max_num_batched_tokens"])}
+            "offline": offline}
 
 
 def _merge(single_runs: list[dict]) -> dict:
