@@ -21,6 +21,7 @@ Every figure is a median over `--repeats` with min/max; progress goes to stderr,
 stdout. Takes ~10 minutes on 2 threads (the HF static-batch sweep dominates); measure on a quiet machine.
 """
 
+import dataclasses
 import gc
 import os
 import sys
@@ -46,8 +47,6 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
                     num_samples: int | None = None) -> Path:
     """`artifact` if given; else a cached build of `model` with preset `recipe` (calibrating on
     `num_samples` samples where it calibrates), rebuilt when its source or the scheme changed."""
-    import dataclasses
-
     from qkiln.compile.artifact import read_manifest
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
@@ -71,9 +70,20 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
     return out
 
 
+def batch1_engine(loaded, args: dict):
+    """The batch-1 decode engine the CPU benchmarks measure: one sequence, its prompt in one step."""
+    return make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
+
+
+def offline_engine(loaded, tput_wl, args: dict):
+    """Every request of the offline workload at once (continuous batching)."""
+    return make_engine(loaded, max_num_seqs=tput_wl.num_requests,
+                       max_num_batched_tokens=args["max_num_batched_tokens"])
+
+
 def _batch1_latency(name: str, loaded, decode_wl, bandwidth: float, args: dict) -> dict:
     """Batch-1 decode of a loaded qkiln model, with its roofline."""
-    engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"]))
+    engine = batch1_engine(loaded, args)
     lat = run_latency(engine, decode_wl, args["repeats"], label=f"{name} batch-1")
     lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
                                       lat["decode_tokens_per_s"]["median"])
@@ -88,8 +98,7 @@ def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, arg
     log(f"[{name}] loading {model}")
     loaded = load_model(model, "auto", int8_activations)
     lat = _batch1_latency(name, loaded, decode_wl, bandwidth, args)
-    engine = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
-                         max_num_batched_tokens=args["max_num_batched_tokens"])
+    engine = offline_engine(loaded, tput_wl, args)
     tput = run_throughput(engine, tput_wl, args["repeats"], label=f"{name} offline")
     del engine, loaded
     gc.collect()

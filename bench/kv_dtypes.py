@@ -16,11 +16,11 @@ What the schemes cost in accuracy: `qkiln bench quality` (quant/kv.py quotes it)
 import gc
 from pathlib import Path
 
-from .cpu_compare import ensure_artifact
+from .cpu_compare import batch1_engine, ensure_artifact, offline_engine
 from .latency import run_latency
 from .report import fmt, log, make_report, plot_bars, print_table, summarize, write_report
 from .roofline import kv_bytes_per_token
-from .throughput import load_model, make_engine, run_throughput, set_threads
+from .throughput import load_model, run_throughput, set_threads
 from .workload import check_at_least, load_tokenizer, make_workload
 
 KV_RECIPES = {"bf16": "w4a16-rtn", "fp8": "w4a16-rtn+kv-fp8", "int4": "w4a16-rtn+kv-int4"}
@@ -28,11 +28,9 @@ KV_RECIPES = {"bf16": "w4a16-rtn", "fp8": "w4a16-rtn+kv-fp8", "int4": "w4a16-rtn
 
 def _engines(artifact: Path, tput_wl, args: dict) -> dict:
     loaded = load_model(str(artifact), "auto", args["int8_activations"])
-    offline = make_engine(loaded, max_num_seqs=tput_wl.num_requests,
-                          max_num_batched_tokens=args["max_num_batched_tokens"])
+    offline = offline_engine(loaded, tput_wl, args)
     return {"kv_bytes_per_token": round(kv_bytes_per_token(offline)),  # the cache as allocated
-            "batch1": make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=max(1024, args["input_len"])),
-            "offline": offline}
+            "batch1": batch1_engine(loaded, args), "offline": offline}
 
 
 def _merge(single_runs: list[dict]) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.errors import ArtifactError
+from qkiln.runtime.loader import check_int8_activations
 from qkiln.runtime.source import load_source
 
 
@@ -34,7 +34,6 @@ def open_model(name: str, int8_activations: bool = False) -> LoadedModel:
 
         return load_artifact_model(path, int8_activations)
     if int8_activations:
-        raise ArtifactError(f"int8 activations apply to an artifact's quantized linears; {name} is a "
-                            "source model: drop the option or build an artifact (qkiln build) first")
+        check_int8_activations(name, is_artifact=False)
     src = load_source(name)
     return LoadedModel(name, src.tokenizer, src.build_model(torch.float32), {"kind": src.kind, "sha256": src.sha256})

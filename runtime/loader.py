@@ -52,10 +52,8 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
     is_artifact = path.is_dir() and (path / "manifest.json").exists()
-    if int8_activations and (not is_artifact or str(device) != "cpu"):
-        raise ArtifactError("int8 activations apply to an artifact's quantized linears on the CPU; "
-                            f"{name} on {device} has none to apply them to: drop the option or "
-                            "build an artifact (qkiln build) first")
+    if int8_activations:
+        check_int8_activations(name, is_artifact, device)
     if is_artifact:
         return load_artifact(path, torch_dtype, device, fuse, int8_activations)
     src = load_source(name)
@@ -65,6 +63,15 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     model = build_model(src.config, weights, torch_dtype, fused=fused).to(device)
     pack_dense_linears(model)
     return ServingModel(str(name), model, src.tokenizer)
+
+
+def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") -> None:
+    """Refuse the int8-activation option where it has nothing to act on (a source model, or a
+    device other than the CPU) rather than ignore it; serving and evaluation share this rule."""
+    if not is_artifact or str(device) != "cpu":
+        raise ArtifactError("int8 activations apply to an artifact's quantized linears on the CPU; "
+                            f"{name} on {device} has none to apply them to: drop the option or "
+                            "build an artifact (qkiln build) first")
 
 
 def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,

@@ -402,7 +402,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
     v_group_scale_ = *params.v_group_scale, v_group_min_ = *params.v_group_min;
     TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_attention: int4 caches need head_dim 32, 64 or 128");
   }
-  TORCH_CHECK(k_cache.size(3) * (int4_ ? 2 : 1) == D && D % kW == 0 && Hq % Hkv == 0 &&
+  TORCH_CHECK(cache_head_dim(k_cache) == D && D % kW == 0 && Hq % Hkv == 0 &&
               query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
               "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
   tables_ = block_tables.data_ptr<int32_t>();
@@ -462,12 +462,14 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
       };
       if (int4_) {
         const int64_t groups = k_group_scale_.size(3);
+        const uint8_t *k = k_cache_.data_ptr<uint8_t>(), *v = v_cache_.data_ptr<uint8_t>();
+        const c10::Half *ks = k_group_scale_.data_ptr<c10::Half>(), *km = k_group_min_.data_ptr<c10::Half>(),
+                        *vs = v_group_scale_.data_ptr<c10::Half>(), *vm = v_group_min_.data_ptr<c10::Half>();
         each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, scalar_t* orow) {
           thread_local Int4Rows rows;
-          rows = {k_cache_.data_ptr<uint8_t>() + h * D / 2, v_cache_.data_ptr<uint8_t>() + h * D / 2,
-                  k_group_scale_.data_ptr<c10::Half>() + h * groups, k_group_min_.data_ptr<c10::Half>() + h * groups,
-                  v_group_scale_.data_ptr<c10::Half>() + h * groups, v_group_min_.data_ptr<c10::Half>() + h * groups,
-                  table, a.block_size, D, D / groups, Hkv};
+          const int64_t g = h * groups;  // the head's first group in a slot
+          rows = {k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
+                  D / groups, Hkv};
           if (D == 32) decode_head_tiled<2>(a, qrow, rows, T, orow, buf);
           else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf);
           else decode_head_tiled<8>(a, qrow, rows, T, orow, buf);

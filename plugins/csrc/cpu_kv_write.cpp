@@ -82,7 +82,7 @@ void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
               k_cache.scalar_type() == v_cache.scalar_type(),
               "cache_write: slot_mapping must be contiguous int64, caches contiguous of one dtype");
   const bool int4 = k_cache.scalar_type() == at::kByte;
-  const int64_t N = key.size(0), Hkv = k_cache.size(2), D = k_cache.size(3) * (int4 ? 2 : 1);
+  const int64_t N = key.size(0), Hkv = k_cache.size(2), D = cache_head_dim(k_cache);
   const int64_t width = Hkv * D, num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   params.check(k_cache, D, "cache_write");

@@ -74,9 +74,8 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
                     l.gate_up.out_features() == gate_up && gate_up % 2 == 0 &&
                     l.down.out_features() == hidden,
                 "DecodeStack: linear shapes do not match the attention geometry");
-    const int64_t per_byte = l.k_cache.scalar_type() == at::kByte ? 2 : 1;  // int4: packed pairs
     TORCH_CHECK(l.k_cache.dim() == 4 && l.k_cache.size(2) == num_kv_heads &&
-                    l.k_cache.size(3) * per_byte == head_dim,
+                    cache_head_dim(l.k_cache) == head_dim,
                 "DecodeStack: caches must be [blocks, block_size, Hkv, D]");
   }
 }

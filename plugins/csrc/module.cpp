@@ -65,7 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        at::Tensor v_cache, Opt k_scale, Opt v_scale, Opt k_group_scale,
                        Opt k_group_min, Opt v_group_scale, Opt v_group_min, Opt k_offset) {
              const KVParams kv{k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min};
-             kv.check(k_cache, k_cache.size(3) * (k_cache.scalar_type() == at::kByte ? 2 : 1), "StackLayer");
+             kv.check(k_cache, cache_head_dim(k_cache), "StackLayer");
              return StackLayer{qkv, o, gate_up, down, input_norm, post_norm, k_cache, v_cache, kv,
                                k_offset.value_or(at::Tensor())};
            }),

@@ -65,6 +65,10 @@ struct KVParams {
   c10::optional<at::Tensor> k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min;
   void check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const;  // TORCH_CHECKs
 };
+// head_dim of a cache [blocks, block_size, Hkv, last]: last, or 2 * last for int4 (uint8, packed pairs).
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(3) * (cache.scalar_type() == at::kByte ? 2 : 1);
+}
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
