@@ -241,6 +241,15 @@ inline __m512i bf16x32(const c10::Float8_e4m3fn* p) {
 template <typename kv_t>
 constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.f;
 
+// Cache offsets (in elements) of tokens t0 .. min(t0 + 16, T) - 1 through the block table.
+inline void tile_offsets(const int32_t* table, int64_t block_size, int64_t row_stride, int64_t t0,
+                         int64_t T, int64_t* offsets) {
+  for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < std::min<int64_t>(kW, T - t0); ++i) {
+    offsets[i] = (table[b] * block_size + o) * row_stride;
+    if (++o == block_size) o = 0, ++b;
+  }
+}
+
 // decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
 // (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
 // half the instructions of decode_head_tiled, which widens every K/V element to fp32 once per
@@ -254,7 +263,11 @@ constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.
 // the next block's slices prefetched. Each K row's V slices are prefetched into L2 as the K pass
 // reaches it: with only the hardware prefetchers the two passes ran at ~11 GB/s against ~30 a
 // plain read reaches (64 decodes x 192 tokens, 30 layers; four same-process A/Bs: 0.67-0.95 ->
-// 0.51-0.71 ms a layer, 23-29% less).
+// 0.51-0.71 ms a layer, 23-29% less). The K pass also fetches the next 16-token tile's K rows
+// into L2 (blocks are scattered, so the hardware prefetchers restart at every block; profiled,
+// half the kernel's time sat on K loads): same-process A/Bs with scattered blocks 0.572 -> 0.481
+// and 0.600 -> 0.502 ms a layer at 192 tokens, 2.99 -> 2.44 at 1024. Fetching the next
+// sequence's first tile during this one's p @ V showed no effect and was not kept.
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
                        const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
@@ -273,12 +286,18 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
     score_scale[h] = k_scale ? a.scale * (k_scale[h] * kRowUnit<kv_t>) : a.scale;
     out_scale[h] = v_scale ? v_scale[h] * kRowUnit<kv_t> : 1.f;
   }
+  const int64_t row_bytes = H * D * int64_t(sizeof(kv_t));  // this task's slice of a cache row
   int64_t offsets[kW];
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
-    for (int64_t i = 0, b = t0 / bs, o = t0 % bs; i < n; ++i) {
-      offsets[i] = (table[b] * bs + o) * row_stride;
-      if (++o == bs) o = 0, ++b;
+    tile_offsets(table, bs, row_stride, t0, T, offsets);
+    if (t0 + kW < T) {  // the next tile's K rows into L2 (the hardware prefetchers stop at blocks)
+      int64_t ahead[kW];
+      tile_offsets(table, bs, row_stride, t0 + kW, T, ahead);
+      for (int64_t i = 0; i < std::min<int64_t>(kW, T - t0 - kW); ++i) {
+        const char* krow = reinterpret_cast<const char*>(k_head + ahead[i]);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(krow + byte, _MM_HINT_T1);
+      }
     }
     for (int64_t i = 0; i < kW; ++i) {
       if (i >= n) {
@@ -287,7 +306,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       }
       {  // this row's V slices into L2 now, while the K pass computes: pass 2 finds them there
         const char* vrow = reinterpret_cast<const char*>(v_head + offsets[i]);
-        for (int64_t byte = 0; byte < H * D * int64_t(sizeof(kv_t)); byte += 64)
+        for (int64_t byte = 0; byte < row_bytes; byte += 64)
           _mm_prefetch(vrow + byte, _MM_HINT_T1);
       }
       for (int64_t h = 0; h < H; ++h) {
