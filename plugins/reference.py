@@ -124,7 +124,9 @@ def quantize_int8_blocks(x: torch.Tensor):
     block), the exact fp32 operations of csrc/cpu_gemm_w4a8.cpp."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // INT8_BLOCK, INT8_BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # A tensor divided by a tensor: `127.0 / amax` would run as reciprocal(amax) * 127, two
+    # roundings where the kernel's 127.f / amax has one, and now and then a code off by one.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv).to(torch.int8).reshape(x.shape)
     return q, (amax / 127.0).squeeze(-1)
 

@@ -24,20 +24,24 @@
 // K and G are multiples of 32; the last group may be shorter (K = 576, G = 128).
 //
 // Blocking: a microkernel keeps MR x NR accumulators (4 rows x 3 tiles: 12 int32 block sums and
-// 12 fp32 totals in registers, 3 weight registers); tasks are (128-row chunk, panel of 48
-// channels), so a chunk's activations stay in L2 while the panels go by, and a task prefetches
-// the next panel's weights (into L2) during its first rows. Measured against the oneDNN-packed
-// bf16 GEMM on SmolLM2's shapes (2 threads, noisy host): one layer's four linears with cached
-// weights 1.50x at 64 rows, 1.14-1.30x at 1024; all 30 layers' linears in sequence at 64 rows
-// (weights from memory, as in a decode step) 52-55 -> 32-37 ms; the 49152-row head 1.3-1.55x.
-// Tried and not kept: 6 x 2 and 3 x 4 register blocks, broadcasts folded into vpdpbusd, a per-group
-// fp32 accumulator set (within noise or slower); no row chunks (1024 rows: 1.19x instead of 1.38x).
-// The zero term, bias and store run from the microkernel's registers (RowsOut / finish); as a
-// pass over an fp32 buffer they took a quarter of the kernel's time at 64 rows (profiled):
-// same-process A/B, 30 layers' linears 42.2 -> 39.0 ms at 64 rows (+ head), 508 -> 479 ms at
-// 1024, outputs identical. Peak measured here: vpdpbusd 452 GOPS a core (one 512-bit instruction
-// a cycle at 3.5 GHz); the microkernel alone, panel in L1 / L2, reaches 70-80% of it on one core,
-// the whole GEMM 50-65% on two.
+// 12 fp32 group sums in registers, the totals in L1, one weight register); tasks are (128-row
+// chunk, panel of 48 channels), so a chunk's activations stay in L2 while the panels go by, and
+// each microkernel call of a task prefetches its share of the next panel's weights (into L2).
+// The zero term goes in per group (an FMA), the bias and the store from registers (RowsOut).
+// Peak measured here: vpdpbusd 452 GOPS a core (one 512-bit instruction a cycle at 3.5 GHz), and
+// FMAs, multiplies and vpdpbusd share those slots: scaling each block's sums by s * sx (a multiply
+// and an FMA per accumulator and block) capped the microkernel at 96 / 120 of peak; the group sums
+// (one FMA per block, the weight scale per group) at 96 / 111.
+// Measured (2 threads, SmolLM2 shapes, noisy host): against the oneDNN-packed bf16 GEMM, one
+// layer's four linears with cached weights 1.50x at 64 rows, 1.14-1.30x at 1024; the 49152-row
+// head 1.3-1.55x. Same-process A/Bs of this kernel's versions, all 30 layers' linears (weights
+// from memory, as in a step): finishing rows from registers instead of a pass over an fp32 buffer
+// (a quarter of the kernel's time at 64 rows, profiled) 42.2 -> 39.0 ms at 64 rows (+ head),
+// 508 -> 479 at 1024, outputs identical; then the group sums and the spread prefetch 37.4 -> 34.6
+// ms and 473 -> 432 ms (465-515 GOPS, 51-57% of the two cores' peak; fp32 outputs are as close to
+// the reference as before, median relative error 3.4e-7 vs 3.8e-7).
+// Tried and not kept: 6 x 2 and 3 x 4 register blocks, broadcasts folded into vpdpbusd (within
+// noise or slower); no row chunks (1024 rows: 1.19x instead of 1.38x).
 // Without AVX512-VNNI the same layout runs through plain C++ (tests of the portable build).
 
 #include "gemv_common.h"
@@ -109,9 +113,8 @@ void quantize_rows(const scalar_t* x, int64_t M, int64_t K, int64_t G, Int8Rows&
   });
 }
 
-// Where a microkernel's rows go once their first sums are done: the header's zero term, the bias
-// and the store, done from registers (a separate pass over an fp32 buffer cost a quarter of the
-// kernel's time at 64 rows).
+// What a microkernel's rows need besides the weights: the header's zero term (zs, xs) and where
+// their outputs go (with the bias).
 template <typename scalar_t>
 struct RowsOut {
   const float* zs;    // zero scales at this panel's first column, group stride N_p
@@ -121,73 +124,89 @@ struct RowsOut {
   int64_t NG, N_p, out_features, width;  // width: this panel's columns that exist (<= kPanel)
 };
 
-// Row m's first sums for columns c..c+15 -> y (header formula, zero term group by group).
+// Row m's finished values for columns c..c+15 (zero term taken off) -> y, with the bias.
 template <typename scalar_t>
-inline void finish(Vf v, const RowsOut<scalar_t>& o, int m, int64_t c) {
+inline void store_row(Vf v, const RowsOut<scalar_t>& o, int m, int64_t c) {
   const int64_t width = std::min<int64_t>(kW, o.width - c);
   if (width <= 0) return;
-  for (int64_t g = 0; g < o.NG; ++g)
-    v = sub(v, mul(load(o.zs + g * o.N_p + c), set1(o.xs[m * o.NG + g])));
   if (o.bias) v = add(v, load(o.bias + c, width));
   store(o.out + m * o.out_features + c, v, width);
 }
 
 // Rows q[0..MR) times one panel of weights w (kNR tiles, K / 4 groups of 64 bytes each) -> y.
+// Per block of 32 channels the int32 dot products are scaled by the row's activation scale into a
+// group sum (one FMA each); per weight group the sum is scaled by the weight scale and the zero
+// term taken off (two FMAs each, into the fp32 totals kept in L1). Scaling every block by
+// s * sx instead took a multiply more per block: 120 of the 512-bit FP slots per 96 vpdpbusd
+// rather than 111, and vpdpbusd alone fills them.
 #ifdef QKILN_W4A8_VNNI
 template <int MR, typename scalar_t>
 void panel_rows(const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
-                const float* s, int64_t N_p, const uint8_t* next, const RowsOut<scalar_t>& o) {
+                const float* s, int64_t N_p, const uint8_t* next, int part, int parts,
+                const RowsOut<scalar_t>& o) {
   const int64_t B = K / kBlock, quads = K / 4, blocks_per_group = G / kBlock;
-  __m512 total[MR][kNR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < kNR; ++n) total[m][n] = _mm512_setzero_ps();
-  const float* sg = s;  // this block's group of weight scales (no division per block)
-  for (int64_t b = 0, in_group = 0; b < B; ++b) {
-    __m512i dot[MR][kNR];
+  alignas(64) float total[MR][kPanel];
+  for (int64_t b0 = 0, g = 0; b0 < B; b0 += blocks_per_group, ++g) {
+    __m512 group_sum[MR][kNR];
     for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < kNR; ++n) dot[m][n] = _mm512_setzero_si512();
-    const uint8_t* wb = w + b * (kBlock / 4) * 64;
-    const int8_t* qb = q + b * kBlock;
-    if (next)  // the next panel's bytes of this block, into L2 while this panel computes
-      for (int n = 0; n < kNR; ++n)
-        for (int j = 0; j < kBlock / 4; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(next + (n * quads + b * kBlock / 4 + j) * 64),
-                       _MM_HINT_T1);
-    for (int j = 0; j < kBlock / 4; ++j)  // a constant trip count: unrolled, sums in registers
-      for (int n = 0; n < kNR; ++n) {
-        const __m512i wv = _mm512_loadu_si512(wb + (n * quads + j) * 64);
-        for (int m = 0; m < MR; ++m) {
-          int32_t x4;
-          std::memcpy(&x4, qb + m * K + 4 * j, 4);
-          dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], wv, _mm512_set1_epi32(x4));
-        }
-      }
-    for (int n = 0; n < kNR; ++n) {
-      const __m512 sw = _mm512_loadu_ps(sg + n * kTile);
+      for (int n = 0; n < kNR; ++n) group_sum[m][n] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < std::min(B, b0 + blocks_per_group); ++b) {
+      __m512i dot[MR][kNR];
       for (int m = 0; m < MR; ++m)
-        total[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]),
-                                      _mm512_mul_ps(sw, _mm512_set1_ps(sx[m * B + b])), total[m][n]);
+        for (int n = 0; n < kNR; ++n) dot[m][n] = _mm512_setzero_si512();
+      const uint8_t* wb = w + b * (kBlock / 4) * 64;
+      const int8_t* qb = q + b * kBlock;
+      if (next && b % parts == part)  // this call's share of the next panel, into L2
+        for (int n = 0; n < kNR; ++n)
+          for (int j = 0; j < kBlock / 4; ++j)
+            _mm_prefetch(reinterpret_cast<const char*>(next + (n * quads + b * kBlock / 4 + j) * 64),
+                         _MM_HINT_T1);
+      for (int j = 0; j < kBlock / 4; ++j)  // a constant trip count: unrolled, sums in registers
+        for (int n = 0; n < kNR; ++n) {
+          const __m512i wv = _mm512_loadu_si512(wb + (n * quads + j) * 64);
+          for (int m = 0; m < MR; ++m) {
+            int32_t x4;
+            std::memcpy(&x4, qb + m * K + 4 * j, 4);
+            dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], wv, _mm512_set1_epi32(x4));
+          }
+        }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 row_scale = _mm512_set1_ps(sx[m * B + b]);
+        for (int n = 0; n < kNR; ++n)
+          group_sum[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), row_scale, group_sum[m][n]);
+      }
     }
-    if (++in_group == blocks_per_group) in_group = 0, sg += N_p;
+    for (int n = 0; n < kNR; ++n) {
+      const __m512 sw = _mm512_loadu_ps(s + g * N_p + n * kTile);
+      const __m512 zw = _mm512_loadu_ps(o.zs + g * o.N_p + n * kTile);
+      for (int m = 0; m < MR; ++m) {
+        __m512 t = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(total[m] + n * kTile);
+        t = _mm512_fmadd_ps(group_sum[m][n], sw, t);
+        t = _mm512_fnmadd_ps(zw, _mm512_set1_ps(o.xs[m * o.NG + g]), t);
+        _mm512_store_ps(total[m] + n * kTile, t);
+      }
+    }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < kNR; ++n) finish(total[m][n], o, m, n * kTile);
+    for (int n = 0; n < kNR; ++n) store_row(_mm512_load_ps(total[m] + n * kTile), o, m, n * kTile);
 }
 
 template <typename scalar_t>
 void panel(int mr, const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
-           const float* s, int64_t N_p, const uint8_t* next, const RowsOut<scalar_t>& o) {
+           const float* s, int64_t N_p, const uint8_t* next, int part, int parts,
+           const RowsOut<scalar_t>& o) {
   switch (mr) {
-    case 1: panel_rows<1>(q, sx, K, G, w, s, N_p, next, o); break;
-    case 2: panel_rows<2>(q, sx, K, G, w, s, N_p, next, o); break;
-    case 3: panel_rows<3>(q, sx, K, G, w, s, N_p, next, o); break;
-    default: panel_rows<4>(q, sx, K, G, w, s, N_p, next, o); break;
+    case 1: panel_rows<1>(q, sx, K, G, w, s, N_p, next, part, parts, o); break;
+    case 2: panel_rows<2>(q, sx, K, G, w, s, N_p, next, part, parts, o); break;
+    case 3: panel_rows<3>(q, sx, K, G, w, s, N_p, next, part, parts, o); break;
+    default: panel_rows<4>(q, sx, K, G, w, s, N_p, next, part, parts, o); break;
   }
 }
 #else
 template <typename scalar_t>
 void panel(int mr, const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
-           const float* s, int64_t N_p, const uint8_t* /*next*/, const RowsOut<scalar_t>& o) {
+           const float* s, int64_t N_p, const uint8_t* /*next*/, int /*part*/, int /*parts*/,
+           const RowsOut<scalar_t>& o) {
   const int64_t B = K / kBlock, quads = K / 4;
   for (int m = 0; m < mr; ++m) {
     float total[kPanel];
@@ -200,8 +219,9 @@ void panel(int mr, const int8_t* q, const float* sx, int64_t K, int64_t G, const
           dot += static_cast<int32_t>(wc[(k / 4) * 64 + k % 4]) * q[m * K + k];
         total[c] += static_cast<float>(dot) * (s[(b * kBlock / G) * N_p + c] * sx[m * B + b]);
       }
+      for (int64_t g = 0; g < o.NG; ++g) total[c] -= o.zs[g * o.N_p + c] * o.xs[m * o.NG + g];
     }
-    for (int64_t c = 0; c < kPanel; c += kW) finish(load(total + c), o, m, c);
+    for (int64_t c = 0; c < kPanel; c += kW) store_row(load(total + c), o, m, c);
   }
 }
 #endif
@@ -241,15 +261,18 @@ at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
       for (int64_t task = begin; task < end; ++task) {
         const int64_t n0 = (task % panels) * kPanel, chunk = task / panels;
         const int64_t m_end = std::min(M, (chunk + 1) * kRowChunk);
-        // This thread's next task is usually the next panel: fetch it during the first rows.
+        // This thread's next task is usually the next panel: its blocks are fetched a share per
+        // microkernel call (all in the first call stalled that call).
         const uint8_t* next = task + 1 < end && (task + 1) % panels ? w + (n0 + kPanel) * K : nullptr;
-        for (int64_t m0 = chunk * kRowChunk; m0 < m_end; m0 += kMR) {
+        const int64_t m_begin = chunk * kRowChunk;
+        const int parts = static_cast<int>((m_end - m_begin + kMR - 1) / kMR);
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
           const int mr = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
           const RowsOut<scalar_t> rows_out{zs + n0, xs + m0 * NG, bp ? bp + n0 : nullptr,
                                            out + m0 * out_features + n0, NG, N_p, out_features,
                                            std::min<int64_t>(kPanel, out_features - n0)};
-          panel(mr, a.q.data() + m0 * K, a.sx.data() + m0 * B, K, G, w + n0 * K, s + n0, N_p,
-                m0 == chunk * kRowChunk ? next : nullptr, rows_out);
+          panel(mr, a.q.data() + m0 * K, a.sx.data() + m0 * B, K, G, w + n0 * K, s + n0, N_p, next,
+                static_cast<int>((m0 - m_begin) / kMR), parts, rows_out);
         }
       }
     });
