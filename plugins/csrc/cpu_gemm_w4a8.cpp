@@ -61,12 +61,6 @@ constexpr int kMR = 4;           // rows per microkernel
 constexpr int64_t kPanel = kNR * kTile;
 constexpr int64_t kRowChunk = 128;
 
-struct Int8Rows {  // the quantized activations of one call
-  std::vector<int8_t> q;   // [M, K]
-  std::vector<float> sx;   // [M, K / 32]
-  std::vector<float> xs;   // [M, NG]
-};
-
 // One row's block of 32 values -> q and *scale; returns sum(q). Rounding as in the header
 // (vcvtps2dq rounds half to even under the default MXCSR, as nearbyint does).
 template <typename scalar_t>
@@ -94,23 +88,6 @@ inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   *scale = amax / 127.f;
   return sum;
 #endif
-}
-
-template <typename scalar_t>
-void quantize_rows(const scalar_t* x, int64_t M, int64_t K, int64_t G, Int8Rows& a) {
-  const int64_t B = K / kBlock, NG = (K + G - 1) / G;
-  a.q.resize(M * K);
-  a.sx.resize(M * B);
-  a.xs.assign(M * NG, 0.f);
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < B; ++b) {
-        float scale;
-        const int sum = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, &scale);
-        a.sx[m * B + b] = scale;
-        a.xs[m * NG + b * kBlock / G] += scale * static_cast<float>(sum);
-      }
-  });
 }
 
 // What a microkernel's rows need besides the weights: the header's zero term (zs, xs) and where
@@ -228,15 +205,13 @@ void panel(int mr, const int8_t* q, const float* sx, int64_t K, int64_t G, const
 
 }  // namespace
 
-// x [M, K] float/bf16/fp16 contiguous -> y [M, out_features] in x's dtype (layout: the header).
-at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                     const at::Tensor& zero_scales, const c10::optional<at::Tensor>& bias,
-                     int64_t G, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a8_gemm: x must be contiguous [M, in_features]");
-  const int64_t M = x.size(0), K = x.size(1), NG = scales.size(0), N_p = scales.size(1);
+W4A8Gemm::W4A8Gemm(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_scales,
+                   const float* bias_f32, int64_t group_size, int64_t out_features)
+    : bias(bias_f32), K(packed.size(1) * 4), G(group_size), NG(scales.size(0)), N_p(scales.size(1)),
+      out_features(out_features) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) * kTile == N_p && packed.size(1) * 4 == K &&
-                  packed.size(2) == kTile && packed.size(3) == 4 && N_p % kPanel == 0,
+                  packed.size(0) * kTile == N_p && packed.size(2) == kTile && packed.size(3) == 4 &&
+                  N_p % kPanel == 0,
               "w4a8_gemm: packed must be contiguous uint8 [N_p / 16, K / 4, 16, 4], N_p % 48 == 0");
   TORCH_CHECK(scales.dtype() == at::kFloat && zero_scales.dtype() == at::kFloat &&
                   scales.is_contiguous() && zero_scales.is_contiguous() &&
@@ -244,39 +219,81 @@ at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "w4a8_gemm: scales and zero scales must be fp32 [num_groups, N_p]");
   TORCH_CHECK(K % kBlock == 0 && G % kBlock == 0 && NG == (K + G - 1) / G && out_features <= N_p,
               "w4a8_gemm: in_features and group size must be multiples of 32 matching the scales");
+  w = packed.data_ptr<uint8_t>();
+  s = scales.data_ptr<float>();
+  zs = zero_scales.data_ptr<float>();
+}
+
+void W4A8Gemm::size(int64_t M, Int8Rows& a) const {
+  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
+  if (static_cast<int64_t>(a.sx.size()) < M * (K / kBlock)) a.sx.resize(M * (K / kBlock));
+  if (static_cast<int64_t>(a.xs.size()) < M * NG) a.xs.resize(M * NG);
+}
+
+void W4A8Gemm::quantize(const at::Tensor& x, int64_t first_row, Int8Rows& a) const {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K,
+              "w4a8_gemm: x must be contiguous [M, in_features]");
+  const int64_t B = K / kBlock;
+  QKILN_DISPATCH(x.scalar_type(), "qkiln_w4a8_quantize", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < x.size(0); ++i) {
+      const int64_t m = first_row + i;
+      std::fill(a.xs.begin() + m * NG, a.xs.begin() + (m + 1) * NG, 0.f);
+      for (int64_t b = 0; b < B; ++b) {
+        float scale;
+        const int sum = quantize_block(xp + i * K + b * kBlock, a.q.data() + m * K + b * kBlock, &scale);
+        a.sx[m * B + b] = scale;
+        a.xs[m * NG + b * kBlock / G] += scale * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+int64_t W4A8Gemm::num_tasks(int64_t M) const {
+  return (M + kRowChunk - 1) / kRowChunk * (N_p / kPanel);
+}
+
+// Tasks [begin, end) of num_tasks(M): task = row chunk * panels + panel.
+void W4A8Gemm::run(const Int8Rows& a, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const {
+  const int64_t B = K / kBlock, panels = N_p / kPanel;
+  QKILN_DISPATCH(y.scalar_type(), "qkiln_w4a8", [&] {
+    scalar_t* out = y.data_ptr<scalar_t>();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n0 = (task % panels) * kPanel, chunk = task / panels;
+      const int64_t m_begin = chunk * kRowChunk, m_end = std::min(M, m_begin + kRowChunk);
+      // This thread's next task is usually the next panel: its blocks are fetched a share per
+      // microkernel call (all in the first call stalled that call).
+      const uint8_t* next = task + 1 < end && (task + 1) % panels ? w + (n0 + kPanel) * K : nullptr;
+      const int parts = static_cast<int>((m_end - m_begin + kMR - 1) / kMR);
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
+        const RowsOut<scalar_t> rows_out{zs + n0, a.xs.data() + m0 * NG, bias ? bias + n0 : nullptr,
+                                         out + m0 * out_features + n0, NG, N_p, out_features,
+                                         std::min<int64_t>(kPanel, out_features - n0)};
+        panel(mr, a.q.data() + m0 * K, a.sx.data() + m0 * B, K, G, w + n0 * K, s + n0, N_p, next,
+              static_cast<int>((m0 - m_begin) / kMR), parts, rows_out);
+      }
+    }
+  });
+}
+
+// x [M, K] float/bf16/fp16 contiguous -> y [M, out_features] in x's dtype (layout: the header).
+at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& zero_scales, const c10::optional<at::Tensor>& bias,
+                     int64_t G, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "w4a8_gemm: x must be contiguous [M, in_features]");
   at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  const W4A8Gemm gemm(packed, scales, zero_scales, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                      G, out_features);
+  TORCH_CHECK(x.size(1) == gemm.K, "w4a8_gemm: x's in_features do not match the packed weight");
+  const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float *s = scales.data_ptr<float>(), *zs = zero_scales.data_ptr<float>();
-  const int64_t B = K / kBlock, panels = N_p / kPanel, chunks = (M + kRowChunk - 1) / kRowChunk;
-  QKILN_DISPATCH(x.scalar_type(), "qkiln_w4a8", [&] {
-    thread_local Int8Rows rows;  // reused per calling thread, as the GEMV activation buffers
-    Int8Rows& a = rows;
-    quantize_rows(x.data_ptr<scalar_t>(), M, K, G, a);
-    scalar_t* out = y.data_ptr<scalar_t>();
-    const float* xs = a.xs.data();
-    at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t n0 = (task % panels) * kPanel, chunk = task / panels;
-        const int64_t m_end = std::min(M, (chunk + 1) * kRowChunk);
-        // This thread's next task is usually the next panel: its blocks are fetched a share per
-        // microkernel call (all in the first call stalled that call).
-        const uint8_t* next = task + 1 < end && (task + 1) % panels ? w + (n0 + kPanel) * K : nullptr;
-        const int64_t m_begin = chunk * kRowChunk;
-        const int parts = static_cast<int>((m_end - m_begin + kMR - 1) / kMR);
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
-          const int mr = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
-          const RowsOut<scalar_t> rows_out{zs + n0, xs + m0 * NG, bp ? bp + n0 : nullptr,
-                                           out + m0 * out_features + n0, NG, N_p, out_features,
-                                           std::min<int64_t>(kPanel, out_features - n0)};
-          panel(mr, a.q.data() + m0 * K, a.sx.data() + m0 * B, K, G, w + n0 * K, s + n0, N_p, next,
-                static_cast<int>((m0 - m_begin) / kMR), parts, rows_out);
-        }
-      }
-    });
-  });
+  thread_local Int8Rows rows;  // reused per calling thread, as the GEMV activation buffers
+  Int8Rows& a = rows;  // (the name inside the parallel region would be each worker's own)
+  gemm.size(M, a);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { gemm.quantize(x.narrow(0, m0, m1 - m0), m0, a); });
+  at::parallel_for(0, gemm.num_tasks(M), 1, [&](int64_t b, int64_t e) { gemm.run(a, M, b, e, y); });
   return y;
 }
 

@@ -21,8 +21,8 @@
 // rethrown after it.
 //
 // runtime/decode_stack.py decides when a model and a step qualify (native linears everywhere,
-// caches the native attention serves, decodes only, M <= 16) and builds this object once per
-// engine.
+// caches the native attention serves, decodes only, M <= 16 or int8 activations loaded: the
+// second section below) and builds this object once per engine.
 
 #include "decode_stack.h"
 
@@ -49,6 +49,16 @@ NativeLinear::NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales,
   }
 }
 
+void NativeLinear::add_int8_activations(at::Tensor packed, at::Tensor scales, at::Tensor zero_scales,
+                                        int64_t group_size) {
+  w4a8_packed_ = std::move(packed), w4a8_scales_ = std::move(scales);
+  w4a8_zero_scales_ = std::move(zero_scales);
+  const float* b = bias_f32_.defined() ? bias_f32_.data_ptr<float>() : nullptr;
+  w4a8_.emplace(w4a8_packed_, w4a8_scales_, w4a8_zero_scales_, b, group_size, out_features_);
+  TORCH_CHECK(w4a8_->K == (int4_ ? int4_->K : int8_->K),
+              "NativeLinear: the int8-activation layout's in_features do not match");
+}
+
 void NativeLinear::prepare(const at::Tensor& x, GemvActs& acts) const {
   if (int4_) int4_->prepare(x, acts);
   else int8_->prepare(x, acts);
@@ -61,9 +71,9 @@ void NativeLinear::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t
 }
 
 DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_dim, double eps)
+                         int64_t num_kv_heads, int64_t head_dim, double eps, int64_t max_gemv_rows)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
-      num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+      num_kv_heads_(num_kv_heads), head_dim_(head_dim), max_gemv_rows_(max_gemv_rows), eps_(eps),
       scale_(1.0 / std::sqrt(static_cast<double>(head_dim))) {
   TORCH_CHECK(!layers_.empty() && num_heads % num_kv_heads == 0 && head_dim % 16 == 0,
               "DecodeStack: needs layers, Hq % Hkv == 0 and head_dim % 16 == 0");
@@ -78,6 +88,10 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
                     cache_head_dim(l.k_cache) == head_dim,
                 "DecodeStack: caches must be [blocks, block_size, Hkv, D]");
   }
+  int8_activations_ = true;
+  for (const StackLayer& l : layers_)
+    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      int8_activations_ = int8_activations_ && lin->int8_activations();
 }
 
 namespace {
@@ -96,6 +110,11 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(0) == seq_lens.size(0) &&
                   h.size(1) == final_norm_.size(0),
               "DecodeStack.forward: h must be contiguous [num_seqs, hidden] (decodes only)");
+  if (h.size(0) > max_gemv_rows_) {
+    TORCH_CHECK(int8_activations_, "DecodeStack.forward: more than ", max_gemv_rows_,
+                " rows need every linear's int8-activation layout");
+    return forward_many_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc);
+  }
   const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
   const at::TensorOptions opts = h.options();
   at::Tensor residual = h, hidden = at::empty_like(h);   // [M, H]
@@ -164,6 +183,102 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       });
       linear(l.gate_up, gate_up);
       serial([&] { l.down.prepare(silu_and_mul(gate_up), acts); });
+      linear(l.down, hidden);
+    }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
+  }
+  if (error) std::rethrow_exception(error);
+  fused_add_rms_norm(hidden, residual, final_norm_, eps_);
+  return hidden;
+}
+
+// ---- steps of many rows (int8 activations) --------------------------------------------------------
+// The same layer loop for more rows than the GEMV kernels take: each linear is the
+// int8-activation GEMM of the Python path (W4A8Gemm: the same quantization and tasks, so the
+// same bits), and every row-wise op (norms, RoPE, cache write, SiLU-and-mul, the activation
+// quantization) runs on each thread's own share of the rows instead of on thread 0, which at 64
+// rows would leave the other threads waiting. Barriers separate the phases as above.
+at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
+                                          const at::Tensor& signed_sin,
+                                          const at::Tensor& slot_mapping,
+                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                          const at::Tensor& query_start_loc) const {
+  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+  const at::TensorOptions opts = h.options();
+  at::Tensor residual = h, hidden = at::empty_like(h);   // [M, H]
+  at::Tensor qkv = at::empty({M, Hq + 2 * Hkv, D}, opts);
+  at::Tensor attn = at::empty({M, Hq, D}, opts);
+  at::Tensor gate_up = at::empty({M, layers_.front().gate_up.out_features()}, opts);
+  at::Tensor q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
+  at::Tensor qkv2d = qkv.view({M, (Hq + 2 * Hkv) * D}), attn2d = attn.view({M, Hq * D});
+  Int8Rows acts;  // the current linear's quantized input; sized here for the largest
+  std::vector<AttentionTasks> tasks;  // per layer, validated before the region
+  tasks.reserve(layers_.size());
+  for (const StackLayer& l : layers_) {
+    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) lin->int8_activations()->size(M, acts);
+    tasks.emplace_back(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_, attn, l.kv);
+  }
+  std::exception_ptr error;
+  const int threads = std::max(1, at::get_num_threads());
+
+#pragma omp parallel num_threads(threads)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    auto guarded = [&](auto&& body) {
+      try {
+        body();
+      } catch (...) {
+#pragma omp critical(qkiln_decode_stack_error)
+        if (!error) error = std::current_exception();
+      }
+    };
+    // InferenceMode is per thread: the workers' ATen ops (views, copies, the small ops' outputs)
+    // on the step's inference tensors need it as the calling thread has it.
+    c10::InferenceMode inference_mode;
+    const auto [r0, r1] = share(M, tid, n);  // this thread's rows
+    auto mine = [&](const at::Tensor& t) { return t.narrow(0, r0, r1 - r0); };
+    // This thread's rows of x into the int8 activations of `lin`, then everyone's.
+    auto quantize = [&](const NativeLinear& lin, const at::Tensor& x_rows) {
+      if (r1 > r0) guarded([&] { lin.int8_activations()->quantize(x_rows, r0, acts); });
+#pragma omp barrier
+    };
+    auto linear = [&](const NativeLinear& lin, at::Tensor& y) {
+      const W4A8Gemm& gemm = *lin.int8_activations();
+      const auto [begin, end] = share(gemm.num_tasks(M), tid, n);
+      guarded([&] { gemm.run(acts, M, begin, end, y); });
+#pragma omp barrier
+    };
+    at::Tensor my_hidden = mine(hidden), my_residual = mine(residual), my_qkv = mine(qkv);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      if (r1 > r0)
+        guarded([&] {
+          if (i == 0) my_hidden.copy_(rms_norm(my_residual, l.input_norm, eps_));
+          else fused_add_rms_norm(my_hidden, my_residual, l.input_norm, eps_);
+        });
+      quantize(l.qkv, my_hidden);
+      linear(l.qkv, qkv2d);
+      if (r1 > r0)
+        guarded([&] {
+          rotary_embedding(my_qkv, mine(cos), mine(signed_sin), Hq + Hkv);
+          at::Tensor k_cache = l.k_cache, v_cache = l.v_cache, my_k = mine(k);
+          // kv_cache.offset_key's arithmetic: the key in fp32 minus the offset
+          const at::Tensor key = l.k_offset.defined() ? at::sub(my_k.to(at::kFloat), l.k_offset) : my_k;
+          cache_write(key, mine(v), k_cache, v_cache, mine(slot_mapping), l.kv);
+        });
+#pragma omp barrier
+      {
+        const auto [begin, end] = share(tasks[i].size(), tid, n);
+        guarded([&] { tasks[i].run(begin, end); });
+      }
+#pragma omp barrier
+      quantize(l.o, mine(attn2d));
+      linear(l.o, hidden);
+      if (r1 > r0) guarded([&] { fused_add_rms_norm(my_hidden, my_residual, l.post_norm, eps_); });
+      quantize(l.gate_up, my_hidden);
+      linear(l.gate_up, gate_up);
+      at::Tensor act;
+      if (r1 > r0) guarded([&] { act = silu_and_mul(mine(gate_up)); });
+      quantize(l.down, act);
       linear(l.down, hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }

@@ -18,16 +18,24 @@ class NativeLinear {
                c10::optional<at::Tensor> bias, int64_t group_size, int64_t in_features,
                int64_t out_features);
 
+  // Adds the int8-activation layout (plugins/packed_weights.py's W4A8Weight) that steps of many
+  // rows compute with, as the Python path does above its GEMV row limit.
+  void add_int8_activations(at::Tensor packed, at::Tensor scales, at::Tensor zero_scales,
+                            int64_t group_size);
+
   void prepare(const at::Tensor& x, GemvActs& acts) const;
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
   int64_t num_tiles() const { return int4_ ? int4_->num_tiles : int8_->num_tiles; }
   int64_t out_features() const { return out_features_; }
+  const W4A8Gemm* int8_activations() const { return w4a8_ ? &*w4a8_ : nullptr; }
 
  private:
   at::Tensor weight_, scales_, zero_term_, bias_f32_;
+  at::Tensor w4a8_packed_, w4a8_scales_, w4a8_zero_scales_;
   int64_t out_features_;
   std::optional<Int4Gemv> int4_;
   std::optional<Int8Gemv> int8_;
+  std::optional<W4A8Gemm> w4a8_;
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):
@@ -42,8 +50,10 @@ struct StackLayer {
 
 class DecodeStack {
  public:
+  // max_gemv_rows: steps of up to this many rows run the GEMV kernels; larger ones need every
+  // linear's int8-activation layout (int8_activations()).
   DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, int64_t num_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps);
+              int64_t num_kv_heads, int64_t head_dim, double eps, int64_t max_gemv_rows);
 
   // Embeddings h [M, hidden] (one row per sequence, all decodes) -> hidden after the final norm.
   at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -51,10 +61,18 @@ class DecodeStack {
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool int8_activations() const { return int8_activations_; }
+  int64_t max_gemv_rows() const { return max_gemv_rows_; }
 
  private:
+  // forward for steps of more than max_gemv_rows_ rows (decode_stack.cpp's second section).
+  at::Tensor forward_many_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
+
   std::vector<StackLayer> layers_;
   at::Tensor final_norm_;
-  int64_t num_heads_, num_kv_heads_, head_dim_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, max_gemv_rows_;
   double eps_, scale_;
+  bool int8_activations_;  // every linear has its int8-activation layout
 };

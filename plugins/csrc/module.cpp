@@ -58,7 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("bits"), py::arg("weight"), py::arg("scales"), py::arg("zero_term"),
            py::arg("bias"), py::arg("group_size"), py::arg("in_features"),
-           py::arg("out_features"));
+           py::arg("out_features"))
+      .def("add_int8_activations", &NativeLinear::add_int8_activations, py::arg("packed"),
+           py::arg("scales"), py::arg("zero_scales"), py::arg("group_size"));
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
@@ -76,9 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("v_group_scale") = py::none(), py::arg("v_group_min") = py::none(),
            py::arg("k_offset") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack", py::module_local())
-      .def(py::init<std::vector<StackLayer>, at::Tensor, int64_t, int64_t, int64_t, double>(),
+      .def(py::init<std::vector<StackLayer>, at::Tensor, int64_t, int64_t, int64_t, double, int64_t>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("max_gemv_rows"))
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def_property_readonly("int8_activations", &DecodeStack::int8_activations)
+      .def_property_readonly("max_gemv_rows", &DecodeStack::max_gemv_rows);
 }

@@ -21,6 +21,30 @@ at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      int64_t G, int64_t out_features);
 std::string w4a8_kernel_isa();
 
+// The quantized activations of one int8-activation linear: q int8 [M, K], sx fp32 [M, K / 32]
+// (one scale per block of 32 channels), xs fp32 [M, num_groups] (the zero term's row sums).
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> sx, xs;
+};
+
+// One int8-activation linear (cpu_gemm_w4a8.cpp's header), in the steps a caller that owns the
+// threads (the decode stack) runs itself: size the buffers (one thread), quantize any partition of
+// the rows, then run any partition of the tasks (row chunk x panel of 48 output channels), each
+// written to y [M, out_features]. Holds raw pointers: the tensors it was made from must outlive it.
+struct W4A8Gemm {
+  const uint8_t* w;
+  const float *s, *zs, *bias;  // bias fp32 [out_features] or nullptr
+  int64_t K, G, NG, N_p, out_features;
+
+  W4A8Gemm(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_scales,
+           const float* bias_f32, int64_t group_size, int64_t out_features);
+  void size(int64_t M, Int8Rows& a) const;  // grows the buffers only: several linears share them
+  void quantize(const at::Tensor& x, int64_t first_row, Int8Rows& a) const;  // x [rows, K] -> rows first_row..
+  int64_t num_tasks(int64_t M) const;
+  void run(const Int8Rows& a, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+};
+
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
 // (bf16 x, M >= 2) or f32 = x widened [M, K].

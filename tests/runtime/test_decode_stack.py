@@ -31,9 +31,9 @@ def artifacts(tmp_path_factory):
     return source, out
 
 
-def _engine(path, monkeypatch, stack: bool, dtype="bf16", **config) -> LLMEngine:
+def _engine(path, monkeypatch, stack: bool, dtype="bf16", int8_activations=False, **config) -> LLMEngine:
     monkeypatch.setenv("QKILN_DECODE_STACK", "1" if stack else "0")
-    loaded = load_for_serving(str(path), dtype=dtype)
+    loaded = load_for_serving(str(path), dtype=dtype, int8_activations=int8_activations)
     config.setdefault("kv_dtype", loaded.kv_dtype)  # an artifact's KV scheme, as `qkiln serve` does
     return LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(**config), kv_scales=loaded.kv_scales)
 
@@ -93,6 +93,33 @@ def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, rec
     assert len(logits_fast) == len(logits_slow)
     for a, b in zip(logits_fast, logits_slow):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-int4"])
+def test_many_row_steps_with_int8_activations_are_bit_identical(artifacts, monkeypatch, recipe):
+    """With int8 activations loaded the stack also serves decode steps of more than 16 rows,
+    through the same int8-activation GEMM as the Python path, each thread on its share of the
+    rows for the row-wise ops (3 threads: shares of 7 and 6 rows)."""
+    _, paths = artifacts
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(20)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        fast = _engine(paths[recipe], monkeypatch, stack=True, int8_activations=True)
+        slow = _engine(paths[recipe], monkeypatch, stack=False, int8_activations=True)
+        assert fast.runner.decode_stack.stack.int8_activations
+        tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 6)
+        tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 6)
+    finally:
+        torch.set_num_threads(threads)
+    assert tokens_fast == tokens_slow
+    assert [served for _, _, served in steps] == [n == s for n, s, _ in steps]
+    assert any(served and s == 20 for _, s, served in steps)
+    assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
+    exact = _engine(paths[recipe], monkeypatch, stack=True)  # loaded without: 20 rows stay in Python
+    assert not exact.runner.decode_stack.stack.int8_activations
+    assert not any(served for _, s, served in _run_recording(exact, prompts, 2)[2] if s == 20)
 
 
 def test_mixed_and_large_steps_take_the_python_path(artifacts, monkeypatch):
