@@ -113,9 +113,7 @@ inline void store_row(Vf v, const RowsOut<scalar_t>& o, int m, int64_t c) {
 // Rows q[0..MR) times one panel of weights w (kNR tiles, K / 4 groups of 64 bytes each) -> y.
 // Per block of 32 channels the int32 dot products are scaled by the row's activation scale into a
 // group sum (one FMA each); per weight group the sum is scaled by the weight scale and the zero
-// term taken off (two FMAs each, into the fp32 totals kept in L1). Scaling every block by
-// s * sx instead took a multiply more per block: 120 of the 512-bit FP slots per 96 vpdpbusd
-// rather than 111, and vpdpbusd alone fills them.
+// term taken off (two FMAs each, into the fp32 totals kept in L1; see the header for why).
 #ifdef QKILN_W4A8_VNNI
 template <int MR, typename scalar_t>
 void panel_rows(const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
