@@ -101,6 +101,36 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
   return {n * tid / threads, n * (tid + 1) / threads};
 }
 
+// A step's activations, shared by the threads: the residual stream (the caller's h, updated in
+// place), the layer output and the fused projections' outputs, with the views the ops take.
+struct StepBuffers {
+  at::Tensor residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d;
+  StepBuffers(const at::Tensor& h, int64_t Hq, int64_t Hkv, int64_t D, int64_t gate_up_width)
+      : residual(h), hidden(at::empty_like(h)), qkv(at::empty({h.size(0), Hq + 2 * Hkv, D}, h.options())),
+        attn(at::empty({h.size(0), Hq, D}, h.options())),
+        gate_up(at::empty({h.size(0), gate_up_width}, h.options())), q(qkv.narrow(1, 0, Hq)),
+        k(qkv.narrow(1, Hq, Hkv)), v(qkv.narrow(1, Hq + Hkv, Hkv)),
+        qkv2d(qkv.view({h.size(0), (Hq + 2 * Hkv) * D})), attn2d(attn.view({h.size(0), Hq * D})) {}
+};
+
+// Nothing may throw out of a parallel region: guard() keeps the first exception, rethrow() raises
+// it after the region.
+struct FirstError {
+  std::exception_ptr error;
+  template <typename Body>
+  void guard(Body&& body) {
+    try {
+      body();
+    } catch (...) {
+#pragma omp critical(qkiln_decode_stack_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  void rethrow() const {
+    if (error) std::rethrow_exception(error);
+  }
+};
+
 }  // namespace
 
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -115,30 +145,18 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
                 " rows need every linear's int8-activation layout");
     return forward_many_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc);
   }
-  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
-  const at::TensorOptions opts = h.options();
-  at::Tensor residual = h, hidden = at::empty_like(h);   // [M, H]
-  at::Tensor qkv = at::empty({M, Hq + 2 * Hkv, D}, opts);
-  at::Tensor attn = at::empty({M, Hq, D}, opts);
-  at::Tensor gate_up = at::empty({M, layers_.front().gate_up.out_features()}, opts);
-  at::Tensor q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
-  at::Tensor qkv2d = qkv.view({M, (Hq + 2 * Hkv) * D}), attn2d = attn.view({M, Hq * D});
+  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_;
+  StepBuffers buf(h, Hq, Hkv, head_dim_, layers_.front().gate_up.out_features());
+  auto& [residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d] = buf;
   GemvActs acts;                          // the current linear's input, prepared by thread 0
   std::optional<AttentionTasks> tasks;    // the current layer's, made by thread 0
-  std::exception_ptr error;
+  FirstError errors;
   const int threads = std::max(1, at::get_num_threads());
 
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    auto guarded = [&](auto&& body) {
-      try {
-        body();
-      } catch (...) {
-#pragma omp critical(qkiln_decode_stack_error)
-        if (!error) error = std::current_exception();
-      }
-    };
+    auto guarded = [&](auto&& body) { errors.guard(body); };
     auto serial = [&](auto&& body) {  // thread 0 runs it; everyone sees its writes after
       if (tid == 0) guarded(body);
 #pragma omp barrier
@@ -186,7 +204,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       linear(l.down, hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }
-  if (error) std::rethrow_exception(error);
+  errors.rethrow();
   fused_add_rms_norm(hidden, residual, final_norm_, eps_);
   return hidden;
 }
@@ -202,14 +220,9 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
                                           const at::Tensor& slot_mapping,
                                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                           const at::Tensor& query_start_loc) const {
-  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
-  const at::TensorOptions opts = h.options();
-  at::Tensor residual = h, hidden = at::empty_like(h);   // [M, H]
-  at::Tensor qkv = at::empty({M, Hq + 2 * Hkv, D}, opts);
-  at::Tensor attn = at::empty({M, Hq, D}, opts);
-  at::Tensor gate_up = at::empty({M, layers_.front().gate_up.out_features()}, opts);
-  at::Tensor q = qkv.narrow(1, 0, Hq), k = qkv.narrow(1, Hq, Hkv), v = qkv.narrow(1, Hq + Hkv, Hkv);
-  at::Tensor qkv2d = qkv.view({M, (Hq + 2 * Hkv) * D}), attn2d = attn.view({M, Hq * D});
+  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_;
+  StepBuffers buf(h, Hq, Hkv, head_dim_, layers_.front().gate_up.out_features());
+  auto& [residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d] = buf;
   Int8Rows acts;  // the current linear's quantized input; sized here for the largest
   std::vector<AttentionTasks> tasks;  // per layer, validated before the region
   tasks.reserve(layers_.size());
@@ -217,20 +230,13 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
     for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) lin->int8_activations()->size(M, acts);
     tasks.emplace_back(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_, attn, l.kv);
   }
-  std::exception_ptr error;
+  FirstError errors;
   const int threads = std::max(1, at::get_num_threads());
 
 #pragma omp parallel num_threads(threads)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    auto guarded = [&](auto&& body) {
-      try {
-        body();
-      } catch (...) {
-#pragma omp critical(qkiln_decode_stack_error)
-        if (!error) error = std::current_exception();
-      }
-    };
+    auto guarded = [&](auto&& body) { errors.guard(body); };
     // InferenceMode is per thread: the workers' ATen ops (views, copies, the small ops' outputs)
     // on the step's inference tensors need it as the calling thread has it.
     c10::InferenceMode inference_mode;
@@ -282,7 +288,7 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
       linear(l.down, hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }
-  if (error) std::rethrow_exception(error);
+  errors.rethrow();
   fused_add_rms_norm(hidden, residual, final_norm_, eps_);
   return hidden;
 }
