@@ -164,21 +164,25 @@ def test_stack_results_do_not_depend_on_the_thread_count(artifacts, monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(logits, results[0][1]))
 
 
-def test_a_failing_step_raises_and_the_stack_keeps_working(artifacts, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 20])
+def test_a_failing_step_raises_and_the_stack_keeps_working(artifacts, monkeypatch, rows):
     # An error inside the parallel region (here a slot past the cache) must come back as a Python
-    # exception, not terminate the process, and leave the stack usable.
+    # exception, not terminate the process, and leave the stack usable; 20 rows: the many-row
+    # section (int8 activations), where every thread writes its own rows' slots.
     _, paths = artifacts
-    engine = _engine(paths["w4a16-rtn"], monkeypatch, stack=True)
+    engine = _engine(paths["w4a16-rtn"], monkeypatch, stack=True, int8_activations=rows > 16)
     stack = engine.runner.decode_stack.stack
     cache = engine.runner.backend.caches[0]
     hidden = engine.runner.model.config.hidden_size
-    h = torch.randn(1, hidden, dtype=torch.bfloat16)
-    cos = torch.ones(1, 1, engine.runner.model.config.head_dim, dtype=torch.bfloat16)
+    h = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    cos = torch.ones(rows, 1, engine.runner.model.config.head_dim, dtype=torch.bfloat16)
     sin = torch.zeros_like(cos)
-    tables = torch.zeros(1, 1, dtype=torch.int32)
-    lens, starts = torch.tensor([1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
-    past_the_cache = torch.tensor([cache.k.shape[0] * cache.k.shape[1]])
+    tables = torch.arange(rows, dtype=torch.int32)[:, None]
+    lens, starts = torch.ones(rows, dtype=torch.int32), torch.arange(rows + 1, dtype=torch.int32)
+    slots = tables.flatten().long() * cache.k.shape[1]
+    past_the_cache = slots.clone()
+    past_the_cache[-1] = cache.k.shape[0] * cache.k.shape[1]
     with pytest.raises(RuntimeError, match="past the cache"):
         stack.forward(h.clone(), cos, sin, past_the_cache, tables, lens, starts)
-    out = stack.forward(h.clone(), cos, sin, torch.tensor([0]), tables, lens, starts)
-    assert out.shape == (1, hidden) and torch.isfinite(out.float()).all()
+    out = stack.forward(h.clone(), cos, sin, slots, tables, lens, starts)
+    assert out.shape == (rows, hidden) and torch.isfinite(out.float()).all()
