@@ -167,6 +167,34 @@ struct Int4Rows {
   }
 };
 
+// acc [G, D] += p @ V for D = 16 * NV, scores [G, T] holding p, V rows from `rows` a 16-token
+// tile at a time (pass 2 of decode_head_tiled and decode_head_int4).
+template <int NV, typename Rows>
+void values_tiled(Rows& rows, int64_t T, int64_t G, const float* scores, float* acc) {
+  constexpr int64_t D = NV * kW;
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 2: p @ V
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    rows.fill(t0, n, true);
+    for (int64_t g = 0; g < G; ++g) {
+      Vf even[NV], odd[NV];  // two chains halve the FMA latency chain
+      for (int j = 0; j < NV; ++j) even[j] = load(acc + g * D + j * kW), odd[j] = set1(0.f);
+      const float* p = scores + g * T + t0;
+      int64_t i = 0;
+      for (; i + 1 < n; i += 2) {
+        const auto *r0 = rows.rows[i], *r1 = rows.rows[i + 1];
+        const Vf p0 = set1(p[i]), p1 = set1(p[i + 1]);
+        for (int j = 0; j < NV; ++j) {
+          even[j] = fmadd(p0, load(r0 + j * kW), even[j]);
+          odd[j] = fmadd(p1, load(r1 + j * kW), odd[j]);
+        }
+      }
+      if (i < n)
+        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(p[i]), load(rows.rows[i] + j * kW), even[j]);
+      for (int j = 0; j < NV; ++j) store(acc + g * D + j * kW, add(even[j], odd[j]));
+    }
+  }
+}
+
 // decode_head for D = 16 * NV: the query row and the accumulators live in registers, scores are
 // reduced 16 tokens at a time (sum16), and each 16-token tile of K/V is read once from memory and
 // served to the whole GQA group from L1.
@@ -199,27 +227,7 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
     }
   }
   softmax_rows(scores, G, T, inv_sum);
-  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 2: p @ V
-    const int64_t n = std::min<int64_t>(kW, T - t0);
-    rows.fill(t0, n, true);
-    for (int64_t g = 0; g < G; ++g) {
-      Vf even[NV], odd[NV];  // two chains halve the FMA latency chain
-      for (int j = 0; j < NV; ++j) even[j] = load(acc + g * D + j * kW), odd[j] = set1(0.f);
-      const float* p = scores + g * T + t0;
-      int64_t i = 0;
-      for (; i + 1 < n; i += 2) {
-        const auto *r0 = rows.rows[i], *r1 = rows.rows[i + 1];
-        const Vf p0 = set1(p[i]), p1 = set1(p[i + 1]);
-        for (int j = 0; j < NV; ++j) {
-          even[j] = fmadd(p0, load(r0 + j * kW), even[j]);
-          odd[j] = fmadd(p1, load(r1 + j * kW), odd[j]);
-        }
-      }
-      if (i < n)
-        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(p[i]), load(rows.rows[i] + j * kW), even[j]);
-      for (int j = 0; j < NV; ++j) store(acc + g * D + j * kW, add(even[j], odd[j]));
-    }
-  }
+  values_tiled<NV>(rows, T, G, scores, acc);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; d += kW)
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
@@ -378,11 +386,105 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
     }
   }
 }
+
+// decode_head for a bf16 query over an int4 cache, D = 16 * NV (32, 64, 128), groups of a multiple
+// of 4 elements. Scores read K as its codes: with k = c * s + m per group (kv_cache.py),
+// q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g); the codes widen exactly to bf16 (0..15) for
+// vdpbf16ps against the bf16 query (6 instructions per 32 codes against ~20 to dequantize them to
+// fp32 and the FMAs after), the group scales multiply its per-lane pair sums, the minimums' term
+// comes from the query's group sums (for a tile's 16 tokens at once). V is dequantized as in
+// decode_head_tiled (Int4Rows). Same-process A/B against that path for K too (64 decodes x 192
+// tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms a layer
+// (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; outputs within 3e-7.
+// Widening puts a chunk's 32 codes in the lane order of _mm512_cvtne2ps_pbh(high nibbles, low
+// nibbles): element 2l in lane l, 2l + 1 in lane 16 + l; the query is permuted to match once per
+// row, and a pair of lanes always lies in one group, so its sum takes one scale.
+inline __m512bh query_chunk(const uint16_t* q, int c) { return (__m512bh)_mm512_loadu_si512(q + 32 * c); }
+
+template <int NV, typename o_t>
+void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, int64_t T, o_t* out,
+                      std::vector<float>& buf) {
+  constexpr int64_t D = NV * kW;
+  constexpr int NC = D / 32 > 0 ? D / 32 : 1;  // 32-element chunks (D = 32: one)
+  const int64_t G = a.group, groups = D / rows.group;
+  buf.resize(G * D + G * T + G + G * groups);
+  float *acc = buf.data(), *scores = acc + G * D, *inv_sum = scores + G * T;
+  float* qsum = inv_sum + G;  // [G, groups]
+  thread_local std::vector<uint16_t> permuted;  // [G, NC, 32] the query's bf16 bits, widening's order
+  thread_local std::vector<Vf> dots;            // [G, 16]
+  permuted.assign(G * NC * 32, 0);
+  dots.resize(G * kW);
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(q);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) {
+      const int64_t c = d / 32, e = d % 32, lane = e % 2 ? 16 + e / 2 : e / 2;
+      permuted[(g * NC + c) * 32 + lane] = bits[g * D + d];
+    }
+    for (int64_t j = 0; j < groups; ++j) {
+      float total = 0.f;
+      for (int64_t d = j * rows.group; d < (j + 1) * rows.group; ++d) total += static_cast<float>(q[g * D + d]);
+      qsum[g * groups + j] = total;
+    }
+  }
+  __m512i group_of_lane[NC];  // dword lane l of chunk c sums elements 32c + 4 (l % 8) (+ 1, 2, 3)
+  for (int c = 0; c < NC; ++c) {
+    alignas(64) int32_t idx[kW];
+    for (int l = 0; l < kW; ++l) idx[l] = static_cast<int32_t>((32 * c + 4 * (l % 8)) / rows.group);
+    group_of_lane[c] = _mm512_load_si512(idx);
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  const int64_t bytes = rows.num_kv_heads * D / 2, slot_groups = rows.num_kv_heads * groups;
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  alignas(64) float minimum[kW * kW];  // [group, token of the tile]: the tile's K minimums
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    for (int64_t i = 0, b = t0 / rows.block_size, o = t0 % rows.block_size; i < kW; ++i) {
+      if (i >= n) {
+        for (int64_t g = 0; g < G; ++g) dots[g * kW + i] = set1(0.f);
+        for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = 0.f;
+        continue;
+      }
+      const int64_t slot = rows.table[b] * rows.block_size + o;
+      if (++o == rows.block_size) o = 0, ++b;
+      const uint8_t* packed = rows.k_head + slot * bytes;
+      const Vf scale = load(rows.k_scale + slot * slot_groups, groups);
+      alignas(64) float row_minimum[kW];
+      store(row_minimum, load(rows.k_min + slot * slot_groups, groups), groups);
+      for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = row_minimum[j];
+      __m512bh codes[NC];
+      Vf lane_scale[NC];
+      for (int c = 0; c < NC; ++c) {
+        const __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * c)));
+        codes[c] = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4)),
+                                       _mm512_cvtepi32_ps(_mm512_and_si512(byte, low_nibble)));
+        lane_scale[c] = _mm512_permutexvar_ps(group_of_lane[c], scale);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qg = permuted.data() + g * NC * 32;
+        Vf d = mul(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, 0), codes[0]), lane_scale[0]);
+        for (int c = 1; c < NC; ++c) d = fmadd(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, c), codes[c]), lane_scale[c], d);
+        dots[g * kW + i] = d;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // + sum_j m_j sum(q_j), for the tile's 16 tokens at once
+      Vf min_term = set1(0.f);
+      for (int64_t j = 0; j < groups; ++j)
+        min_term = fmadd(load(minimum + j * kW), set1(qsum[g * groups + j]), min_term);
+      store(scores + g * T + t0, mul(add(sum16(dots.data() + g * kW), min_term), set1(a.scale)), n);
+    }
+  }
+  softmax_rows(scores, G, T, inv_sum);
+  values_tiled<NV>(rows, T, G, scores, acc);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += kW) store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+}
 #else
 constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const kv_t*, const int32_t*,
                        int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*) {}
+template <int NV, typename o_t>
+void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*, std::vector<float>&) {}
 #endif
 
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
@@ -489,6 +591,14 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
           const int64_t g = h * groups;  // the head's first group in a slot
           rows = {k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
                   D / groups, Hkv};
+          if (kBf16Heads && std::is_same_v<q_t, c10::BFloat16> && rows.group % 4 == 0 &&
+              groups <= kW) {  // K read as codes
+            const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
+            if (D == 32) decode_head_int4<2>(a, qb, rows, T, orow, buf);
+            else if (D == 64) decode_head_int4<4>(a, qb, rows, T, orow, buf);
+            else decode_head_int4<8>(a, qb, rows, T, orow, buf);
+            return;
+          }
           if (D == 32) decode_head_tiled<2>(a, qrow, rows, T, orow, buf);
           else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf);
           else decode_head_tiled<8>(a, qrow, rows, T, orow, buf);

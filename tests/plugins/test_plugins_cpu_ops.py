@@ -67,11 +67,14 @@ def test_decode_attention_matches_the_reference(ext, kv_dtype, head_dim, num_hea
     assert rel_error(out, expected) < TOLERANCE[out.dtype]
 
 
-@pytest.mark.parametrize("kv_dtype,group_size", [("fp8", 16), ("int4", 16), ("int4", 8), ("int4", 64)])
-def test_quantized_caches_serve_bf16_queries(ext, kv_dtype, group_size):
+@pytest.mark.parametrize("kv_dtype,group_size,head_dim", [("fp8", 16, 64), ("int4", 16, 64), ("int4", 8, 64),
+                                                         ("int4", 64, 64), ("int4", 16, 32), ("int4", 8, 128),
+                                                         ("int4", 4, 128)])
+def test_quantized_caches_serve_bf16_queries(ext, kv_dtype, group_size, head_dim):
     """The serving case: bf16 activations over an fp8 or int4 cache (int4 groups smaller than,
-    equal to and larger than a 16-float vector), decodes and a prefill chunk in one call."""
-    cache = make_cache(kv_dtype, 60, 3, 64, group_size=group_size)
+    equal to and larger than a 16-float vector; K read as codes up to 16 groups a head, group 4 at
+    D = 128 is 32 and takes the dequantizing path), decodes and a prefill chunk in one call."""
+    cache = make_cache(kv_dtype, 60, 3, head_dim, group_size=group_size)
     batch = PagedBatch(random_specs(10, 16, prefill=True), cache, 9)
     args = batch.attention_args(cache, torch.bfloat16)
     out = torch.ops.qkiln.paged_attention(*args)
