@@ -395,11 +395,14 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
 // comes from the query's group sums (for a tile's 16 tokens at once). V is dequantized as in
 // decode_head_tiled (Int4Rows). Same-process A/B against that path for K too (64 decodes x 192
 // tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms a layer
-// (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; outputs within 3e-7.
+// (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs within
+// 3e-6 of the dequantizing path's.
 // Widening puts a chunk's 32 codes in the lane order of _mm512_cvtne2ps_pbh(high nibbles, low
 // nibbles): element 2l in lane l, 2l + 1 in lane 16 + l; the query is permuted to match once per
 // row, and a pair of lanes always lies in one group, so its sum takes one scale.
-inline __m512bh query_chunk(const uint16_t* q, int c) { return (__m512bh)_mm512_loadu_si512(q + 32 * c); }
+inline __m512bh query_chunk(const uint16_t* q, int c) {
+  return (__m512bh)_mm512_loadu_si512(q + 32 * c);
+}
 
 template <int NV, typename o_t>
 void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, int64_t T, o_t* out,
@@ -422,7 +425,8 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
     }
     for (int64_t j = 0; j < groups; ++j) {
       float total = 0.f;
-      for (int64_t d = j * rows.group; d < (j + 1) * rows.group; ++d) total += static_cast<float>(q[g * D + d]);
+      for (int64_t d = j * rows.group; d < (j + 1) * rows.group; ++d)
+        total += static_cast<float>(q[g * D + d]);
       qsum[g * groups + j] = total;
     }
   }
@@ -454,7 +458,8 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       __m512bh codes[NC];
       Vf lane_scale[NC];
       for (int c = 0; c < NC; ++c) {
-        const __m512i byte = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * c)));
+        const __m512i byte =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * c)));
         codes[c] = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4)),
                                        _mm512_cvtepi32_ps(_mm512_and_si512(byte, low_nibble)));
         lane_scale[c] = _mm512_permutexvar_ps(group_of_lane[c], scale);
@@ -462,7 +467,8 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       for (int64_t g = 0; g < G; ++g) {
         const uint16_t* qg = permuted.data() + g * NC * 32;
         Vf d = mul(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, 0), codes[0]), lane_scale[0]);
-        for (int c = 1; c < NC; ++c) d = fmadd(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, c), codes[c]), lane_scale[c], d);
+        for (int c = 1; c < NC; ++c)
+          d = fmadd(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, c), codes[c]), lane_scale[c], d);
         dots[g * kW + i] = d;
       }
     }
@@ -476,7 +482,8 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   softmax_rows(scores, G, T, inv_sum);
   values_tiled<NV>(rows, T, G, scores, acc);
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += kW) store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+    for (int64_t d = 0; d < D; d += kW)
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
 }
 #else
 constexpr bool kBf16Heads = false;
@@ -484,7 +491,8 @@ template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const kv_t*, const int32_t*,
                        int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*) {}
 template <int NV, typename o_t>
-void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*, std::vector<float>&) {}
+void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*,
+                      std::vector<float>&) {}
 #endif
 
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
