@@ -96,6 +96,16 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
 }
 
+// The cache slots of tokens t0 .. t0 + n - 1 through the block table, times `stride` (1: slot
+// indices; Hkv * D: element offsets of the rows). Every tiled kernel walks the table through this.
+inline void tile_slots(const int32_t* table, int64_t block_size, int64_t t0, int64_t n, int64_t stride,
+                       int64_t* out) {
+  for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
+    out[i] = (table[b] * block_size + o) * stride;
+    if (++o == block_size) o = 0, ++b;
+  }
+}
+
 // The K or V rows of one 16-token tile of one kv head, for decode_head_tiled: fill(t0, n, value)
 // points rows[0 .. n) at tokens t0 .. t0 + n - 1 of K (value false) or V.
 // CacheRows: into a float or fp8 cache (kv_t), through the block table.
@@ -106,11 +116,9 @@ struct CacheRows {
   int64_t block_size, row_stride;
   const kv_t* rows[kW];
   void fill(int64_t t0, int64_t n, bool value) {
-    const kv_t* head = value ? v_head : k_head;
-    for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
-      rows[i] = head + (table[b] * block_size + o) * row_stride;
-      if (++o == block_size) o = 0, ++b;
-    }
+    int64_t offsets[kW];
+    tile_slots(table, block_size, t0, n, row_stride, offsets);
+    for (int64_t i = 0; i < n; ++i) rows[i] = (value ? v_head : k_head) + offsets[i];
   }
 };
 
@@ -156,13 +164,13 @@ struct Int4Rows {
   const float* rows[kW];
   void fill(int64_t t0, int64_t n, bool value) {
     const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
-    for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
-      const int64_t slot = table[b] * block_size + o;
-      dequantize_int4_row((value ? v_head : k_head) + slot * bytes,
-                          (value ? v_scale : k_scale) + slot * groups,
-                          (value ? v_min : k_min) + slot * groups, head_dim, group, values + i * head_dim);
+    int64_t slots[kW];
+    tile_slots(table, block_size, t0, n, 1, slots);
+    for (int64_t i = 0; i < n; ++i) {
+      dequantize_int4_row((value ? v_head : k_head) + slots[i] * bytes,
+                          (value ? v_scale : k_scale) + slots[i] * groups,
+                          (value ? v_min : k_min) + slots[i] * groups, head_dim, group, values + i * head_dim);
       rows[i] = values + i * head_dim;
-      if (++o == block_size) o = 0, ++b;
     }
   }
 };
@@ -249,15 +257,6 @@ inline __m512i bf16x32(const c10::Float8_e4m3fn* p) {
 template <typename kv_t>
 constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.f;
 
-// Cache offsets (in elements) of tokens t0 .. min(t0 + 16, T) - 1 through the block table.
-inline void tile_offsets(const int32_t* table, int64_t block_size, int64_t row_stride, int64_t t0,
-                         int64_t T, int64_t* offsets) {
-  for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < std::min<int64_t>(kW, T - t0); ++i) {
-    offsets[i] = (table[b] * block_size + o) * row_stride;
-    if (++o == block_size) o = 0, ++b;
-  }
-}
-
 // decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
 // (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
 // half the instructions of decode_head_tiled, which widens every K/V element to fp32 once per
@@ -298,11 +297,12 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
   int64_t offsets[kW];
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
-    tile_offsets(table, bs, row_stride, t0, T, offsets);
+    tile_slots(table, bs, t0, n, row_stride, offsets);
     if (t0 + kW < T) {  // the next tile's K rows into L2 (the hardware prefetchers stop at blocks)
+      const int64_t n_ahead = std::min<int64_t>(kW, T - t0 - kW);
       int64_t ahead[kW];
-      tile_offsets(table, bs, row_stride, t0 + kW, T, ahead);
-      for (int64_t i = 0; i < std::min<int64_t>(kW, T - t0 - kW); ++i) {
+      tile_slots(table, bs, t0 + kW, n_ahead, row_stride, ahead);
+      for (int64_t i = 0; i < n_ahead; ++i) {
         const char* krow = reinterpret_cast<const char*>(k_head + ahead[i]);
         for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(krow + byte, _MM_HINT_T1);
       }
@@ -408,7 +408,7 @@ template <int NV, typename o_t>
 void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, int64_t T, o_t* out,
                       std::vector<float>& buf) {
   constexpr int64_t D = NV * kW;
-  constexpr int NC = D / 32 > 0 ? D / 32 : 1;  // 32-element chunks (D = 32: one)
+  constexpr int NC = D / 32;  // 32-element chunks (D is 32, 64 or 128)
   const int64_t G = a.group, groups = D / rows.group;
   buf.resize(G * D + G * T + G + G * groups);
   float *acc = buf.data(), *scores = acc + G * D, *inv_sum = scores + G * T;
@@ -440,16 +440,17 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   const int64_t bytes = rows.num_kv_heads * D / 2, slot_groups = rows.num_kv_heads * groups;
   const __m512i low_nibble = _mm512_set1_epi32(15);
   alignas(64) float minimum[kW * kW];  // [group, token of the tile]: the tile's K minimums
+  int64_t slots[kW];
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
-    for (int64_t i = 0, b = t0 / rows.block_size, o = t0 % rows.block_size; i < kW; ++i) {
+    tile_slots(rows.table, rows.block_size, t0, n, 1, slots);
+    for (int64_t i = 0; i < kW; ++i) {
       if (i >= n) {
         for (int64_t g = 0; g < G; ++g) dots[g * kW + i] = set1(0.f);
         for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = 0.f;
         continue;
       }
-      const int64_t slot = rows.table[b] * rows.block_size + o;
-      if (++o == rows.block_size) o = 0, ++b;
+      const int64_t slot = slots[i];
       const uint8_t* packed = rows.k_head + slot * bytes;
       const Vf scale = load(rows.k_scale + slot * slot_groups, groups);
       alignas(64) float row_minimum[kW];

@@ -131,6 +131,14 @@ struct FirstError {
   }
 };
 
+// Layer l's key and value rows into its caches at `slots`, the key offset (if any) taken off
+// in fp32 first, as kv_cache.offset_key does.
+void write_kv(const StackLayer& l, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
+  at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
+  const at::Tensor key = l.k_offset.defined() ? at::sub(k.to(at::kFloat), l.k_offset) : k;
+  cache_write(key, v, k_cache, v_cache, slots, l.kv);
+}
+
 }  // namespace
 
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -181,10 +189,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       linear(l.qkv, qkv2d);
       serial([&] {
         rotary_embedding(qkv, cos, signed_sin, Hq + Hkv);
-        at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-        // kv_cache.offset_key's arithmetic: the key in fp32 minus the offset
-        const at::Tensor key = l.k_offset.defined() ? at::sub(k.to(at::kFloat), l.k_offset) : k;
-        cache_write(key, v, k_cache, v_cache, slot_mapping, l.kv);
+        write_kv(l, k, v, slot_mapping);
         tasks.emplace(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_,
                       attn, l.kv);
       });
@@ -266,10 +271,7 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
       if (r1 > r0)
         guarded([&] {
           rotary_embedding(my_qkv, mine(cos), mine(signed_sin), Hq + Hkv);
-          at::Tensor k_cache = l.k_cache, v_cache = l.v_cache, my_k = mine(k);
-          // kv_cache.offset_key's arithmetic: the key in fp32 minus the offset
-          const at::Tensor key = l.k_offset.defined() ? at::sub(my_k.to(at::kFloat), l.k_offset) : my_k;
-          cache_write(key, mine(v), k_cache, v_cache, mine(slot_mapping), l.kv);
+          write_kv(l, mine(k), mine(v), mine(slot_mapping));
         });
 #pragma omp barrier
       {
