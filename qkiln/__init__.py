@@ -2,5 +2,5 @@
 
 from qkiln import host_memory
 
-# Before torch loads: huge pages for large tensors, freed memory recycled (host_memory.py).
+# Before torch loads: huge pages for large tensors (host_memory.py).
 host_memory.set_up()
