@@ -7,7 +7,7 @@ W4A16, 64 x 128/128 on 2 threads: +9% output tokens/s (decode step median 104 ->
 +3%; HF generate unchanged. An explicit THP_MEM_ALLOC_ENABLE=0 in the environment is respected.
 
 Freed memory is left to glibc. Its default mmap threshold is dynamic: once a block of up to 32 MB
-given back with munmap, blocks of that size come from the heap, so a step's large temporaries
+is given back with munmap, blocks of that size come from the heap, so a step's large temporaries
 (64 x 49152 logits, a prefill chunk's MLP activations) are recycled without help. Earlier sessions
 raised the mmap / trim thresholds to 1 GB here; that was measured against a fixed 128 KB
 threshold, not the real default, and it is not dependable: torch allocates through
