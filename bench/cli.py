@@ -8,6 +8,7 @@ httpx. A `QkilnError` from a benchmark becomes one `error: ...` line and its exi
 import importlib
 import math
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,12 +20,23 @@ bench_app = typer.Typer(help="Benchmarks: a JSON report (--json), a table on std
                              "PNG charts (--plot).", no_args_is_help=True, pretty_exceptions_enable=False)
 
 
-def _run(module: str, options: dict) -> None:
+# Options every report-writing command takes the same way.
+JsonOut = Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")]
+PlotDir = Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")]
+
+
+@contextmanager
+def _errors_as_exit_codes():
     try:
-        importlib.import_module(f"qkiln.bench.{module}").main(**options)
+        yield
     except QkilnError as e:
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(e.exit_code) from None
+
+
+def _run(module: str, options: dict) -> None:
+    with _errors_as_exit_codes():
+        importlib.import_module(f"qkiln.bench.{module}").main(**options)
 
 
 @bench_app.command("throughput")
@@ -45,8 +57,8 @@ def throughput_command(
     repeats: Annotated[int, typer.Option(help="timed repeats (median and spread reported)")] = 3,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: usable cores)")] = None,
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
     """Offline throughput: N requests at once through the engine; requests/s and tokens/s."""
     _run("throughput", locals())
@@ -65,8 +77,8 @@ def latency_command(
     repeats: Annotated[int, typer.Option(help="timed repeats (median and spread reported)")] = 3,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: usable cores)")] = None,
     seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
     """Prefill time and decode tokens/s for given lengths (batch 1 unless --batch-size)."""
     _run("latency", locals())
@@ -88,8 +100,8 @@ def serve_command(
     prompt_format: Annotated[str, typer.Option(help="send prompts as token `ids` (exact) or decoded `text`")] = "ids",
     repeats: Annotated[int, typer.Option(help="repeats per concurrency (median and spread reported)")] = 3,
     seed: Annotated[int, typer.Option(help="workload and arrival seed")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")] = None,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
     """Online serving: TTFT, TPOT, ITL, E2EL and goodput over HTTP (vLLM benchmark_serving definitions)."""
     _run("serve", locals())
@@ -111,8 +123,8 @@ def cpu_compare_command(
     int8_activations: Annotated[bool, typer.Option(help="also measure the artifact with int8 activations (W4A8)")] = True,
     ort_model: Annotated[Optional[Path], typer.Option(help="ONNX Runtime GenAI int4 model folder")] = None,
     seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write PNG bar charts into this directory")] = None,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
     """Reproduce the CPU comparison table (HF generate vs qkiln W4A16 / bf16, optional llama.cpp, ORT GenAI)."""
     _run("cpu_compare", locals())
@@ -132,8 +144,8 @@ def kv_dtypes_command(
     kv_cache_mib: Annotated[int, typer.Option(help="KV budget the tokens-held column is for")] = 512,
     int8_activations: Annotated[bool, typer.Option("--int8-activations", help="steps of >16 rows with int8 activations")] = False,
     seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="write PNG bar charts into this directory")] = None,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
     """One W4A16 model with a bf16, fp8 and int4 KV cache: speed and KV room, same run."""
     _run("kv_dtypes", locals())
@@ -145,18 +157,15 @@ def kernels_command(
     repeats: Annotated[int, typer.Option(help="timed repeats per kernel (median and spread)")] = 15,
     rows: Annotated[str, typer.Option(help="activation rows per call, e.g. 1,16")] = "1,16",
     num_layers: Annotated[int, typer.Option(help="distinct layers in the decode-step figure")] = 30,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")] = None,
+    json_out: JsonOut = None,
 ):
     """CPU quantized-GEMM kernels on SmolLM2 shapes: qkiln's native vs torch's tinygemm / int8pack / bf16."""
     from qkiln.bench.throughput import parse_int_list
 
-    try:
+    with _errors_as_exit_codes():
         from qkiln.bench.cpu_kernels import run_cpu_kernels
 
         run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers)
-    except QkilnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(e.exit_code) from None
 
 
 @bench_app.command("quality")
@@ -183,8 +192,5 @@ def quality_command(
     argv += (["--workdir", str(workdir)] if workdir else []) + (["--reuse"] if reuse else [])
     argv += ["--llmcompressor-python", str(llmcompressor_python)] if llmcompressor_python else []
     argv += ["--llmc-workdir", str(llmc_workdir)] if llmc_workdir else []
-    try:
+    with _errors_as_exit_codes():
         importlib.import_module("qkiln.bench.quant_quality").main(argv)
-    except QkilnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(e.exit_code) from None
