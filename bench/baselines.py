@@ -1,6 +1,7 @@
 """Baselines measured in the same run as qkiln, on the same token ids and lengths.
 
-Owns three comparators, each returning the figures latency.py / throughput.py report:
+Owns two comparators, each returning the figures latency.py / throughput.py report (ONNX Runtime
+GenAI, the third, is ort_genai.py):
 - Hugging Face `generate` (static batching, greedy, eager; what users run without a server).
   The model loads with transformers' own loaders: a HF directory, or a GGUF file through
   `from_pretrained(dir, gguf_file=name)` fully dequantized (`GgufConfig(dequantize=True)`) so the
@@ -9,10 +10,9 @@ Owns three comparators, each returning the figures latency.py / throughput.py re
   decode tokens/s = batch * (N - 1) / (TN - T1). Throughput: the requests in consecutive static
   batches of `batch_size`; each batch is left-padded and runs until its longest output
   (`min_new_tokens = max_new_tokens`, so EOS cannot end it early); only requested tokens count.
-- llama.cpp through llama-cpp-python on the same GGUF (batch-1 decode; yields are timed).
-- ONNX Runtime GenAI on an int4 model folder the user provides (batch-1 decode).
-The optional two return {"skipped": reason} when not installed or not given, never raise.
-transformers, llama_cpp and onnxruntime_genai are imported inside functions only.
+- llama.cpp through llama-cpp-python on the same GGUF (batch-1 decode; yields are timed). It
+  returns {"skipped": reason} when not installed or when it fails, and never raises.
+transformers and llama_cpp are imported inside functions only.
 """
 
 import time
@@ -96,23 +96,30 @@ def hf_throughput(hf_model, workload: Workload, batch_size: int, num_repeats: in
         t0 = time.perf_counter()
         for rows in batches:
             hf_generate(hf_model, [workload.prompts[r] for r in rows], max(workload.output_lens[r] for r in rows))
-        t = time.perf_counter() - t0
-        num_in, num_out = workload.num_input_tokens, workload.num_output_tokens
-        runs.append({"elapsed_s": t, "requests_per_s": workload.num_requests / t, "input_tokens_per_s": num_in / t,
-                     "output_tokens_per_s": num_out / t, "total_tokens_per_s": (num_in + num_out) / t})
-        log(f"{label} batch {batch_size}: repeat {rep + 1}/{num_repeats}: {num_out / t:.1f} output tok/s, {t:.1f} s")
-    return summarize_runs(runs, ("elapsed_s", "requests_per_s", "input_tokens_per_s", "output_tokens_per_s",
-                                 "total_tokens_per_s"))
+        runs.append(throughput_figures(workload, time.perf_counter() - t0))
+        log(f"{label} batch {batch_size}: repeat {rep + 1}/{num_repeats}: "
+            f"{runs[-1]['output_tokens_per_s']:.1f} output tok/s, {runs[-1]['elapsed_s']:.1f} s")
+    return summarize_runs(runs, THROUGHPUT_KEYS)
 
 
-def _decode_figures(t_start: float, token_times: list[float], num_input: int) -> dict:
+THROUGHPUT_KEYS = ("elapsed_s", "requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s")
+
+
+def throughput_figures(workload: Workload, elapsed_s: float) -> dict:
+    num_in, num_out = workload.num_input_tokens, workload.num_output_tokens
+    return {"elapsed_s": elapsed_s, "requests_per_s": workload.num_requests / elapsed_s,
+            "input_tokens_per_s": num_in / elapsed_s, "output_tokens_per_s": num_out / elapsed_s,
+            "total_tokens_per_s": (num_in + num_out) / elapsed_s}
+
+
+def decode_figures(t_start: float, token_times: list[float], num_input: int) -> dict:
     prefill = token_times[0] - t_start
     decode = (len(token_times) - 1) / (token_times[-1] - token_times[0]) if len(token_times) > 1 else 0.0
     return {"prefill_s": prefill, "prefill_tokens_per_s": num_input / prefill, "decode_tokens_per_s": decode,
             "e2e_s": token_times[-1] - t_start}
 
 
-_LATENCY_KEYS = ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "e2e_s")
+LATENCY_KEYS = ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "e2e_s")
 
 
 def llama_cpp_latency(gguf: str | Path | None, workload: Workload, num_threads: int, num_repeats: int = 3) -> dict:
@@ -135,38 +142,7 @@ def llama_cpp_latency(gguf: str | Path | None, workload: Workload, num_threads: 
                 times.append(time.perf_counter())
                 if len(times) == n:
                     break
-            runs.append(_decode_figures(t0, times, len(prompt)))
+            runs.append(decode_figures(t0, times, len(prompt)))
     except Exception as e:  # a comparator must not end the run: record why it failed
         return {"skipped": f"llama-cpp-python failed: {type(e).__name__}: {e}"}
-    return summarize_runs(runs[1:], _LATENCY_KEYS)
-
-
-def ort_genai_latency(model_dir: str | Path | None, workload: Workload, num_repeats: int = 3) -> dict:
-    """Batch-1 greedy decode with ONNX Runtime GenAI on an int4 model folder (genai_config.json)."""
-    try:
-        import onnxruntime_genai as og
-    except ImportError:
-        return {"skipped": "onnxruntime-genai is not installed (pip install onnxruntime-genai)"}
-    if model_dir is None or not (Path(model_dir) / "genai_config.json").is_file():
-        return {"skipped": "no ONNX Runtime GenAI model folder given (--ort-model DIR with genai_config.json)"}
-    prompt, n = workload.prompts[0], workload.output_lens[0]
-    try:
-        import numpy as np
-
-        model = og.Model(str(model_dir))
-        runs = []
-        for _ in range(num_repeats + 1):  # the first pass is the warmup
-            params = og.GeneratorParams(model)
-            total = len(prompt) + n
-            params.set_search_options(max_length=total, min_length=total, do_sample=False)
-            generator = og.Generator(model, params)
-            t0, times = time.perf_counter(), []
-            generator.append_tokens(np.asarray([prompt], dtype=np.int32))
-            while not generator.is_done() and len(times) < n:
-                generator.generate_next_token()
-                times.append(time.perf_counter())
-            runs.append(_decode_figures(t0, times, len(prompt)))
-            del generator
-    except Exception as e:  # a comparator must not end the run: record why it failed
-        return {"skipped": f"onnxruntime-genai failed: {type(e).__name__}: {e}"}
-    return summarize_runs(runs[1:], _LATENCY_KEYS)
+    return summarize_runs(runs[1:], LATENCY_KEYS)

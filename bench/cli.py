@@ -130,6 +130,19 @@ def cpu_compare_command(
     _run("cpu_compare", locals())
 
 
+@bench_app.command("ort-model")
+def ort_model_command(
+    out: Annotated[Path, typer.Argument(help="folder to write (genai_config.json, model.onnx)")],
+    model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",
+):
+    """Build the ONNX Runtime GenAI int4 CPU folder cpu-compare's --ort-model reads (needs
+    onnxruntime-genai, onnx and onnx-ir installed; see bench/ort_genai.py)."""
+    with _errors_as_exit_codes():
+        from qkiln.bench.ort_genai import build_ort_model
+
+        build_ort_model(model, out)
+
+
 @bench_app.command("kv-dtypes")
 def kv_dtypes_command(
     model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",

@@ -7,11 +7,11 @@ Measures, in one process and on the same token ids (random ids, `ignore_eos`, gr
   Hugging Face `generate` in bf16, qkiln on a W4A16 artifact (also with its native decode stack
   off: `qkiln-w4a16-python-layers`; and with `--int8-activations`, many-row steps computing with
   int8 activations per 32 channels: `qkiln-w4a16-int8act`, reported as such, not exact) and qkiln
-  on the bf16 source, plus llama.cpp (same GGUF) and
-  ONNX Runtime GenAI (`--ort-model`) when installed;
+  on the bf16 source, plus llama.cpp (same GGUF) and ONNX Runtime GenAI (`--ort-model`, a folder
+  `qkiln bench ort-model` builds) when installed;
 - offline throughput, `num_requests` x `input_len` in / `output_len` out: qkiln (all requests at
   once, continuous batching) against HF static batching at each of `--hf-batch-sizes`, of which
-  the best median is the baseline;
+  the best median is the baseline, and ONNX Runtime GenAI static batching at the same sizes;
 - memory bandwidth (a large copy) and each batch-1 decode as % of its weights-plus-KV roofline;
 - the ratios the issue sets targets for: W4A16 decode >= 8x HF, W4A16 throughput >= 4x best HF.
 
@@ -31,7 +31,8 @@ import torch
 
 from qkiln.runtime.source import resolve_source
 
-from .baselines import hf_latency, hf_throughput, llama_cpp_latency, load_hf_model, ort_genai_latency
+from .baselines import hf_latency, hf_throughput, llama_cpp_latency, load_hf_model
+from .ort_genai import ort_genai_latency, ort_genai_throughput
 from .latency import engine_roofline, run_latency
 from .report import fmt, log, make_report, plot_bars, print_table, write_report
 from .roofline import decode_roofline, measure_bandwidth, percent_of_roofline, weight_bytes
@@ -130,10 +131,28 @@ def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tu
     roof["percent_of_roofline"] = percent_of_roofline(lat["decode_tokens_per_s"]["median"], roof)
     lat["roofline"] = roof
     by_batch = {b: hf_throughput(hf, tput_wl, b, args["repeats"], label="hf-bf16") for b in args["hf_batch_sizes"]}
-    best = max(by_batch, key=lambda b: by_batch[b]["output_tokens_per_s"]["median"])
     del hf
     gc.collect()
-    return lat, {**by_batch[best], "best_batch_size": best, "by_batch_size": by_batch}
+    return lat, _best_static_batch(by_batch)
+
+
+def _best_static_batch(by_batch: dict) -> dict:
+    """The static batch size with the best median output tokens/s, with every size's figures."""
+    measured = {b: r for b, r in by_batch.items() if "skipped" not in r}
+    if not measured:
+        return next(iter(by_batch.values()))
+    best = max(measured, key=lambda b: measured[b]["output_tokens_per_s"]["median"])
+    return {**measured[best], "best_batch_size": best, "by_batch_size": by_batch}
+
+
+def _ort_rows(decode_wl, tput_wl, args: dict) -> tuple[dict, dict]:
+    log("[ort-genai] batch-1 decode")
+    lat = ort_genai_latency(args["ort_model"], decode_wl, args["repeats"])
+    if "skipped" in lat:
+        return lat, lat
+    log("[ort-genai] offline, static batches")
+    return lat, _best_static_batch({b: ort_genai_throughput(args["ort_model"], tput_wl, b, args["repeats"])
+                                    for b in args["hf_batch_sizes"]})
 
 
 def _ratio(a: dict, b: dict, key: str) -> float | None:
@@ -164,8 +183,7 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
         decode["qkiln-bf16"], offline["qkiln-bf16"] = _qkiln_rows("qkiln-bf16", model, decode_wl, tput_wl, bw, args)
     log("[llama.cpp] batch-1 decode")
     decode["llama.cpp"] = llama_cpp_latency(resolve_source(model), decode_wl, args["threads"], args["repeats"])
-    log("[ort-genai] batch-1 decode")
-    decode["ort-genai-int4"] = ort_genai_latency(args["ort_model"], decode_wl, args["repeats"])
+    decode["ort-genai-int4"], offline["ort-genai-int4"] = _ort_rows(decode_wl, tput_wl, args)
     ratios = {"decode_w4a16_vs_hf": _ratio(decode["qkiln-w4a16"], decode["hf-bf16"], "decode_tokens_per_s"),
               "throughput_w4a16_vs_best_hf": _ratio(offline["qkiln-w4a16"], offline["hf-bf16"],
                                                     "output_tokens_per_s"),
@@ -175,7 +193,11 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
                                                       "decode_tokens_per_s"),
               "decode_w4a16_vs_llama_cpp": _ratio(decode["qkiln-w4a16"], decode["llama.cpp"], "decode_tokens_per_s"),
               "decode_w4a16_vs_ort_genai": _ratio(decode["qkiln-w4a16"], decode["ort-genai-int4"],
-                                                  "decode_tokens_per_s")}
+                                                  "decode_tokens_per_s"),
+              "throughput_w4a16_vs_ort_genai": _ratio(offline["qkiln-w4a16"], offline["ort-genai-int4"],
+                                                      "output_tokens_per_s"),
+              "throughput_w4a16_int8act_vs_ort_genai": _ratio(offline.get("qkiln-w4a16-int8act", _NOT_RUN),
+                                                              offline["ort-genai-int4"], "output_tokens_per_s")}
     return {"artifact": str(artifact), "bandwidth": bandwidth, "batch1_decode": decode, "offline_throughput": offline,
             "ratios": ratios, "targets": TARGETS}
 
@@ -184,6 +206,10 @@ def print_comparison(results: dict, args: dict) -> None:
     rows, skipped = [], []
     for name, lat in results["batch1_decode"].items():
         tput = results["offline_throughput"].get(name)
+        if tput is not None and "skipped" in tput:
+            if "skipped" not in lat:
+                skipped.append(f"{name} offline: skipped, {tput['skipped']}")
+            tput = None
         if "skipped" in lat:
             skipped.append(f"{name}: skipped, {lat['skipped']}")
             continue
@@ -210,7 +236,7 @@ def print_comparison(results: dict, args: dict) -> None:
 def _plots(results: dict, directory: Path) -> None:
     decode = {n: r["decode_tokens_per_s"] for n, r in results["batch1_decode"].items() if "skipped" not in r}
     plot_bars(directory / "cpu_compare_decode.png", decode, "tokens/s", "batch-1 decode")
-    offline = {n: r["output_tokens_per_s"] for n, r in results["offline_throughput"].items()}
+    offline = {n: r["output_tokens_per_s"] for n, r in results["offline_throughput"].items() if "skipped" not in r}
     plot_bars(directory / "cpu_compare_throughput.png", offline, "output tokens/s", "offline throughput")
 
 

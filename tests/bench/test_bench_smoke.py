@@ -144,6 +144,9 @@ def test_cpu_compare_tiny(tiny, tmp_path):
         assert _positive(res["batch1_decode"][name]["roofline"]["percent_of_roofline"]), name
         assert _positive(res["offline_throughput"][name]["output_tokens_per_s"]), name
     assert "skipped" in res["batch1_decode"]["llama.cpp"]  # the tiny model is not a GGUF file
+    for figures in ("batch1_decode", "offline_throughput"):  # no --ort-model given
+        assert "no ONNX Runtime GenAI model folder" in res[figures]["ort-genai-int4"]["skipped"]
+    assert res["ratios"]["throughput_w4a16_vs_ort_genai"] is None
     assert res["offline_throughput"]["hf-bf16"]["best_batch_size"] in (2, 4)
     assert _positive(res["ratios"]["decode_w4a16_vs_hf"]) and _positive(res["ratios"]["throughput_w4a16_vs_best_hf"])
     assert _positive(res["batch1_decode"]["qkiln-w4a16-python-layers"]["decode_tokens_per_s"])
@@ -152,6 +155,25 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert (tmp_path / "plots" / "cpu_compare_decode.png").is_file()
     built = cpu_compare.ensure_artifact(str(tiny), None, tmp_path / "work")  # reused, not rebuilt
     assert str(built) == res["artifact"]
+
+
+def test_cpu_compare_against_onnxruntime_genai(tiny, tmp_path):
+    # Optional comparator (not in CI's install): its builder makes the int4 folder from the same
+    # weights, and cpu-compare reports its batch-1 and static-batch figures and the ratios to them.
+    for module in ("onnxruntime_genai", "onnx", "onnx_ir"):
+        pytest.importorskip(module)
+    from qkiln.bench.ort_genai import build_ort_model
+
+    folder = build_ort_model(str(tiny), tmp_path / "ort")
+    assert (folder / "genai_config.json").is_file()
+    report = cpu_compare.main(str(tiny), work_dir=tmp_path / "work", threads=1, repeats=1, input_len=8,
+                              output_len=4, num_requests=4, hf_batch_sizes="2,4", bf16=False,
+                              int8_activations=False, ort_model=folder)
+    res = report["results"]
+    assert _positive(res["batch1_decode"]["ort-genai-int4"]["decode_tokens_per_s"])
+    assert res["offline_throughput"]["ort-genai-int4"]["best_batch_size"] in (2, 4)
+    assert _positive(res["ratios"]["decode_w4a16_vs_ort_genai"])
+    assert _positive(res["ratios"]["throughput_w4a16_vs_ort_genai"])
 
 
 def test_kv_dtypes_tiny(tiny, tmp_path):
@@ -198,6 +220,7 @@ def test_cli_wiring_and_errors(tiny):
     assert bad.exit_code == 2 and "error: input_len must be" in bad.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "ort-model", "--help"]).exit_code == 0
 
 
 def test_cpu_kernels_report(tmp_path):
