@@ -202,9 +202,10 @@ def cpu_silu_and_mul(gate_up):
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[M, V] -> int64 [M], torch.argmax(dim=-1)'s result; native for contiguous fp32 CPU logits."""
+    """[M, V] -> int64 [M], torch.argmax(dim=-1)'s result; native for contiguous CPU logits in
+    fp32, bf16 or fp16 (no fp32 copy needed first)."""
     ops = native_ops()
-    if ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and \
+    if ops is not None and logits.device.type == "cpu" and logits.dtype in _NATIVE_DTYPES and \
             logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

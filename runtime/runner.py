@@ -59,11 +59,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step; returns fp32 logits [num_sampling_seqs, vocab] in `plan.sampling` order."""
+        """Run one step; returns logits [num_sampling_seqs, vocab] in `plan.sampling` order, in the
+        model's dtype (the sampler widens them to fp32 where it computes with them, not for greedy
+        argmax: a 64 x 49152 fp32 copy a step, into memory often faulted in anew, is avoided)."""
         input_ids, positions, metadata, sample_rows = self.prepare(plan)
         if self.decode_stack is not None and self.decode_stack.applies(input_ids.shape[0], metadata):
             hidden = self.decode_stack.hidden_states(input_ids, positions, metadata)  # [N, hidden]
         else:
             self.backend.metadata = metadata
             hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
-        return self.model.compute_logits(hidden[sample_rows]).float()
+        return self.model.compute_logits(hidden[sample_rows])

@@ -50,12 +50,14 @@ class Sampler:
         """Pick one token per row. `generators[i]` (or None) serves row i when it samples randomly."""
         num_seqs, vocab_size = logits.shape
         assert len(params) == num_seqs, (len(params), num_seqs)
-        logits = logits.float()
         if banned_token_ids is not None and any(banned_token_ids):
             logits = _ban(logits, banned_token_ids)
         if all(p.is_greedy for p in params):
-            token_ids = ops.argmax(logits)  # the common serving case: one vectorized op
+            # The common serving case: one vectorized op on the model's logits as they are
+            # (widening bf16 to fp32 keeps order and ties, so the argmax needs no fp32 copy).
+            token_ids = ops.argmax(logits)
         else:
+            logits = logits.float()
             token_ids = self._sample_random(logits, params, generators)
         return self._with_logprobs(logits, params, token_ids)
 
@@ -82,7 +84,7 @@ class Sampler:
         max_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if max_n is None:
             return SamplerOutput(token_ids)
-        logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_seqs, vocab_size]
         chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
         if max_n == 0:
             return SamplerOutput(token_ids, chosen)

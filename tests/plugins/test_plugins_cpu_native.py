@@ -138,6 +138,12 @@ def test_portable_build_matches_reference(native_ext):
 
 
 def argmax_cases():
+    """argmax_rows's cases in fp32, bf16 and fp16 (rounding to 16 bits makes more ties)."""
+    for logits in _fp32_argmax_cases():
+        yield from (logits, logits.bfloat16(), logits.half())
+
+
+def _fp32_argmax_cases():
     """Logits whose argmax has a trap: ties (first wins), NaN (the first NaN wins), all -inf,
     lengths around the 16-lane vector, many rows."""
     g = torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs every run
