@@ -13,6 +13,8 @@ folder was given, or it fails, and never raises: a comparator must not end a ben
 onnxruntime_genai, numpy and transformers are imported inside functions only.
 """
 
+import importlib.util
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,7 @@ import torch
 
 from .baselines import LATENCY_KEYS, THROUGHPUT_KEYS, decode_figures, load_hf_model, throughput_figures
 from .report import log, summarize_runs
-from .workload import Workload
+from .workload import BenchConfigError, Workload
 
 
 def _import_genai():
@@ -107,7 +109,18 @@ def ort_genai_throughput(model_dir, workload: Workload, batch_size: int, num_rep
 
 def build_ort_model(model: str, out_dir: Path) -> Path:
     """Build the int4 CPU folder for `model` (alias, HF dir or .gguf) into `out_dir` with
-    onnxruntime-genai's builder; needs onnxruntime-genai, onnx and onnx-ir installed."""
+    onnxruntime-genai's builder (needs onnxruntime-genai, onnx and onnx-ir). It is written under
+    `<out_dir>.partial` and renamed when the builder succeeds, so a failed build never leaves a
+    folder that looks finished."""
+    missing = [m for m in ("onnxruntime_genai", "onnx", "onnx_ir") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise BenchConfigError(f"building an ORT GenAI folder needs {', '.join(missing)}: "
+                               "pip install onnxruntime-genai onnx onnx-ir")
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise BenchConfigError(f"{out_dir} already exists; remove it or choose another folder")
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
     hf = load_hf_model(model, torch.float32)
     with tempfile.TemporaryDirectory(prefix="qkiln-ort-src-") as src:
         log(f"saving {model} as a Hugging Face folder for the ORT builder")
@@ -115,9 +128,13 @@ def build_ort_model(model: str, out_dir: Path) -> Path:
         _tokenizer(model).save_pretrained(src)
         del hf
         log(f"building the ONNX Runtime GenAI int4 folder in {out_dir}")
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src,
-                        "-o", str(out_dir), "-p", "int4", "-e", "cpu",
-                        "-c", str(Path(src) / "cache")], check=True)
+        done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", src,
+                               "-o", str(partial), "-p", "int4", "-e", "cpu",
+                               "-c", str(Path(src) / "cache")])
+    if done.returncode != 0:
+        raise BenchConfigError(f"onnxruntime-genai's builder failed (exit {done.returncode}, its "
+                               f"output is above); the partial folder is {partial}")
+    partial.rename(out_dir)
     return out_dir
 
 

@@ -165,7 +165,9 @@ def test_cpu_compare_against_onnxruntime_genai(tiny, tmp_path):
     from qkiln.bench.ort_genai import build_ort_model
 
     folder = build_ort_model(str(tiny), tmp_path / "ort")
-    assert (folder / "genai_config.json").is_file()
+    assert (folder / "genai_config.json").is_file() and not (tmp_path / "ort.partial").exists()
+    with pytest.raises(BenchConfigError, match="already exists"):
+        build_ort_model(str(tiny), folder)
     report = cpu_compare.main(str(tiny), work_dir=tmp_path / "work", threads=1, repeats=1, input_len=8,
                               output_len=4, num_requests=4, hf_batch_sizes="2,4", bf16=False,
                               int8_activations=False, ort_model=folder)
