@@ -18,7 +18,8 @@ Measures, in one process and on the same token ids (random ids, `ignore_eos`, gr
 The W4A16 artifact is `--artifact`, or built once with the `w4a16-rtn` preset (no calibration;
 int8 lm_head) under `--work-dir` and reused while its manifest's source hash and scheme still match.
 Every figure is a median over `--repeats` with min/max; progress goes to stderr, the table to
-stdout. Takes ~10 minutes on 2 threads (the HF static-batch sweep dominates); measure on a quiet machine.
+stdout. Takes ~13 minutes on 2 threads (the HF static-batch sweep dominates), ~17 with ORT GenAI's
+static batches and llama.cpp; measure on a quiet machine.
 """
 
 import dataclasses
