@@ -81,7 +81,9 @@ def ort_genai_latency(model_dir, workload: Workload, num_repeats: int = 3) -> di
 
 def ort_genai_throughput(model_dir, workload: Workload, batch_size: int, num_repeats: int = 3) -> dict:
     """Static batching like the HF baseline: consecutive batches of `batch_size` requests, each run
-    to its longest output; only requested tokens count. Prompts of one length only (no padding)."""
+    to its longest output; only requested tokens count. Prompts of one length only (no padding).
+    Also the run's split: `prefill_s` (each batch's prompt to its first tokens, summed) and
+    `decode_tokens_per_s` (the tokens after the first over the time after it)."""
     og, skipped = _import_genai()
     skipped = skipped or _check_folder(model_dir)
     if skipped:
@@ -96,15 +98,21 @@ def ort_genai_throughput(model_dir, workload: Workload, batch_size: int, num_rep
         runs = []
         for rep in range(num_repeats):
             t0 = time.perf_counter()
+            prefill_s = decode_s = decode_tokens = 0.0
             for rows in batches:
-                _generate(og, model, [workload.prompts[r] for r in rows],
-                          max(workload.output_lens[r] for r in rows))
-            runs.append(throughput_figures(workload, time.perf_counter() - t0))
+                start = time.perf_counter()
+                times = _generate(og, model, [workload.prompts[r] for r in rows],
+                                  max(workload.output_lens[r] for r in rows))
+                prefill_s += times[0] - start  # the prompt and the first token of each row
+                decode_s += times[-1] - times[0]
+                decode_tokens += len(rows) * (len(times) - 1)
+            runs.append({**throughput_figures(workload, time.perf_counter() - t0),
+                         "prefill_s": prefill_s, "decode_tokens_per_s": decode_tokens / decode_s})
             log(f"ort-genai batch {batch_size}: repeat {rep + 1}/{num_repeats}: "
                 f"{runs[-1]['output_tokens_per_s']:.1f} output tok/s, {runs[-1]['elapsed_s']:.1f} s")
     except Exception as e:  # noqa: BLE001 - recorded, see the module docstring
         return {"skipped": f"onnxruntime-genai failed: {type(e).__name__}: {e}"}
-    return summarize_runs(runs, THROUGHPUT_KEYS)
+    return summarize_runs(runs, (*THROUGHPUT_KEYS, "prefill_s", "decode_tokens_per_s"))
 
 
 def build_ort_model(model: str, out_dir: Path) -> Path:
