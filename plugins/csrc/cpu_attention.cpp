@@ -55,6 +55,15 @@ inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum) {
   }
 }
 
+// out [G, D] = acc * out_scale / sum(p), row by row: the last step of every decode_head form.
+template <typename o_t>
+inline void write_heads(const float* acc, const float* inv_sum, int64_t G, int64_t D, float out_scale,
+                        o_t* out) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += kW)
+      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * out_scale)));
+}
+
 // One (sequence, kv head): q [group, D] (row-contiguous heads), K/V rows at stride Hkv * D,
 // out [group, D]. buf holds the scaled query, the accumulators and the scores.
 template <typename kv_t, typename q_t, typename o_t>
@@ -79,8 +88,9 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
       }
     }
   }
-  std::vector<float> inv_sum(G);
-  softmax_rows(scores, G, T, inv_sum.data());
+  std::vector<float> inv_sum_rows(G);
+  float* inv_sum = inv_sum_rows.data();
+  softmax_rows(scores, G, T, inv_sum);
   for (int64_t t0 = 0, b = 0; t0 < T; t0 += a.block_size, ++b) {  // pass 2: p @ V
     const kv_t* rows = v_head + table[b] * block_stride;
     for (int64_t t = t0; t < std::min(T, t0 + a.block_size); ++t, rows += row_stride) {
@@ -91,9 +101,7 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
+  write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 
 // The cache slots of tokens t0 .. t0 + n - 1 through the block table, times `stride` (1: slot
@@ -236,9 +244,7 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
   }
   softmax_rows(scores, G, T, inv_sum);
   values_tiled<NV>(rows, T, G, scores, acc);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * a.out_scale)));
+  write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -482,9 +488,7 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   }
   softmax_rows(scores, G, T, inv_sum);
   values_tiled<NV>(rows, T, G, scores, acc);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g])));
+  write_heads(acc, inv_sum, G, D, a.out_scale, out);  // out_scale is 1 without fp8
 }
 #else
 constexpr bool kBf16Heads = false;
