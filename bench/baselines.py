@@ -88,8 +88,7 @@ def hf_latency(hf_model, workload: Workload, num_repeats: int = 3, label: str = 
 
 def hf_throughput(hf_model, workload: Workload, batch_size: int, num_repeats: int = 3, label: str = "hf") -> dict:
     """Static batching: consecutive batches of `batch_size` requests, each to its longest output."""
-    batches = [range(i, min(i + batch_size, workload.num_requests))
-               for i in range(0, workload.num_requests, batch_size)]
+    batches = static_batches(workload, batch_size)
     hf_generate(hf_model, workload.prompts[:batch_size], 2)  # warmup at this batch shape
     runs = []
     for rep in range(num_repeats):
@@ -100,6 +99,12 @@ def hf_throughput(hf_model, workload: Workload, batch_size: int, num_repeats: in
         log(f"{label} batch {batch_size}: repeat {rep + 1}/{num_repeats}: "
             f"{runs[-1]['output_tokens_per_s']:.1f} output tok/s, {runs[-1]['elapsed_s']:.1f} s")
     return summarize_runs(runs, THROUGHPUT_KEYS)
+
+
+def static_batches(workload: Workload, batch_size: int) -> list[range]:
+    """The request indices of consecutive static batches of `batch_size` (the last may be short)."""
+    return [range(i, min(i + batch_size, workload.num_requests))
+            for i in range(0, workload.num_requests, batch_size)]
 
 
 THROUGHPUT_KEYS = ("elapsed_s", "requests_per_s", "input_tokens_per_s", "output_tokens_per_s", "total_tokens_per_s")

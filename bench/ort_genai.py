@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .baselines import LATENCY_KEYS, THROUGHPUT_KEYS, decode_figures, load_hf_model, throughput_figures
+from .baselines import (LATENCY_KEYS, THROUGHPUT_KEYS, decode_figures, load_hf_model, static_batches,
+                        throughput_figures)
 from .report import log, summarize_runs
 from .workload import BenchConfigError, Workload
 
@@ -90,8 +91,7 @@ def ort_genai_throughput(model_dir, workload: Workload, batch_size: int, num_rep
         return skipped
     if len({len(p) for p in workload.prompts}) != 1:
         return {"skipped": "ORT GenAI batches here take prompts of one length (use a fixed --input-len)"}
-    batches = [range(i, min(i + batch_size, workload.num_requests))
-               for i in range(0, workload.num_requests, batch_size)]
+    batches = static_batches(workload, batch_size)
     try:
         model = og.Model(str(model_dir))
         _generate(og, model, workload.prompts[:batch_size], 2)  # warmup at this batch shape
