@@ -11,11 +11,13 @@ parallel region per step (the tiles of each linear split over the threads, barri
 dependent phases) instead of a fork/join per kernel.
 
 `build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
-path serves every step); `applies` says per step whether the step is decodes only and small
-enough for the GEMV kernels, or, with int8 activations loaded (opt-in), any number of decodes:
-those run the Python path's int8-activation GEMM, each thread taking its share of the rows for
-the row-wise ops (offline 64 x 128/128, same-process A/B, 5 rounds: decode step 74.2 -> 63.2 ms,
-537.9 -> 584.5 tok/s). Embeddings, RoPE tables and the lm_head stay in model.py.
+path serves every step); `applies` says per step whether the step is decodes only. Up to SMALL_M
+rows run the GEMV kernels; more run the Python path's GEMM for them, each thread taking its share
+of the rows for the row-wise ops: with int8 activations loaded (opt-in) the int8-activation GEMM
+(offline 64 x 128/128, same-process A/B, 5 rounds: decode step 74.2 -> 63.2 ms, 537.9 -> 584.5
+tok/s), else (exact) oneDNN's bf16 GEMM on the dequantized weights, called between short parallel
+regions (decode step 103.5 -> 84.5 ms, 422.2 -> 489.7 tok/s). Embeddings, RoPE tables and the
+lm_head stay in model.py.
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 
@@ -51,6 +53,8 @@ def _native_linear(module, ext):
     if w.int8_act is not None:
         a = w.int8_act
         linear.add_int8_activations(a.packed, a.scales, a.zero_scales, a.group_size)
+    if w.dequantized is not None:
+        linear.add_dense(w.dequantized)
     return linear
 
 
@@ -95,10 +99,10 @@ class NativeDecodeStack:
         return cls(model, stack)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
-        """Decodes only (one row per sequence), few enough rows for the GEMV kernels or int8
-        activations loaded for more (as the Python path computes them), ops on."""
+        """Decodes only (one row per sequence), few enough rows for the GEMV kernels or, for more,
+        the layouts the Python path computes them with (int8 activations or dense weights), ops on."""
         return num_tokens == metadata.seq_lens.shape[0] and \
-            (num_tokens <= SMALL_M or self.stack.int8_activations) and \
+            (num_tokens <= SMALL_M or self.stack.int8_activations or self.stack.dense_rows) and \
             cpu_native.native_ops() is not None
 
     def hidden_states(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:

@@ -93,10 +93,19 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0,
               "silu_and_mul: needs a contiguous [..., 2 * I] tensor");
-  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
   std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
-  shape.back() = I;
+  shape.back() /= 2;
   at::Tensor out = at::empty(shape, gate_up.options());
+  silu_and_mul_out(gate_up, out);
+  return out;
+}
+
+// out [..., I] (contiguous, gate_up's dtype) = silu(gate) * up of a contiguous [..., 2 * I].
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t I = gate_up.size(-1) / 2, rows = I ? gate_up.numel() / (2 * I) : 0;
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) == 2 * I && out.is_contiguous() &&
+                  out.scalar_type() == gate_up.scalar_type() && out.numel() == rows * I,
+              "silu_and_mul_out: needs contiguous [..., 2 * I] in and [..., I] out of one dtype");
   QKILN_DISPATCH(gate_up.scalar_type(), "qkiln_silu_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -109,7 +118,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       }
     });
   });
-  return out;
 }
 
 // In place: x[m, n] = x[m, n] * scales[n] taken in fp32 and rounded once into x's dtype, the bits

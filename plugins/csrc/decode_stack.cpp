@@ -21,15 +21,14 @@
 // rethrown after it.
 //
 // runtime/decode_stack.py decides when a model and a step qualify (native linears everywhere,
-// caches the native attention serves, decodes only, M <= 16 or int8 activations loaded: the
-// second section below) and builds this object once per engine.
+// caches the native attention serves, decodes only; more than 16 rows: decode_stack_rows.cpp,
+// int8 activations or dense weights) and builds this object once per engine.
 
-#include "decode_stack.h"
+#include "decode_stack_internal.h"
 
 #include <omp.h>
 
 #include <cmath>
-#include <exception>
 
 NativeLinear::NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales,
                            at::Tensor zero_term, c10::optional<at::Tensor> bias,
@@ -37,7 +36,7 @@ NativeLinear::NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales,
     : weight_(std::move(weight)), scales_(std::move(scales)), zero_term_(std::move(zero_term)),
       out_features_(out_features) {
   TORCH_CHECK(bits == 4 || bits == 8, "NativeLinear: bits must be 4 or 8");
-  if (bias.has_value()) bias_f32_ = bias->to(at::kFloat).contiguous();
+  if (bias.has_value()) bias_ = *bias, bias_f32_ = bias->to(at::kFloat).contiguous();
   const float* b = bias_f32_.defined() ? bias_f32_.data_ptr<float>() : nullptr;
   if (bits == 4) {
     TORCH_CHECK(zero_term_.defined(), "NativeLinear: int4 needs its zero term");
@@ -88,48 +87,16 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
                     cache_head_dim(l.k_cache) == head_dim,
                 "DecodeStack: caches must be [blocks, block_size, Hkv, D]");
   }
-  int8_activations_ = true;
+  int8_activations_ = dense_rows_ = true;
   for (const StackLayer& l : layers_)
-    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       int8_activations_ = int8_activations_ && lin->int8_activations();
-}
-
-namespace {
-
-// [begin, end) of `n` items for thread `tid` of `threads`: contiguous, sizes differ by <= 1.
-inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
-  return {n * tid / threads, n * (tid + 1) / threads};
-}
-
-// A step's activations, shared by the threads: the residual stream (the caller's h, updated in
-// place), the layer output and the fused projections' outputs, with the views the ops take.
-struct StepBuffers {
-  at::Tensor residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d;
-  StepBuffers(const at::Tensor& h, int64_t Hq, int64_t Hkv, int64_t D, int64_t gate_up_width)
-      : residual(h), hidden(at::empty_like(h)), qkv(at::empty({h.size(0), Hq + 2 * Hkv, D}, h.options())),
-        attn(at::empty({h.size(0), Hq, D}, h.options())),
-        gate_up(at::empty({h.size(0), gate_up_width}, h.options())), q(qkv.narrow(1, 0, Hq)),
-        k(qkv.narrow(1, Hq, Hkv)), v(qkv.narrow(1, Hq + Hkv, Hkv)),
-        qkv2d(qkv.view({h.size(0), (Hq + 2 * Hkv) * D})), attn2d(attn.view({h.size(0), Hq * D})) {}
-};
-
-// Nothing may throw out of a parallel region: guard() keeps the first exception, rethrow() raises
-// it after the region.
-struct FirstError {
-  std::exception_ptr error;
-  template <typename Body>
-  void guard(Body&& body) {
-    try {
-      body();
-    } catch (...) {
-#pragma omp critical(qkiln_decode_stack_error)
-      if (!error) error = std::current_exception();
+      dense_rows_ = dense_rows_ && lin->has_dense();
     }
-  }
-  void rethrow() const {
-    if (error) std::rethrow_exception(error);
-  }
-};
+}
+
+
+namespace decode_stack_detail {
 
 // Layer l's key and value rows into its caches at `slots`, the key offset (if any) taken off
 // in fp32 first, as kv_cache.offset_key does.
@@ -139,7 +106,9 @@ void write_kv(const StackLayer& l, const at::Tensor& k, const at::Tensor& v, con
   cache_write(key, v, k_cache, v_cache, slots, l.kv);
 }
 
-}  // namespace
+}  // namespace decode_stack_detail
+
+using namespace decode_stack_detail;
 
 at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
                                 const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -149,9 +118,11 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
                   h.size(1) == final_norm_.size(0),
               "DecodeStack.forward: h must be contiguous [num_seqs, hidden] (decodes only)");
   if (h.size(0) > max_gemv_rows_) {
-    TORCH_CHECK(int8_activations_, "DecodeStack.forward: more than ", max_gemv_rows_,
-                " rows need every linear's int8-activation layout");
-    return forward_many_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc);
+    TORCH_CHECK(int8_activations_ || dense_rows_, "DecodeStack.forward: more than ", max_gemv_rows_,
+                " rows need every linear's int8-activation layout or dense form");
+    return int8_activations_
+               ? forward_many_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc)
+               : forward_dense_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc);
   }
   const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_;
   StepBuffers buf(h, Hq, Hkv, head_dim_, layers_.front().gate_up.out_features());
@@ -206,87 +177,6 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       });
       linear(l.gate_up, gate_up);
       serial([&] { l.down.prepare(silu_and_mul(gate_up), acts); });
-      linear(l.down, hidden);
-    }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
-  }
-  errors.rethrow();
-  fused_add_rms_norm(hidden, residual, final_norm_, eps_);
-  return hidden;
-}
-
-// ---- steps of many rows (int8 activations) --------------------------------------------------------
-// The same layer loop for more rows than the GEMV kernels take: each linear is the
-// int8-activation GEMM of the Python path (W4A8Gemm: the same quantization and tasks, so the
-// same bits), and every row-wise op (norms, RoPE, cache write, SiLU-and-mul, the activation
-// quantization) runs on each thread's own share of the rows instead of on thread 0, which at 64
-// rows would leave the other threads waiting. Barriers separate the phases as above.
-at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
-                                          const at::Tensor& signed_sin,
-                                          const at::Tensor& slot_mapping,
-                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                          const at::Tensor& query_start_loc) const {
-  const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_;
-  StepBuffers buf(h, Hq, Hkv, head_dim_, layers_.front().gate_up.out_features());
-  auto& [residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d] = buf;
-  Int8Rows acts;  // the current linear's quantized input; sized here for the largest
-  std::vector<AttentionTasks> tasks;  // per layer, validated before the region
-  tasks.reserve(layers_.size());
-  for (const StackLayer& l : layers_) {
-    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) lin->int8_activations()->size(M, acts);
-    tasks.emplace_back(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_, attn, l.kv);
-  }
-  FirstError errors;
-  const int threads = std::max(1, at::get_num_threads());
-
-#pragma omp parallel num_threads(threads)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    auto guarded = [&](auto&& body) { errors.guard(body); };
-    // InferenceMode is per thread: the workers' ATen ops (views, copies, the small ops' outputs)
-    // on the step's inference tensors need it as the calling thread has it.
-    c10::InferenceMode inference_mode;
-    const auto [r0, r1] = share(M, tid, n);  // this thread's rows
-    auto mine = [&](const at::Tensor& t) { return t.narrow(0, r0, r1 - r0); };
-    // This thread's rows of x into the int8 activations of `lin`, then everyone's.
-    auto quantize = [&](const NativeLinear& lin, const at::Tensor& x_rows) {
-      if (r1 > r0) guarded([&] { lin.int8_activations()->quantize(x_rows, r0, acts); });
-#pragma omp barrier
-    };
-    auto linear = [&](const NativeLinear& lin, at::Tensor& y) {
-      const W4A8Gemm& gemm = *lin.int8_activations();
-      const auto [begin, end] = share(gemm.num_tasks(M), tid, n);
-      guarded([&] { gemm.run(acts, M, begin, end, y); });
-#pragma omp barrier
-    };
-    at::Tensor my_hidden = mine(hidden), my_residual = mine(residual), my_qkv = mine(qkv);
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const StackLayer& l = layers_[i];
-      if (r1 > r0)
-        guarded([&] {
-          if (i == 0) my_hidden.copy_(rms_norm(my_residual, l.input_norm, eps_));
-          else fused_add_rms_norm(my_hidden, my_residual, l.input_norm, eps_);
-        });
-      quantize(l.qkv, my_hidden);
-      linear(l.qkv, qkv2d);
-      if (r1 > r0)
-        guarded([&] {
-          rotary_embedding(my_qkv, mine(cos), mine(signed_sin), Hq + Hkv);
-          write_kv(l, mine(k), mine(v), mine(slot_mapping));
-        });
-#pragma omp barrier
-      {
-        const auto [begin, end] = share(tasks[i].size(), tid, n);
-        guarded([&] { tasks[i].run(begin, end); });
-      }
-#pragma omp barrier
-      quantize(l.o, mine(attn2d));
-      linear(l.o, hidden);
-      if (r1 > r0) guarded([&] { fused_add_rms_norm(my_hidden, my_residual, l.post_norm, eps_); });
-      quantize(l.gate_up, my_hidden);
-      linear(l.gate_up, gate_up);
-      at::Tensor act;
-      if (r1 > r0) guarded([&] { act = silu_and_mul(mine(gate_up)); });
-      quantize(l.down, act);
       linear(l.down, hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }

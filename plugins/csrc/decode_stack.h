@@ -22,6 +22,14 @@ class NativeLinear {
   // rows compute with, as the Python path does above its GEMV row limit.
   void add_int8_activations(at::Tensor packed, at::Tensor scales, at::Tensor zero_scales,
                             int64_t group_size);
+  // Adds the dense form exact steps of many rows compute with, as the Python path does above its
+  // GEMV row limit (plugins/cpu_linear.py): the weight dequantized to bf16 [out, in], plain or
+  // pre-packed for oneDNN (int8: the codes, the per-channel scales applied to the product).
+  void add_dense(at::Tensor weight);
+  // x [M, in] -> [M, out] in x's dtype through that dense weight: the Python path's ATen calls, so
+  // the same bits. Called outside any parallel region (oneDNN splits the GEMM over the threads).
+  at::Tensor dense(const at::Tensor& x) const;
+  bool has_dense() const { return dense_.defined(); }
 
   void prepare(const at::Tensor& x, GemvActs& acts) const;
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
@@ -30,7 +38,7 @@ class NativeLinear {
   const W4A8Gemm* int8_activations() const { return w4a8_ ? &*w4a8_ : nullptr; }
 
  private:
-  at::Tensor weight_, scales_, zero_term_, bias_f32_;
+  at::Tensor weight_, scales_, zero_term_, bias_, bias_f32_, dense_;
   at::Tensor w4a8_packed_, w4a8_scales_, w4a8_zero_scales_;
   int64_t out_features_;
   std::optional<Int4Gemv> int4_;
@@ -51,7 +59,7 @@ struct StackLayer {
 class DecodeStack {
  public:
   // max_gemv_rows: steps of up to this many rows run the GEMV kernels; larger ones need every
-  // linear's int8-activation layout (int8_activations()).
+  // linear's int8-activation layout (int8_activations()) or its dense form (dense_rows()).
   DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, int64_t max_gemv_rows);
 
@@ -62,17 +70,24 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool int8_activations() const { return int8_activations_; }
+  bool dense_rows() const { return dense_rows_; }
   int64_t max_gemv_rows() const { return max_gemv_rows_; }
 
  private:
-  // forward for steps of more than max_gemv_rows_ rows (decode_stack.cpp's second section).
+  // forward for steps of more than max_gemv_rows_ rows (int8 activations; decode_stack_rows.cpp).
   at::Tensor forward_many_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
+
+  // The same for exact steps of many rows: every linear's dense form (decode_stack_rows.cpp).
+  at::Tensor forward_dense_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
   std::vector<StackLayer> layers_;
   at::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_, max_gemv_rows_;
   double eps_, scale_;
   bool int8_activations_;  // every linear has its int8-activation layout
+  bool dense_rows_;        // every linear has its dense form
 };

@@ -60,7 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("bias"), py::arg("group_size"), py::arg("in_features"),
            py::arg("out_features"))
       .def("add_int8_activations", &NativeLinear::add_int8_activations, py::arg("packed"),
-           py::arg("scales"), py::arg("zero_scales"), py::arg("group_size"));
+           py::arg("scales"), py::arg("zero_scales"), py::arg("group_size"))
+      .def("add_dense", &NativeLinear::add_dense, py::arg("weight"));
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,
@@ -84,5 +85,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def_property_readonly("int8_activations", &DecodeStack::int8_activations)
+      .def_property_readonly("dense_rows", &DecodeStack::dense_rows)
       .def_property_readonly("max_gemv_rows", &DecodeStack::max_gemv_rows);
 }

@@ -132,6 +132,7 @@ void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                       int64_t num_heads);
 at::Tensor argmax_rows(const at::Tensor& logits);
