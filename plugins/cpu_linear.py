@@ -16,8 +16,9 @@ are fake-quantized per token (quantize to fp8 and back) so results match the GPU
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
 int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-1.3x at 1024;
 not exact (packed_weights.py).
-Every bf16 GEMM goes through `dense_linear`, which reads the weight plain or pre-packed for oneDNN
-(packed_weights.onednn_pack); both give the same bits.
+Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's bf16 panels
+(packed_weights.pack_dense, csrc/cpu_gemm_bf16.cpp), plain, or pre-packed for oneDNN
+(packed_weights.onednn_pack); the last two give the same bits.
 """
 
 import torch
@@ -28,9 +29,14 @@ from qkiln.plugins.reference import fake_quantize_fp8_per_token
 SMALL_M = 16
 
 
-def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_features: int | None = None) -> torch.Tensor:
     """bf16 rows [M, in] @ weight^T (+ bias) -> bf16 [M, out]; weight bf16 [out, in], plain or
-    oneDNN-packed: F.linear's bits either way."""
+    oneDNN-packed (F.linear's bits either way), or int32 bf16 panels (pack_dense; out_features
+    needed, as the panels pad it; the bias is added to the rounded product)."""
+    if weight.dtype == torch.int32:
+        out = cpu_native.bf16_gemm(rows, weight, out_features)
+        return out if bias is None else out + bias
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
     return torch.nn.functional.linear(rows, weight, bias)
@@ -48,7 +54,8 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
     if dequantized is not None and rows.shape[0] > SMALL_M:
-        return _finish(dense_linear(rows.to(torch.bfloat16), dequantized), x, bias, out_features)
+        return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
+                       x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):
         out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)
         return out.reshape(*x.shape[:-1], out_features)
@@ -72,7 +79,7 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
         codes = dequantized if dequantized is not None else weight.to(torch.bfloat16)
-        out = dense_linear(rows, codes)
+        out = dense_linear(rows, codes, out_features=out_features)
         # In place when nothing follows: the product is taken in fp32 and rounded once into bf16,
         # as the out-of-place product would be by _finish (a bias is added before that rounding).
         out = cpu_native.scale_columns_(out, scales) if bias is None else out * scales

@@ -25,7 +25,8 @@ import torch
 from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_attention.cpp",
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
+            "cpu_attention.cpp",
             "cpu_kv_write.cpp", "cpu_small_ops.cpp", "decode_stack.cpp", "decode_stack_rows.cpp",
             "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
@@ -162,6 +163,33 @@ def w4a8_gemm(x2d, packed, scales, zero_scales, bias, group_size: int, out_featu
     """x [M, in] -> [M, out] in x's dtype: activations rounded to int8 per 32 channels."""
     return native_extension().w4a8_gemm(x2d.contiguous(), packed, scales, zero_scales, bias,
                                         group_size, out_features)
+
+
+BF16_PANEL = 48  # output channels per panel of the bf16 GEMM's layout (kPanel)
+
+
+def bf16_panels_available() -> bool:
+    """Whether the extension built the AVX512-BF16 GEMM (the portable build's loop is for tests:
+    slower than oneDNN, so callers keep oneDNN then)."""
+    ext = native_extension()
+    return ext is not None and ext.bf16_gemm_isa() == "avx512-bf16"
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [out, in] (in even) -> int32 panels [ceil(out / 48), in / 2, 48] for
+    cpu_gemm_bf16.cpp: each int32 a pair (w[n][2j], w[n][2j+1]), rows padded with zeros."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or in_features % 2:
+        raise ValueError("bf16 panels need a bf16 weight with an even number of input features")
+    out_padded = -(-out_features // BF16_PANEL) * BF16_PANEL
+    w = torch.nn.functional.pad(weight, (0, 0, 0, out_padded - out_features)).contiguous()
+    pairs = w.view(torch.int32)  # [out_p, in / 2]: little-endian, so w[n][2j] is the low half
+    return pairs.reshape(-1, BF16_PANEL, in_features // 2).transpose(1, 2).contiguous()
+
+
+def bf16_gemm(x2d: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """bf16 x [M, in] @ W^T -> bf16 [M, out], W as pack_bf16_panels wrote it."""
+    return native_extension().bf16_gemm(x2d.contiguous(), panels, out_features)
 
 
 def w8a16_gemm(x2d, weight, scales, bias):

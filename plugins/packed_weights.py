@@ -56,10 +56,12 @@ Both cpu layouts:
     where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.
-    These bf16 weights are held pre-packed for oneDNN (`onednn_pack`: an opaque MkldnnCPU tensor
-    in the blocked layout oneDNN's bf16 GEMM reads) where torch has oneDNN with bf16 support:
-    aten's mm re-orders a plain weight into that layout on every call, which measured 1.2-1.35x
-    slower at 64 rows and ~1.03x at 1024 (SmolLM2 shapes, 30 layers' weights, 2 threads).
+    `dequantized` is held in qkiln's bf16 panels (`pack_dense`: int32 [ceil(out / 48), in / 2,
+    48], csrc/cpu_gemm_bf16.cpp) where that kernel built with AVX512-BF16, else like the fp8
+    weight pre-packed for oneDNN (`onednn_pack`: an opaque MkldnnCPU tensor in the blocked layout
+    oneDNN's bf16 GEMM reads) where torch has oneDNN with bf16 support: aten's mm re-orders a
+    plain weight into that layout on every call, which measured 1.2-1.35x slower at 64 rows and
+    ~1.03x at 1024 (SmolLM2 shapes, 30 layers' weights, 2 threads).
 """
 
 from dataclasses import dataclass
@@ -123,6 +125,15 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     if not onednn_bf16_available():
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] copy for the many-row CPU GEMM (cpu_linear.dense_linear): qkiln's own
+    panels (int32, cpu_native.pack_bf16_panels; csrc/cpu_gemm_bf16.cpp, 1.36x oneDNN at 64 rows)
+    where its AVX512-BF16 kernel built and `in` is even, else oneDNN's packing (onednn_pack)."""
+    if weight.shape[1] % 2 == 0 and cpu_native.bf16_panels_available():
+        return cpu_native.pack_bf16_panels(weight.contiguous())
+    return onednn_pack(weight)
 
 
 def _check_target(target: str) -> None:
@@ -233,7 +244,7 @@ def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized:
         s = scale_and_zero[..., 0].t().float().repeat_interleave(kernel_group, dim=1)
         z = scale_and_zero[..., 1].t().float().repeat_interleave(kernel_group, dim=1)
         full = (q_padded.float() - 8.0) * s + z  # [out_p, in_p]
-        weight.dequantized = onednn_pack(full[:out_features, :in_features].to(torch.bfloat16))
+        weight.dequantized = pack_dense(full[:out_features, :in_features].to(torch.bfloat16))
     return weight
 
 
@@ -246,7 +257,7 @@ def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantiz
         z = 8.0 if zero_point is None else \
             zero_point.float().repeat_interleave(group_size, dim=1)[:, :in_features]
         s = scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
-        weight.dequantized = onednn_pack(((q.float() - z) * s).to(torch.bfloat16))  # [out, in]
+        weight.dequantized = pack_dense(((q.float() - z) * s).to(torch.bfloat16))  # [out, in]
     return weight
 
 
@@ -272,7 +283,7 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
         codes = (qweight.to(torch.int16) + 128).to(torch.uint8)
         int8_act = _int8_act_weight(codes, scales[:, None], torch.full_like(scales[:, None], 128.0),
                                     in_features)
-    dequantized = onednn_pack(qweight.to(torch.bfloat16)) if keep_dequantized and int8_act is None \
+    dequantized = pack_dense(qweight.to(torch.bfloat16)) if keep_dequantized and int8_act is None \
         else None
     if use_native and cpu_native.native_extension():
         return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized,

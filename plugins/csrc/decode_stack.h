@@ -23,11 +23,12 @@ class NativeLinear {
   void add_int8_activations(at::Tensor packed, at::Tensor scales, at::Tensor zero_scales,
                             int64_t group_size);
   // Adds the dense form exact steps of many rows compute with, as the Python path does above its
-  // GEMV row limit (plugins/cpu_linear.py): the weight dequantized to bf16 [out, in], plain or
-  // pre-packed for oneDNN (int8: the codes, the per-channel scales applied to the product).
+  // GEMV row limit (plugins/cpu_linear.py): the weight dequantized to bf16, in qkiln's panels
+  // (int32, cpu_gemm_bf16.cpp), plain [out, in] or pre-packed for oneDNN (int8: the codes, the
+  // per-channel scales applied to the product).
   void add_dense(at::Tensor weight);
   // x [M, in] -> [M, out] in x's dtype through that dense weight: the Python path's ATen calls, so
-  // the same bits. Called outside any parallel region (oneDNN splits the GEMM over the threads).
+  // the same bits. Called outside any parallel region (the GEMM splits over the threads itself).
   at::Tensor dense(const at::Tensor& x) const;
   bool has_dense() const { return dense_.defined(); }
 
@@ -44,6 +45,7 @@ class NativeLinear {
   std::optional<Int4Gemv> int4_;
   std::optional<Int8Gemv> int8_;
   std::optional<W4A8Gemm> w4a8_;
+  bool dense_panels_ = false;  // dense_ is in qkiln's bf16 panels (else oneDNN-packed or plain)
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):

@@ -1,7 +1,7 @@
 // The decode stack's forms for steps of more rows than the GEMV kernels take (decode_stack.cpp
 // holds the class and the GEMV form; runtime/decode_stack.py says when each applies). Each computes
 // what the Python layer loop computes for such a step, bit for bit: int8 activations (opt-in)
-// through the int8-activation GEMM, else (exact) oneDNN's bf16 GEMM on the dequantized weights.
+// through the int8-activation GEMM, else (exact) the bf16 GEMM on the dequantized weights.
 
 #include <omp.h>
 
@@ -91,17 +91,24 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
 }
 
 void NativeLinear::add_dense(at::Tensor weight) {
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
-                  weight.size(0) == out_features_ && weight.size(1) == (int4_ ? int4_->K : int8_->K),
-              "NativeLinear.add_dense: needs the bf16 weight [out_features, in_features]");
+  const int64_t K = int4_ ? int4_->K : int8_->K;
+  if (weight.scalar_type() == at::kInt) {  // qkiln's bf16 panels (cpu_gemm_bf16.cpp)
+    TORCH_CHECK(Bf16Gemm(weight, out_features_).K == K,
+                "NativeLinear.add_dense: the panels' in_features do not match");
+    dense_panels_ = true;
+  } else {
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
+                    weight.size(0) == out_features_ && weight.size(1) == K,
+                "NativeLinear.add_dense: needs bf16 panels or the bf16 weight [out_features, in_features]");
+  }
   dense_ = std::move(weight);
 }
 
 namespace {
 
-// bf16 rows [M, in] @ weight^T, the call cpu_linear.dense_linear makes: oneDNN's linear for a
-// pre-packed (MkldnnCPU) weight, at::linear for a plain one.
-at::Tensor dense_gemm(const at::Tensor& rows, const at::Tensor& weight) {
+// bf16 rows [M, in] @ weight^T, the call cpu_linear.dense_linear makes for a oneDNN-packed
+// (MkldnnCPU) or plain weight: oneDNN's linear or at::linear.
+at::Tensor onednn_gemm(const at::Tensor& rows, const at::Tensor& weight) {
   if (!weight.is_mkldnn()) return at::linear(rows, weight);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -114,7 +121,8 @@ at::Tensor dense_gemm(const at::Tensor& rows, const at::Tensor& weight) {
 }  // namespace
 
 at::Tensor NativeLinear::dense(const at::Tensor& x) const {
-  at::Tensor out = dense_gemm(x.to(at::kBFloat16), dense_);
+  const at::Tensor rows = x.to(at::kBFloat16);
+  at::Tensor out = dense_panels_ ? bf16_gemm(rows, dense_, out_features_) : onednn_gemm(rows, dense_);
   if (int8_) {  // per-channel scales commute with the GEMM; in place unless a bias follows
     if (bias_.defined()) out = out * scales_;
     else scale_columns_(out, scales_);
@@ -124,9 +132,9 @@ at::Tensor NativeLinear::dense(const at::Tensor& x) const {
 }
 
 // ---- exact steps of many rows (dense weights) -----------------------------------------------------
-// Each linear is the Python path's bf16 GEMM on its dequantized weight (NativeLinear::dense), which
-// oneDNN splits over the threads itself, so the GEMMs run between parallel regions rather than in
-// one: per layer, a region for the input norm, one for RoPE + cache write then (after a barrier)
+// Each linear is the Python path's bf16 GEMM on its dequantized weight (NativeLinear::dense:
+// qkiln's panels or oneDNN), which splits over the threads itself, so the GEMMs run between
+// parallel regions rather than in one: per layer, a region for the input norm, one for RoPE + cache write then (after a barrier)
 // the attention tasks, one for the post-attention norm and one for SiLU-and-mul, every row-wise op
 // on each thread's share of the rows. What this saves over the Python layer loop is the modules,
 // the custom-op dispatch and the single-threaded small ops around 120 GEMMs a step.
@@ -142,7 +150,7 @@ at::Tensor DecodeStack::forward_dense_rows(at::Tensor h, const at::Tensor& cos,
   at::Tensor act = at::empty({M, layers_.front().gate_up.out_features() / 2}, h.options());
   FirstError errors;
   const int threads = std::max(1, at::get_num_threads());
-  // body(rows of this thread, task range of this thread) in one region, then any error raised.
+  // body(thread id, thread count) on every thread of one region, then the first error raised.
   auto each_thread = [&](auto&& body) {
 #pragma omp parallel num_threads(threads)
     {
@@ -152,7 +160,7 @@ at::Tensor DecodeStack::forward_dense_rows(at::Tensor h, const at::Tensor& cos,
     }
     errors.rethrow();
   };
-  auto row_op = [&](auto&& op) {  // op(r0, r1) on each thread's nonempty share of the rows
+  auto row_op = [&](auto&& op) {  // op(first row, row count) on each thread's nonempty share
     each_thread([&](int tid, int n) {
       const auto [r0, r1] = share(M, tid, n);
       if (r1 > r0) errors.guard([&] { op(r0, r1 - r0); });

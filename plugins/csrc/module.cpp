@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a16_gemm", &w8a16_gemm, "int8 weight x float activation GEMM for few rows");
   m.def("w4a8_gemm", &w4a8_gemm, "int4/int8 weight x int8-per-32-channel activation GEMM");
   m.def("w4a8_kernel_isa", &w4a8_kernel_isa, "the w4a8 kernel this build compiled");
+  m.def("bf16_gemm", &bf16_gemm, "bf16 x bf16 GEMM over 48-channel weight panels, many rows");
+  m.def("bf16_gemm_isa", &bf16_gemm_isa, "the bf16 GEMM kernel this build compiled");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
   namespace py = pybind11;

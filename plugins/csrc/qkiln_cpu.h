@@ -45,6 +45,20 @@ struct W4A8Gemm {
   void run(const Int8Rows& a, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 
+// cpu_gemm_bf16.cpp: many rows, bf16 activations x bf16 weights in 48-channel panels (exact products)
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
+std::string bf16_gemm_isa();
+// One bf16 GEMM in the steps a caller that owns the threads runs itself: check x once, then any
+// partition of the tasks (row chunk x panel), each written to y [M, N] (contiguous bf16). Holds a
+// raw pointer: the panels must outlive it.
+struct Bf16Gemm {
+  const uint32_t* w;
+  int64_t K, N, P;
+  Bf16Gemm(const at::Tensor& panels, int64_t out_features);
+  void check(const at::Tensor& x) const;  // TORCH_CHECKs: contiguous bf16 [M, K]
+  int64_t num_tasks(int64_t M) const;
+  void run(const at::Tensor& x, int64_t begin, int64_t end, at::Tensor& y) const;
+};
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
 // (bf16 x, M >= 2) or f32 = x widened [M, K].
