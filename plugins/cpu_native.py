@@ -3,10 +3,10 @@
 Owns: building the C++ extension once per process (torch.utils.cpp_extension.load, cached in the
 torch extensions dir, so later processes only load the .so), converting canonical quantized
 weights (packed_weights.py) into the layouts the kernels read, and thin calls into them.
-One extension from several sources (csrc/: int4 and int8 GEMVs, paged attention and cache
-write, fused norm / SiLU / RoPE, the decode stack, module.cpp binding them); `native_extension()`
-serves the quantized linears, `native_ops()` the attention and the small ops (the same module,
-switchable on its own).
+One extension from several sources (csrc/: int4 and int8 GEMVs, the bf16 and int8-activation
+GEMMs, paged attention and cache write, fused norm / SiLU / RoPE, the decode stack, module.cpp
+binding them); `native_extension()` serves the quantized linears, `native_ops()` the attention and
+the small ops (the same module, switchable on its own).
 
 Invariants: nothing is compiled at import time; each accessor returns None, after one line on
 stderr saying why, when the build fails or QKILN_NATIVE_CPU=0 (QKILN_NATIVE_CPU_OPS=0 turns off
@@ -26,9 +26,8 @@ from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
-            "cpu_attention.cpp",
-            "cpu_kv_write.cpp", "cpu_small_ops.cpp", "decode_stack.cpp", "decode_stack_rows.cpp",
-            "module.cpp")
+            "cpu_attention.cpp", "cpu_kv_write.cpp", "cpu_small_ops.cpp", "decode_stack.cpp",
+            "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
 CHUNK = 64  # weights per row per chunk (kChunk)
 _MISSING = object()
