@@ -6,7 +6,8 @@ Two measurements, both on random weights in the shapes of SmolLM2-135M (hidden 5
 fused qkv 960, fused gate_up 3072, tied lm_head 49152 x 576), group 128 asymmetric int4:
 - per shape and row count, one weight that stays in cache: median time per call of the native
   int4 kernel, torch's tinygemm (`_weight_int4pack_mm_for_cpu`), a bf16 matmul on the
-  dequantized weight (the runtime's many-row path: oneDNN-packed where torch has it), and for int8 the native kernel and `_weight_int8pack_mm`;
+  dequantized weight (the runtime's many-row path: qkiln's bf16 panels where that kernel built,
+  else oneDNN-packed), and for int8 the native kernel and `_weight_int8pack_mm`;
 - a decode step's linears with `num_layers` distinct layers (weights stream from DRAM, as in a
   real step): the sum of qkv, o, gate_up, down per layer plus the lm_head, at one row.
 Kernels are interleaved within each repeat, so a noisy neighbour hits them alike. Progress to
@@ -48,7 +49,8 @@ def _int4_calls(native, tinygemm, x):
     """name -> zero-argument call; x is bf16 [rows, in]."""
     calls = {"tinygemm": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                  x, tinygemm.packed, tinygemm.group_size, tinygemm.scales),
-             "bf16": lambda: dense_linear(x, tinygemm.dequantized)}
+             "bf16": lambda: dense_linear(x, tinygemm.dequantized,
+                                          out_features=tinygemm.out_features)}
     if cpu_native.is_native_w4a16(native.scales):
         calls["native"] = lambda: cpu_native.w4a16_gemm(
             x, native.packed, native.scales, native.zeros, None, GROUP_SIZE, native.out_features)

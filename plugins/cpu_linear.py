@@ -35,6 +35,8 @@ def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     oneDNN-packed (F.linear's bits either way), or int32 bf16 panels (pack_dense; out_features
     needed, as the panels pad it; the bias is added to the rounded product)."""
     if weight.dtype == torch.int32:
+        if out_features is None:
+            raise ValueError("bf16 panels pad the output channels to 48: pass out_features")
         out = cpu_native.bf16_gemm(rows, weight, out_features)
         return out if bias is None else out + bias
     if weight.is_mkldnn:
