@@ -170,6 +170,7 @@ def kernels_command(
     repeats: Annotated[int, typer.Option(help="timed repeats per kernel (median and spread)")] = 15,
     rows: Annotated[str, typer.Option(help="activation rows per call, e.g. 1,16")] = "1,16",
     num_layers: Annotated[int, typer.Option(help="distinct layers in the decode-step figure")] = 30,
+    step_rows: Annotated[int, typer.Option(help="rows in the decode-step figure (64: offline)")] = 1,
     json_out: JsonOut = None,
 ):
     """CPU quantized-GEMM kernels on SmolLM2 shapes: qkiln's native vs torch's tinygemm / int8pack / bf16."""
@@ -178,7 +179,8 @@ def kernels_command(
     with _errors_as_exit_codes():
         from qkiln.bench.cpu_kernels import run_cpu_kernels
 
-        run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers)
+        run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers,
+                        step_rows)
 
 
 @bench_app.command("quality")

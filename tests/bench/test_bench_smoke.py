@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from tiny_models import write_tiny_hf_model
@@ -232,11 +233,15 @@ def test_cpu_kernels_report(tmp_path):
     from qkiln.cli import app
 
     out = tmp_path / "kernels.json"
-    result = CliRunner().invoke(app, ["bench", "kernels", "--repeats", "1", "--num-layers", "1", "--rows", "1",
-                                      "--json", str(out)])
+    result = CliRunner().invoke(app, ["bench", "kernels", "--repeats", "1", "--num-layers", "1", "--rows", "1,20",
+                                      "--step-rows", "20", "--json", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     per_shape = report["results"]["per_shape"]
     assert any("49152" in key for key in per_shape)  # the lm_head shape is measured
     for stats in per_shape.values():
         assert stats["tinygemm"]["median"] > 0 and stats["bf16"]["median"] > 0
+    step = report["results"]["decode_step"]
+    assert report["config"]["step_rows"] == 20 and step["bf16"]["median"] > 0
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the oneDNN-packed copy, side by side
+        assert step["bf16_onednn"]["median"] > 0
