@@ -48,9 +48,10 @@ struct W4A8Gemm {
 // cpu_gemm_bf16.cpp: many rows, bf16 activations x bf16 weights in 48-channel panels (exact products)
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
 std::string bf16_gemm_isa();
-// One bf16 GEMM in the steps a caller that owns the threads runs itself: check x once, then any
-// partition of the tasks (row chunk x panel), each written to y [M, N] (contiguous bf16). Holds a
-// raw pointer: the panels must outlive it.
+// One bf16 GEMM as tasks (row chunk x panel): check x once, then run any partition of the tasks,
+// each written to y [M, N] (contiguous bf16); bf16_gemm spreads them with at::parallel_for. The
+// constructor validates the panels (NativeLinear::add_dense uses it for that). Holds a raw
+// pointer: the panels must outlive it.
 struct Bf16Gemm {
   const uint32_t* w;
   int64_t K, N, P;
