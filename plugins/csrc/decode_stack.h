@@ -45,7 +45,6 @@ class NativeLinear {
   std::optional<Int4Gemv> int4_;
   std::optional<Int8Gemv> int8_;
   std::optional<W4A8Gemm> w4a8_;
-  bool dense_panels_ = false;  // dense_ is in qkiln's bf16 panels (else oneDNN-packed or plain)
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):

@@ -95,7 +95,6 @@ void NativeLinear::add_dense(at::Tensor weight) {
   if (weight.scalar_type() == at::kInt) {  // qkiln's bf16 panels (cpu_gemm_bf16.cpp)
     TORCH_CHECK(Bf16Gemm(weight, out_features_).K == K,
                 "NativeLinear.add_dense: the panels' in_features do not match");
-    dense_panels_ = true;
   } else {
     TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
                     weight.size(0) == out_features_ && weight.size(1) == K,
@@ -122,7 +121,8 @@ at::Tensor onednn_gemm(const at::Tensor& rows, const at::Tensor& weight) {
 
 at::Tensor NativeLinear::dense(const at::Tensor& x) const {
   const at::Tensor rows = x.to(at::kBFloat16);
-  at::Tensor out = dense_panels_ ? bf16_gemm(rows, dense_, out_features_) : onednn_gemm(rows, dense_);
+  const bool panels = dense_.scalar_type() == at::kInt;  // else oneDNN-packed or plain bf16
+  at::Tensor out = panels ? bf16_gemm(rows, dense_, out_features_) : onednn_gemm(rows, dense_);
   if (int8_) {  // per-channel scales commute with the GEMM; in place unless a bias follows
     if (bias_.defined()) out = out * scales_;
     else scale_columns_(out, scales_);
