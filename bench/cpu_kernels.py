@@ -23,8 +23,9 @@ import torch
 
 from qkiln.plugins import cpu_native
 from qkiln.plugins.cpu_linear import dense_linear
-from qkiln.plugins.packed_weights import (onednn_bf16_available, onednn_pack, prepare_w4a16,
-                                         prepare_w8a16)
+from qkiln.plugins.packed_weights import (onednn_bf16_available, onednn_pack, pack_dense,
+                                         prepare_w4a16, prepare_w8a16)
+from qkiln.plugins.reference import dequantize_grouped
 
 from .report import fmt, log, make_report, print_table, summarize, write_report
 from .throughput import set_threads
@@ -38,27 +39,24 @@ BURST_S = 0.002  # each timed sample runs the kernel for about this long
 
 
 def _int4_weights(out_features: int, in_features: int):
-    """Random asymmetric int4 canonical weights packed four ways: native, tinygemm with the
-    runtime's dequantized copy, and that copy oneDNN-packed (None without oneDNN bf16)."""
+    """Random asymmetric int4 canonical weights packed four ways: native, tinygemm, the runtime's
+    dequantized bf16 copy (pack_dense) and the same copy oneDNN-packed (None without oneDNN bf16)."""
     num_groups = -(-in_features // GROUP_SIZE)
     qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
     scales = torch.rand(out_features, num_groups) * 0.02 + 0.005
     zeros = torch.rand(out_features, num_groups) * 15
     native = prepare_w4a16(qweight, scales, zeros, GROUP_SIZE, "cpu")
-    tinygemm = prepare_w4a16(qweight, scales, zeros, GROUP_SIZE, "cpu", keep_dequantized=True,
-                             use_native=False)
-    spread = lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)[:, :in_features]  # noqa: E731
-    plain = ((qweight.float() - spread(zeros)) * spread(scales)).to(torch.bfloat16)
+    tinygemm = prepare_w4a16(qweight, scales, zeros, GROUP_SIZE, "cpu", use_native=False)
+    plain = dequantize_grouped(qweight, scales, zeros, GROUP_SIZE).to(torch.bfloat16)
     onednn = onednn_pack(plain) if onednn_bf16_available() else None
-    return native, tinygemm, onednn
+    return native, tinygemm, pack_dense(plain), onednn
 
 
-def _int4_calls(native, tinygemm, onednn, x):
+def _int4_calls(native, tinygemm, dense, onednn, x):
     """name -> zero-argument call; x is bf16 [rows, in]."""
     calls = {"tinygemm": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                  x, tinygemm.packed, tinygemm.group_size, tinygemm.scales),
-             "bf16": lambda: dense_linear(x, tinygemm.dequantized,
-                                          out_features=tinygemm.out_features)}
+             "bf16": lambda: dense_linear(x, dense, out_features=native.out_features)}
     if onednn is not None:
         calls["bf16_onednn"] = lambda: dense_linear(x, onednn)
     if cpu_native.is_native_w4a16(native.scales):

@@ -8,8 +8,8 @@ from qkiln.errors import RecipeError
 from qkiln.plugins import (cpu_native, fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16,
                            prepare_w8a16, w4a16_linear, w8a16_linear)
 from qkiln.plugins.packed_weights import onednn_pack
-from qkiln.plugins.reference import (reference_fp8_w8a8_linear, reference_w4a16_linear,
-                                     reference_w8a16_linear)
+from qkiln.plugins.reference import (dequantize_grouped, reference_fp8_w8a8_linear,
+                                     reference_w4a16_linear, reference_w8a16_linear)
 
 BF16_TOLERANCE = 1.5e-2  # activations and scales go through bf16 on CPU
 
@@ -112,7 +112,7 @@ def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows):
     for copy in (w4.dequantized, w8.dequantized):
         assert copy.dtype == torch.int32 if panels else copy.is_mkldnn
     assert fp8.weight.is_mkldnn
-    plain4 = ((qweight.float() * scales.repeat_interleave(64, dim=1))).to(torch.bfloat16)
+    plain4 = dequantize_grouped(qweight, scales, None, 64).to(torch.bfloat16)
     plain8 = w8.weight.to(torch.bfloat16)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     for bias in (None, torch.randn(48)):
