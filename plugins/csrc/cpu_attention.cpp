@@ -247,6 +247,15 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 
+// The K rows the same thread reads next (the next task's), fetched into L2 during this task's
+// p @ V: table nullptr when there is none.
+template <typename kv_t>
+struct NextKeys {
+  const kv_t* k_head = nullptr;
+  const int32_t* table = nullptr;
+  int64_t T = 0;
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 
@@ -280,11 +289,16 @@ constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.
 // into L2 (blocks are scattered, so the hardware prefetchers restart at every block; profiled,
 // half the kernel's time sat on K loads): same-process A/Bs with scattered blocks 0.572 -> 0.481
 // and 0.600 -> 0.502 ms a layer at 192 tokens, 2.99 -> 2.44 at 1024. Fetching the next
-// sequence's first tile during this one's p @ V showed no effect and was not kept.
+// sequence's first tile during this one's p @ V showed no effect and was not kept; fetching the
+// next task's whole K during p @ V (`next`, spread over the V blocks) did: same-process A/Bs with
+// scattered blocks, 64 decodes, 30 layers: 0.577 -> 0.497, 0.615 -> 0.534 ms a layer at 192
+// tokens, 0.734 -> 0.646 at 256, 0.539 -> 0.468 at 140; with the engine's block layout 0.505 ->
+// 0.415 at 192; the offline 64 x 128/128 run's decode steps 2.7 ms faster (a lock-step A/B). A
+// row-by-row spread instead of per block: 0.637 -> 0.575, no better.
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
                        const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
-                       const float* k_scale, const float* v_scale) {
+                       const float* k_scale, const float* v_scale, const NextKeys<kv_t>& next = {}) {
   constexpr int64_t D = NP * 32;
   constexpr int kValueHeads = 8 / NP;  // query heads whose accumulators stay in registers
   const int64_t G = a.group, HG = H * G, row_stride = a.num_kv_heads * D, bs = a.block_size;
@@ -347,6 +361,15 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       for (int64_t o = 0; o < std::min(bs, T - t0 - bs); ++o)
         for (int64_t byte = 0; byte < H * D * int64_t(sizeof(kv_t)); byte += 64)
           __builtin_prefetch(next + o * row_stride * int64_t(sizeof(kv_t)) + byte);
+    }
+    if (next.table) {  // this V block's share of the next task's K blocks
+      const int64_t nb = (T + bs - 1) / bs, next_nb = (next.T + bs - 1) / bs;
+      for (int64_t nbk = b * next_nb / nb; nbk < (b + 1) * next_nb / nb; ++nbk) {
+        const char* base = reinterpret_cast<const char*>(next.k_head + next.table[nbk] * block_stride);
+        for (int64_t o = 0; o < std::min(bs, next.T - nbk * bs); ++o)
+          for (int64_t byte = 0; byte < row_bytes; byte += 64)
+            _mm_prefetch(base + o * row_stride * int64_t(sizeof(kv_t)) + byte, _MM_HINT_T1);
+      }
     }
     const int64_t rows_here = std::min(bs, T - t0);
     for (int64_t h = 0; h < H; ++h) {
@@ -494,7 +517,8 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
 constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const kv_t*, const int32_t*,
-                       int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*) {}
+                       int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*,
+                       const NextKeys<kv_t>& = {}) {}
 template <int NV, typename o_t>
 void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*,
                       std::vector<float>&) {}
@@ -577,20 +601,32 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
     QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
       scalar_t* op = out_.data_ptr<scalar_t>();
       thread_local std::vector<float> buf;
-      // attend(h, table, T, query row, out row): one query row's heads h .. h + H * group - 1
+      // The context length of row i of block b (its causal T).
+      auto row_len = [&](const RowBlock& b, int64_t i) {
+        return lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + i;
+      };
+      // attend(h, table, T, query row, out row, next): one query row's heads
+      // h .. h + H * group - 1; next (kv head, table, T) is the next task's first row when this
+      // is a one-row block (decodes), else table nullptr.
       auto each_row = [&](auto&& attend) {
         for (int64_t task = begin; task < end; ++task) {
           const RowBlock& b = blocks_[task / per_block];
-          const int64_t h = task % per_block * H, q_len = starts_[b.seq + 1] - starts_[b.seq];
+          const int64_t h = task % per_block * H;
           const int32_t* table = a.tables + b.seq * a.max_blocks;
+          struct { int64_t h; const int32_t* table; int64_t T; } next{0, nullptr, 0};
+          if (b.count == 1 && task + 1 < end) {
+            const RowBlock& nb = blocks_[(task + 1) / per_block];
+            next = {(task + 1) % per_block * H, a.tables + nb.seq * a.max_blocks, row_len(nb, nb.first)};
+            if (next.T <= 0) next.table = nullptr;
+          }
           for (int64_t i = b.first; i < b.first + b.count; ++i) {
-            const int64_t row = starts_[b.seq] + i, T = lens_[b.seq] - q_len + 1 + i;
+            const int64_t row = starts_[b.seq] + i, T = row_len(b, i);
             const int64_t offset = (row * Hq + h * a.group) * D;  // in out
             if (T <= 0) {
               for (int64_t j = 0; j < H * a.group * D; ++j) op[offset + j] = 0;
               continue;
             }
-            attend(h, table, T, qp + row * query_.stride(0) + h * a.group * D, op + offset);
+            attend(h, table, T, qp + row * query_.stride(0) + h * a.group * D, op + offset, next);
           }
         }
       };
@@ -599,7 +635,7 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
         const uint8_t *k = k_cache_.data_ptr<uint8_t>(), *v = v_cache_.data_ptr<uint8_t>();
         const c10::Half *ks = k_group_scale_.data_ptr<c10::Half>(), *km = k_group_min_.data_ptr<c10::Half>(),
                         *vs = v_group_scale_.data_ptr<c10::Half>(), *vm = v_group_min_.data_ptr<c10::Half>();
-        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, scalar_t* orow) {
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, scalar_t* orow, auto) {
           thread_local Int4Rows rows;
           const int64_t g = h * groups;  // the head's first group in a slot
           rows = {k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
@@ -622,7 +658,8 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
         using kv_t = scalar_t;
         const kv_t* kp = k_cache_.data_ptr<kv_t>();
         const kv_t* vp = v_cache_.data_ptr<kv_t>();
-        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow) {
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow,
+                     const auto& next) {
           const kv_t *kh = kp + h * D, *vh = vp + h * D;
           constexpr bool kBf16Rows = std::is_same_v<kv_t, c10::BFloat16> ||
                                      std::is_same_v<kv_t, c10::Float8_e4m3fn>;
@@ -630,10 +667,11 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
             if (bf16_heads_) {  // q_t is bf16 here, D is 64 or 128 (the constructor)
               const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
               const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
+              const NextKeys<kv_t> ahead{kp + next.h * D, next.table, next.T};
               if (D == 64)
-                decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs);
+                decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead);
               else
-                decode_heads_bf16<4>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs);
+                decode_heads_bf16<4>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead);
               return;
             }
           }
