@@ -19,22 +19,21 @@
 // pairs, an fp16 scale and minimum per slot, head and group) are dequantized 16 rows at a time into
 // an L1 buffer (Int4Rows), once for the whole GQA group, then served like fp32 rows.
 // Prefill costs O(q_len * T) like any exact attention; the rows of a block re-read the same K/V
-// from L1/L2, not from memory.
+// from L1/L2, not from memory. Over a bf16 cache (bf16 query, D 64 / 128) a block of prefill rows
+// goes to prefill_block_bf16 (cpu_attention_prefill.cpp) instead, which reads each 16-token tile
+// once for all its rows: same-process A/B (5 alternating rounds), SmolLM2 heads, 30 layers:
+// 8 prompts x 128 tokens 1.639 -> 1.250 ms a layer, one 1024-token prompt 15.94 -> 12.27.
 //
 
+#include "cpu_attention_internal.h"
 #include "qkiln_cpu.h"
 #include "vec.h"
+
+using namespace attention_detail;
 
 namespace {
 
 // ---- decode attention -----------------------------------------------------------------------------
-
-struct Decode {
-  const int32_t* tables;
-  int64_t max_blocks, block_size, num_kv_heads, head_dim, group;
-  float scale;            // scores = scale * q . K (fp8: times k_scale of the head)
-  float out_scale = 1.f;  // out = out_scale * (p @ V) / sum(p) (fp8: v_scale of the head)
-};
 
 // Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum.
 inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum) {
@@ -102,16 +101,6 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
     }
   }
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
-}
-
-// The cache slots of tokens t0 .. t0 + n - 1 through the block table, times `stride` (1: slot
-// indices; Hkv * D: element offsets of the rows). Every tiled kernel walks the table through this.
-inline void tile_slots(const int32_t* table, int64_t block_size, int64_t t0, int64_t n, int64_t stride,
-                       int64_t* out) {
-  for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
-    out[i] = (table[b] * block_size + o) * stride;
-    if (++o == block_size) o = 0, ++b;
-  }
 }
 
 // The K or V rows of one 16-token tile of one kv head, for decode_head_tiled: fill(t0, n, value)
@@ -513,6 +502,7 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   values_tiled<NV>(rows, T, G, scores, acc);
   write_heads(acc, inv_sum, G, D, a.out_scale, out);  // out_scale is 1 without fp8
 }
+
 #else
 constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
@@ -576,6 +566,10 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   // heads per task (its per-row dot products stay in L1).
   bf16_heads_ = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
                 (k_cache.scalar_type() == at::kBFloat16 || fp8) && (D == 64 || D == 128);
+  // Prefill blocks over a bf16 cache: prefill_block_bf16 (its K gather takes 32-bit word offsets)
+  prefill_tiled_ = kBf16Heads && query.scalar_type() == at::kBFloat16 &&
+                   k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) &&
+                   k_cache.numel() / 2 < std::numeric_limits<int32_t>::max();
   if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) >= kFuseHeadsMinBlocks)
     for (int64_t h = Hkv; h > 1; --h)
       if (Hkv % h == 0 && h * (Hq / Hkv) <= 16) {
@@ -605,14 +599,18 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
       auto row_len = [&](const RowBlock& b, int64_t i) {
         return lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + i;
       };
+      auto row_by_row = [](const RowBlock&, int64_t, const int32_t*) { return false; };
       // attend(h, table, T, query row, out row, next): one query row's heads
       // h .. h + H * group - 1; next (kv head, table, T) is the next task's first row when this
       // is a one-row block (decodes), else table nullptr.
-      auto each_row = [&](auto&& attend) {
+      // whole_block(b, h, table): serves all of block b's rows for heads h .. h + H * group - 1
+      // itself and returns true, or returns false to leave them to attend.
+      auto each_row = [&](auto&& attend, auto&& whole_block) {
         for (int64_t task = begin; task < end; ++task) {
           const RowBlock& b = blocks_[task / per_block];
           const int64_t h = task % per_block * H;
           const int32_t* table = a.tables + b.seq * a.max_blocks;
+          if (b.count > 1 && whole_block(b, h, table)) continue;
           struct { int64_t h; const int32_t* table; int64_t T; } next{0, nullptr, 0};
           if (b.count == 1 && task + 1 < end) {
             const RowBlock& nb = blocks_[(task + 1) / per_block];
@@ -651,7 +649,7 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
           if (D == 32) decode_head_tiled<2>(a, qrow, rows, T, orow, buf);
           else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf);
           else decode_head_tiled<8>(a, qrow, rows, T, orow, buf);
-        });
+        }, row_by_row);
         return;
       }
       QKILN_DISPATCH_KV(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {
@@ -684,6 +682,26 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
             decode_head_tiled<8>(head, qrow, rows, T, orow, buf);
           else
             decode_head(head, qrow, kh, vh, table, T, orow, buf);
+        }, [&](const RowBlock& b, int64_t h, const int32_t* table) {
+          {
+            const int64_t T_first = row_len(b, b.first), row = starts_[b.seq] + b.first;
+            if (!prefill_tiled_ || T_first <= 0) return false;
+            // (the casts only name what the types already are: this branch is compiled for every
+            // dtype pair but runs for bf16 ones)
+            using bf16 = c10::BFloat16;
+            const auto *qb = reinterpret_cast<const bf16*>(qp), *kb = reinterpret_cast<const bf16*>(kp),
+                       *vb = reinterpret_cast<const bf16*>(vp);
+            const int64_t q_stride = query_.stride(0);
+            for (int64_t hh = h; hh < h + H; ++hh) {
+              const bf16 *qh = qb + row * q_stride + hh * a.group * D, *kh = kb + hh * D, *vh = vb + hh * D;
+              auto* oh = op + (row * Hq + hh * a.group) * D;
+              if (D == 64)
+                prefill_block_bf16<2>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
+              else
+                prefill_block_bf16<4>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
+            }
+            return true;
+          }
         });
       });
     });

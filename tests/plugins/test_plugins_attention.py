@@ -44,7 +44,11 @@ def test_cpu_attention_rows_depend_only_on_their_sequence():
     assert torch.allclose(alone, together[rows], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("specs", [MIXED + [(70, 1)], DECODE], ids=["11-row-blocks", "4-row-blocks"])
+LONG_CHUNKS = [(145, 100), (130, 130), (3, 1)]  # a chunk after 45 cached tokens, a whole prompt, a decode
+
+
+@pytest.mark.parametrize("specs", [MIXED + [(70, 1)], DECODE, LONG_CHUNKS],
+                         ids=["11-row-blocks", "4-row-blocks", "long-chunks"])
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("group", [1, 3, 5, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -53,7 +57,8 @@ def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, s
     """bf16 query over a bf16 or fp8 cache at D = 64 / 128 (the native kernel's vdpbf16ps path
     where the CPU has it; fp8 widened in registers, its per-head scales folded in): GQA groups
     larger than one register chunk, tiles that span blocks, tasks serving both kv heads (8+ row
-    blocks, group <= 8) or one."""
+    blocks, group <= 8) or one; over a bf16 cache, prefill blocks through the tiled kernel
+    (online softmax across 16-token tiles, rows of a block ending mid-tile)."""
     cache = make_cache(kv_dtype, 40, 2, head_dim, block_size=block_size)
     batch = PagedBatch(specs, cache, num_heads=2 * group)
     args = batch.attention_args(cache, torch.bfloat16)
