@@ -502,7 +502,6 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   values_tiled<NV>(rows, T, G, scores, acc);
   write_heads(acc, inv_sum, G, D, a.out_scale, out);  // out_scale is 1 without fp8
 }
-
 #else
 constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
@@ -682,26 +681,24 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
             decode_head_tiled<8>(head, qrow, rows, T, orow, buf);
           else
             decode_head(head, qrow, kh, vh, table, T, orow, buf);
-        }, [&](const RowBlock& b, int64_t h, const int32_t* table) {
-          {
-            const int64_t T_first = row_len(b, b.first), row = starts_[b.seq] + b.first;
-            if (!prefill_tiled_ || T_first <= 0) return false;
-            // (the casts only name what the types already are: this branch is compiled for every
-            // dtype pair but runs for bf16 ones)
-            using bf16 = c10::BFloat16;
-            const auto *qb = reinterpret_cast<const bf16*>(qp), *kb = reinterpret_cast<const bf16*>(kp),
-                       *vb = reinterpret_cast<const bf16*>(vp);
-            const int64_t q_stride = query_.stride(0);
-            for (int64_t hh = h; hh < h + H; ++hh) {
-              const bf16 *qh = qb + row * q_stride + hh * a.group * D, *kh = kb + hh * D, *vh = vb + hh * D;
-              auto* oh = op + (row * Hq + hh * a.group) * D;
-              if (D == 64)
-                prefill_block_bf16<2>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
-              else
-                prefill_block_bf16<4>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
-            }
-            return true;
+        }, [&](const RowBlock& b, int64_t h, const int32_t* table) {  // a prefill block, bf16 cache
+          const int64_t T_first = row_len(b, b.first), row = starts_[b.seq] + b.first;
+          if (!prefill_tiled_ || T_first <= 0) return false;
+          // (the casts only name what the types already are: this lambda is compiled for every
+          // dtype pair but runs for bf16 ones)
+          using bf16 = c10::BFloat16;
+          const auto *qb = reinterpret_cast<const bf16*>(qp), *kb = reinterpret_cast<const bf16*>(kp),
+                     *vb = reinterpret_cast<const bf16*>(vp);
+          const int64_t q_stride = query_.stride(0);
+          for (int64_t hh = h; hh < h + H; ++hh) {
+            const bf16 *qh = qb + row * q_stride + hh * a.group * D, *kh = kb + hh * D, *vh = vb + hh * D;
+            auto* oh = op + (row * Hq + hh * a.group) * D;
+            if (D == 64)
+              prefill_block_bf16<2>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
+            else
+              prefill_block_bf16<4>(a, qh, q_stride, kh, vh, table, T_first, b.count, oh, Hq * D);
           }
+          return true;
         });
       });
     });
