@@ -44,14 +44,15 @@ inline Vf load(const c10::Half* p, int64_t n = kW) {
 }
 inline void store(float* p, Vf v, int64_t n = kW) { _mm512_mask_storeu_ps(p, lanes(n), v); }
 // c10::BFloat16's rounding (nearest even on the bits; NaN -> 0x7FC0), not vcvtneps2bf16, which
-// flushes denormals.
-inline __m256i bf16_bits(Vf v) {
+// flushes denormals: the rounded bf16 sits in the high 16 bits of each 32-bit lane, the low 16 are
+// left over (bf16_bits shifts them out, round_to masks them off).
+inline __m512i bf16_rounded_high(Vf v) {
   const __m512i x = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
 }
+inline __m256i bf16_bits(Vf v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_rounded_high(v), 16)); }
 inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) {
   _mm256_mask_storeu_epi16(p, lanes(n), bf16_bits(v));
 }
@@ -104,15 +105,11 @@ inline float reduce_add(Vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(Vf v) { return _mm512_reduce_max_ps(v); }
 // Round to T and back (identity for float).
 template <typename T> inline Vf round_to(Vf v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // bf16_bits' rounding, kept in 32-bit lanes
-    // (packing to 16 bits and widening back cost two lane-crossing shuffles: SiLU-and-mul of
-    // 1024 x 3072 on one thread 1.415 -> 1.293 ms, the same bits)
-    const __m512i x = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF)), lsb),
-                                       _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {  // kept in 32-bit lanes: packing to 16 bits and
+    // widening back cost two lane-crossing shuffles (SiLU-and-mul of 1024 x 3072 on one thread
+    // 1.415 -> 1.293 ms, the same bits)
     return _mm512_castsi512_ps(
-        _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+        _mm512_and_si512(bf16_rounded_high(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {
