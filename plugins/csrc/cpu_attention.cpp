@@ -248,6 +248,16 @@ struct NextKeys {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 
+// Prefetches `rows` cache rows from `first` (row_stride elements apart), row_bytes of each, with
+// `hint`: the decode kernel's ways of having K / V in cache before its passes reach them.
+template <_mm_hint hint, typename kv_t>
+inline void fetch_rows(const kv_t* first, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const char* row = reinterpret_cast<const char*>(first + o * row_stride);
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(row + byte, hint);
+  }
+}
+
 // 32 K/V elements of a row as bf16 bits. An fp8 row is widened exactly, to x / 256 (e4m3's fields
 // as fp16, then fp32, then bf16: every value is representable on the way and none is a bf16
 // subnormal, which vdpbf16ps would flush); kRowUnit puts the 256 back into the head scales.
@@ -311,21 +321,15 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       const int64_t n_ahead = std::min<int64_t>(kW, T - t0 - kW);
       int64_t ahead[kW];
       tile_slots(table, bs, t0 + kW, n_ahead, row_stride, ahead);
-      for (int64_t i = 0; i < n_ahead; ++i) {
-        const char* krow = reinterpret_cast<const char*>(k_head + ahead[i]);
-        for (int64_t byte = 0; byte < row_bytes; byte += 64) _mm_prefetch(krow + byte, _MM_HINT_T1);
-      }
+      for (int64_t i = 0; i < n_ahead; ++i) fetch_rows<_MM_HINT_T1>(k_head + ahead[i], 1, 0, row_bytes);
     }
     for (int64_t i = 0; i < kW; ++i) {
       if (i >= n) {
         for (int64_t j = 0; j < HG; ++j) dots[j * kW + i] = set1(0.f);
         continue;
       }
-      {  // this row's V slices into L2 now, while the K pass computes: pass 2 finds them there
-        const char* vrow = reinterpret_cast<const char*>(v_head + offsets[i]);
-        for (int64_t byte = 0; byte < row_bytes; byte += 64)
-          _mm_prefetch(vrow + byte, _MM_HINT_T1);
-      }
+      // this row's V slices into L2 now, while the K pass computes: pass 2 finds them there
+      fetch_rows<_MM_HINT_T1>(v_head + offsets[i], 1, 0, row_bytes);
       for (int64_t h = 0; h < H; ++h) {
         __m512i kv[NP];
         for (int p = 0; p < NP; ++p) kv[p] = bf16x32(k_head + offsets[i] + h * D + p * 32);
@@ -345,20 +349,14 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {  // pass 2: p @ V
     const kv_t* rows = v_head + table[b] * block_stride;
-    if (t0 + bs < T) {  // the next block's slices of these heads: rows jump with the table
-      const char* next = reinterpret_cast<const char*>(v_head + table[b + 1] * block_stride);
-      for (int64_t o = 0; o < std::min(bs, T - t0 - bs); ++o)
-        for (int64_t byte = 0; byte < H * D * int64_t(sizeof(kv_t)); byte += 64)
-          __builtin_prefetch(next + o * row_stride * int64_t(sizeof(kv_t)) + byte);
-    }
+    if (t0 + bs < T)  // the next block's slices of these heads into L1: rows jump with the table
+      fetch_rows<_MM_HINT_T0>(v_head + table[b + 1] * block_stride, std::min(bs, T - t0 - bs), row_stride,
+                              row_bytes);
     if (next.table) {  // this V block's share of the next task's K blocks
       const int64_t nb = (T + bs - 1) / bs, next_nb = (next.T + bs - 1) / bs;
-      for (int64_t nbk = b * next_nb / nb; nbk < (b + 1) * next_nb / nb; ++nbk) {
-        const char* base = reinterpret_cast<const char*>(next.k_head + next.table[nbk] * block_stride);
-        for (int64_t o = 0; o < std::min(bs, next.T - nbk * bs); ++o)
-          for (int64_t byte = 0; byte < row_bytes; byte += 64)
-            _mm_prefetch(base + o * row_stride * int64_t(sizeof(kv_t)) + byte, _MM_HINT_T1);
-      }
+      for (int64_t nbk = b * next_nb / nb; nbk < (b + 1) * next_nb / nb; ++nbk)
+        fetch_rows<_MM_HINT_T1>(next.k_head + next.table[nbk] * block_stride, std::min(bs, next.T - nbk * bs),
+                                row_stride, row_bytes);
     }
     const int64_t rows_here = std::min(bs, T - t0);
     for (int64_t h = 0; h < H; ++h) {
