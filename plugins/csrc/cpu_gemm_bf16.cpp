@@ -36,14 +36,20 @@ constexpr int64_t kRowChunk = 256;  // rows per task
 constexpr int kMR = 8;              // rows per microkernel call
 
 // rows [0, MR) of a: C[m][0..ncols) = sum over pairs j of a[m] pair j . panel pair j.
-template <int MR>
+// With kAhead, the call also fetches `ahead_lines` cache lines from `ahead` into L2, spread evenly
+// over its K / 2 steps (see Bf16Gemm::run).
+template <int MR, bool kAhead = false>
 void micro(const uint16_t* a, int64_t K, const uint32_t* panel, c10::BFloat16* c, int64_t ldc,
-           int64_t ncols) {
+           int64_t ncols, const char* ahead = nullptr, int64_t ahead_lines = 0) {
 #ifdef QKILN_BF16_GEMM
   __m512 acc[MR][3];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < 3; ++t) acc[m][t] = _mm512_setzero_ps();
+  int64_t due = 0;  // Bresenham: ahead_lines fetches over K / 2 steps
   for (int64_t j = 0; j < K / 2; ++j) {
+    if constexpr (kAhead)
+      for (due += ahead_lines; due >= K / 2; due -= K / 2, ahead += 64)
+        _mm_prefetch(ahead, _MM_HINT_T1);
     const uint32_t* w = panel + j * kPanel;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 16),
                    w2 = (__m512bh)_mm512_loadu_si512(w + 32);
@@ -111,6 +117,19 @@ void Bf16Gemm::run(const at::Tensor& x, int64_t begin, int64_t end, at::Tensor& 
     const int64_t ncols = std::min(kPanel, N - n0);
     const uint32_t* panel = w + p * (K / 2) * kPanel;
     int64_t m = r0;
+    // The next task's panel is fetched into L2 during this task, spread over its microkernel
+    // calls: a panel left to the hardware prefetcher arrived while its first call waited on DRAM.
+    // 30 layers of SmolLM2's linears from memory, 2 threads, same-process A/B: 64 rows 22.8 ->
+    // 20.5 ms, 20 rows 10.4 -> 8.4, 1024 rows 358 -> 351; the 49152-row head at 64 rows 7.1 -> 6.2.
+    const int64_t calls = (r1 - r0) / kMR;
+    if (task + 1 < end && calls > 0) {
+      const char* next = reinterpret_cast<const char*>(w + ((task + 1) % P) * (K / 2) * kPanel);
+      const int64_t lines = K / 2 * kPanel * 4 / 64;
+      for (int64_t call = 0; call < calls; ++call, m += kMR) {
+        const int64_t first = call * lines / calls, last = (call + 1) * lines / calls;
+        micro<kMR, true>(a + m * K, K, panel, c + m * N + n0, N, ncols, next + 64 * first, last - first);
+      }
+    }
     for (; m + kMR <= r1; m += kMR) micro<kMR>(a + m * K, K, panel, c + m * N + n0, N, ncols);
     if (m < r1) rows_tail(r1 - m, a + m * K, K, panel, c + m * N + n0, N, ncols);
   }
