@@ -1,7 +1,7 @@
 """CPU quantized linears over the "cpu" layouts of packed_weights.py.
 
-Few rows (decode, <= SMALL_M): qkiln's own kernels (cpu_native.py, csrc/cpu_gemv_int*.cpp) when the
-weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
+Few rows (decode, <= SMALL_M; <= INT4_GEMV_ROWS for int4 with a dense copy): qkiln's own kernels
+(cpu_native.py, csrc/cpu_gemv_int*.cpp) when the weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
 native int4 kernel is exact W4A16 (bf16 activations, fp32 products and sums) and streams the
 nibbles once for up to 4 rows; the native int8 kernel is exact too, without rounding
 activations at all (bf16 ones through vdpbf16ps, others widened to fp32). Otherwise torch's packed
@@ -27,6 +27,11 @@ from qkiln.plugins import cpu_native
 from qkiln.plugins.reference import fake_quantize_fp8_per_token
 
 SMALL_M = 16
+# An int4 weight with a dequantized copy switches to the bf16 GEMM above this many rows, not above
+# SMALL_M: the GEMV's cost grows with the rows (4 at a time) while the GEMM's stays that of
+# streaming the bf16 copy. 30 layers of SmolLM2's linears from memory, 2 threads: int4 GEMV / bf16
+# GEMM 5.7 / 6.3 ms at 8 rows, 6.9 / 6.1 at 10, 9.9 / 6.5 at 12, 10.7 / 5.9 at 16.
+INT4_GEMV_ROWS = 8
 
 
 def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -55,7 +60,7 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     """x [..., in] -> [..., out]; native layout (fp32 scales, `zeros` = zero term) or tinygemm's
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
-    if dequantized is not None and rows.shape[0] > SMALL_M:
+    if dequantized is not None and rows.shape[0] > INT4_GEMV_ROWS:
         return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
                        x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):

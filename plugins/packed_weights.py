@@ -52,7 +52,7 @@ Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only,
     extension; otherwise the weight is prepared as without the option.
 
 Both cpu layouts:
-    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > SMALL_M rows,
+    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
     where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.

@@ -12,8 +12,9 @@ dependent phases) instead of a fork/join per kernel.
 
 `build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
 path serves every step); `applies` says per step whether the step is decodes only. Up to SMALL_M
-rows run the GEMV kernels; more run the Python path's GEMM for them, each thread taking its share
-of the rows for the row-wise ops: with int8 activations loaded (opt-in) the int8-activation GEMM
+rows (INT4_GEMV_ROWS for int4 weights with a dense copy) run the GEMV kernels; more run the Python
+path's GEMM for them, each thread taking its share of the rows for the row-wise ops: with int8
+activations loaded (opt-in) the int8-activation GEMM
 (offline 64 x 128/128, same-process A/B, 5 rounds: decode step 74.2 -> 63.2 ms, 537.9 -> 584.5
 tok/s), else (exact) oneDNN's bf16 GEMM on the dequantized weights, called between short parallel
 regions (decode step 103.5 -> 84.5 ms, 422.2 -> 489.7 tok/s). Embeddings, RoPE tables and the
@@ -27,7 +28,7 @@ import torch
 
 from qkiln.plugins import KVCache, cpu_native
 from qkiln.plugins.cpu_attention import native_serves
-from qkiln.plugins.cpu_linear import SMALL_M
+from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, SMALL_M
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
 from .model import CausalLM
@@ -78,14 +79,15 @@ class NativeDecodeStack:
         if ext is None or embed.device.type != "cpu" or embed.dtype not in _DTYPES or \
                 config.head_dim % 16 or len(caches) != config.num_hidden_layers:
             return None
-        layers = []
+        layers, weights = [], []
         for layer, cache in zip(model.model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
             if attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None or \
                     not _stack_serves(cache):
                 return None
-            linears = [_native_linear(m, ext) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                         mlp.down_proj)]
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = [_native_linear(m, ext) for m in modules]
+            weights += [m.packed for m in modules]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
@@ -93,9 +95,16 @@ class NativeDecodeStack:
                                          cache.k_scale, cache.v_scale, cache.k_group_scale,
                                          cache.k_group_min, cache.v_group_scale, cache.v_group_min,
                                          cache.k_offset))
+        # The GEMV form's row limit is the Python path's (cpu_linear.py): lower for int4 weights
+        # with a dense copy. One limit serves one model: a model mixing those with other linears
+        # (no recipe makes one) keeps the Python path, which decides per linear.
+        int4_dense = [isinstance(w, W4A16Weight) and w.dequantized is not None for w in weights]
+        if any(int4_dense) and not all(int4_dense):
+            return None
         norm = model.model.norm
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
-                                config.num_key_value_heads, config.head_dim, norm.eps, SMALL_M)
+                                config.num_key_value_heads, config.head_dim, norm.eps,
+                                INT4_GEMV_ROWS if all(int4_dense) else SMALL_M)
         return cls(model, stack)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:

@@ -95,16 +95,18 @@ def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, rec
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("int8_activations", [True, False], ids=["int8-activations", "exact"])
+@pytest.mark.parametrize("rows,int8_activations", [(20, True), (20, False), (12, False)],
+                         ids=["int8-activations", "exact", "exact-12-rows"])
 @pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-int4"])
-def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, int8_activations):
+def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, int8_activations):
     """The stack also serves decode steps of more than 16 rows: with int8 activations loaded through
     the same int8-activation GEMM as the Python path, else (exact) through the same bf16 GEMM on the
     dequantized weights; each thread takes its share of the rows for the row-wise ops (3 threads:
-    shares of 7 and 6 rows)."""
+    shares of 7 and 6 rows). Exact int4 switches to that GEMM above INT4_GEMV_ROWS (8) rows, int8
+    above 16: 12 rows take the dense form for w4a16 and the GEMV form for w8a16, as in Python."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(20)]
+    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(rows)]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
@@ -118,7 +120,7 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, int8_a
         torch.set_num_threads(threads)
     assert tokens_fast == tokens_slow
     assert [served for _, _, served in steps] == [n == s for n, s, _ in steps]
-    assert any(served and s == 20 for _, s, served in steps)
+    assert any(served and s == rows for _, s, served in steps)
     assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
 
 
