@@ -1,12 +1,13 @@
 """CPU quantized linears over the "cpu" layouts of packed_weights.py.
 
 Few rows (decode, <= SMALL_M; <= INT4_GEMV_ROWS for int4 with a dense copy): qkiln's own kernels
-(cpu_native.py, csrc/cpu_gemv_int*.cpp) when the weight was packed for them, which the dtype of `scales` says (fp32: native; bf16: torch's). The
-native int4 kernel is exact W4A16 (bf16 activations, fp32 products and sums) and streams the
-nibbles once for up to 4 rows; the native int8 kernel is exact too, without rounding
-activations at all (bf16 ones through vdpbf16ps, others widened to fp32). Otherwise torch's packed
-kernels, fast only with bf16 activations (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`),
-so activations are cast to bf16 and the result cast back.
+(cpu_native.py, csrc/cpu_gemv_int*.cpp) when the weight was packed for them, which the dtype of
+`scales` says (fp32: native; bf16: torch's). The native int4 kernel is exact W4A16 (bf16
+activations, fp32 products and sums) and streams the nibbles once for up to 4 rows; the native int8
+kernel is exact too, without rounding activations at all (bf16 ones through vdpbf16ps, others
+widened to fp32). Otherwise torch's packed kernels, fast only with bf16 activations
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), so activations are cast to bf16 and the
+result cast back.
 Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernels lose to it
 (DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional cached
 `dequantized` copy: without it the packed kernel stays in use, because dequantizing the packed

@@ -102,7 +102,7 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
     """The stack also serves decode steps of more than 16 rows: with int8 activations loaded through
     the same int8-activation GEMM as the Python path, else (exact) through the same bf16 GEMM on the
     dequantized weights; each thread takes its share of the rows for the row-wise ops (3 threads:
-    shares of 7 and 6 rows). Exact int4 switches to that GEMM above INT4_GEMV_ROWS (8) rows, int8
+    shares of 7 and 6 of 20 rows). Exact int4 switches to that GEMM above INT4_GEMV_ROWS (8) rows, int8
     above 16: 12 rows take the dense form for w4a16 and the GEMV form for w8a16, as in Python."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(11)
