@@ -7,6 +7,7 @@ from plugins_testlib import canonical_int4, rel_error
 from qkiln.errors import RecipeError
 from qkiln.plugins import (cpu_native, fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16,
                            prepare_w8a16, w4a16_linear, w8a16_linear)
+from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, dense_linear
 from qkiln.plugins.packed_weights import onednn_pack
 from qkiln.plugins.reference import (dequantize_grouped, reference_fp8_w8a8_linear,
                                      reference_w4a16_linear, reference_w8a16_linear)
@@ -31,6 +32,20 @@ def test_cpu_w4a16_matches_reference(group_size, in_features, is_symmetric):
             actual = w4a16_linear(x, w, bias)
             assert actual.shape == expected.shape and actual.dtype == x.dtype
             assert rel_error(actual, expected) < BF16_TOLERANCE
+
+
+def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy():
+    """Up to INT4_GEMV_ROWS rows the int4 kernel serves a weight even when it has a dense copy; a
+    row more and the copy's bf16 GEMM does (cpu_linear.py: the measured crossover)."""
+    qweight, scales, zeros = canonical_int4(96, 576, 64, True)
+    with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
+    packed_only = prepare_w4a16(qweight, scales, zeros, 64, "cpu")
+    for rows in (INT4_GEMV_ROWS, INT4_GEMV_ROWS + 1):
+        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        kernel = w4a16_linear(x, packed_only)
+        dense = dense_linear(x, with_copy.dequantized, out_features=96)
+        assert not torch.equal(kernel, dense)  # the two paths are told apart by their bits
+        assert torch.equal(w4a16_linear(x, with_copy), kernel if rows <= INT4_GEMV_ROWS else dense)
 
 
 def test_cpu_w4a16_keeps_leading_dims_and_bf16():
