@@ -1,6 +1,6 @@
 """import qkiln turns on huge pages for torch's large CPU tensors (host_memory.py): checked in
 fresh interpreters, since torch reads the switch once, at its first allocation. The reuse of freed
-blocks is the host cache's (tests/plugins/test_plugins_host_cache.py)."""
+blocks is left to glibc (host_memory.py says why)."""
 
 import subprocess
 import sys
