@@ -10,7 +10,9 @@ W4A16 batch-1 128/128 runs, median of 6-7 runs a process, processes in turn (lib
 variable when it loads, so no same-process A/B): 0.41 -> 0.385 s, 0.43 -> 0.38, 0.383 -> 0.373,
 0.425 -> 0.39, 0.433 -> 0.405; one `qkiln bench latency` pair of two went the other way (399.5 vs
 357.4 tok/s, on a host swinging 250-400). 64-sequence offline runs, whose steps take 40 ms and
-more, showed no difference beyond the host's noise.
+more, showed no difference beyond the host's noise. Why the default still costs the batch-1 step
+was not pinned down (its ~9 ms outlasts every gap in a step): this setting rests on the measured
+effect only.
 An explicit GOMP_SPINCOUNT (or OMP_WAIT_POLICY) in the environment is respected. Like
 host_memory, it only takes effect when qkiln is imported before torch.
 """
