@@ -87,10 +87,10 @@ class NativeDecodeStack:
                 return None
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             linears = [_native_linear(m, ext) for m in modules]
-            weights += [m.packed for m in modules]
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(lin is None for lin in linears) or any(n.dtype != embed.dtype for n in norms):
                 return None
+            weights += [m.packed for m in modules]  # QuantizedLinear's, now that all qualified
             layers.append(ext.StackLayer(*linears, *(n.detach() for n in norms), cache.k, cache.v,
                                          cache.k_scale, cache.v_scale, cache.k_group_scale,
                                          cache.k_group_min, cache.v_group_scale, cache.v_group_min,

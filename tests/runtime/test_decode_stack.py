@@ -145,6 +145,7 @@ def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypat
     assert _engine(paths["smoothing"], monkeypatch, stack=True).runner.decode_stack is None
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True, dtype="fp32").runner.decode_stack is None
     assert _engine(source, monkeypatch, stack=True).runner.decode_stack is None  # bf16 linears
+    assert _engine(source, monkeypatch, stack=True, dtype="fp16").runner.decode_stack is None  # nn.Linear
     monkeypatch.setattr(cpu_native, "_ops_enabled", False)
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True).runner.decode_stack is None
 
