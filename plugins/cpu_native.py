@@ -146,13 +146,14 @@ W4A8_PANEL = 48  # output channels the packed layout pads to (kPanel)
 
 def pack_w4a8(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
     """Unsigned codes u [out, in] (0..15 or 0..255), scales and zero points [out, G] ->
-    (packed uint8 [out_p / 16, in / 4, 16, 4], scales fp32 [G, out_p], zero scales s * z fp32
+    (packed uint8 [out_p / 48, in / 4, 48, 4], scales fp32 [G, out_p], zero scales s * z fp32
     [G, out_p]) for cpu_gemm_w4a8.cpp, out_p padding `out` to a multiple of 48 with zeros."""
     out_features, in_features = codes.shape
     out_padded = -(-out_features // W4A8_PANEL) * W4A8_PANEL
     row_pad = (0, 0, 0, out_padded - out_features)
     u = torch.nn.functional.pad(codes.to(torch.uint8), row_pad)
-    packed = u.reshape(out_padded // 16, 16, in_features // 4, 4).permute(0, 2, 1, 3).contiguous()
+    packed = u.reshape(out_padded // W4A8_PANEL, W4A8_PANEL, in_features // 4, 4).permute(0, 2, 1, 3)
+    packed = packed.contiguous()
     s = torch.nn.functional.pad(scales.float(), row_pad)
     zs = torch.nn.functional.pad(scales.float() * zero_points.float(), row_pad)
     return packed, s.t().contiguous(), zs.t().contiguous()

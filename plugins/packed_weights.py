@@ -46,7 +46,7 @@ extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
 
 Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only, not exact):
     int8_act = W4A8Weight for csrc/cpu_gemm_w4a8.cpp: unsigned codes (int4 0..15, symmetric as
-    q + 8; int8 weights as w + 128, one group) in uint8 [out_p / 16, in / 4, 16, 4], scales and
+    q + 8; int8 weights as w + 128, one group) in uint8 [out_p / 48, in / 4, 48, 4], scales and
     scale * zero point fp32 [num_groups, out_p], out_p a multiple of 48. Replaces `dequantized`
     (1 byte per weight instead of 2). Needs `in` and group_size multiples of 32 and the native
     extension; otherwise the weight is prepared as without the option.

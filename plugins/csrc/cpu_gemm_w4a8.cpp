@@ -17,31 +17,37 @@
 //     y[m,n] = sum_g s[n,g] * sum_{b in g} sx[m,b] * dot_b(u[n], q[m])  -  sum_g s[n,g] z[n,g] xs[m,g]
 // Every dot_b is exact in int32; the rest is fp32.
 //
-// Layout, uint8 [N_p / 16, K / 4, 16, 4]: tiles of 16 output channels (one 512-bit register of
-// int32 sums), 4 consecutive input channels per channel (vpdpbusd's 4-byte groups), so tile t's
-// bytes for input channels 4j..4j+3 are the 64 bytes at (t * K / 4 + j) * 64. N_p pads N to a
-// multiple of kPanel (zero codes, zero scales). scales and zero_scales (s * z): fp32 [NG, N_p].
-// K and G are multiples of 32; the last group may be shorter (K = 576, G = 128).
+// Weights, uint8 [N_p / 48, K / 4, 48, 4]: panels of kPanel = 48 output channels (3 tiles of 16,
+// one 512-bit register of int32 sums each), 4 consecutive input channels per channel (vpdpbusd's
+// 4-byte groups), so a panel's bytes for input channels 4j..4j+3 are the 192 at
+// (panel * K / 4 + j) * 192, tile t's the 64 from t * 64 there. N_p pads N to a multiple of 48
+// (zero codes, zero scales). scales and zero_scales (s * z): fp32 [NG, N_p]. K and G are multiples
+// of 32; the last group may be shorter (K = 576, G = 128).
+// Activation codes, int8 in groups of 4 rows (the microkernel's): row m, channels 4j..4j+3 at
+// (m - m % 4) * K + j * 16 + (m % 4) * 4, so a microkernel call reads one stream of weights and
+// one of codes at constant offsets (with a row-major copy and tile-major weights, GCC ran out of
+// registers for the 7 pointers and reloaded them, and weights, in the loop).
 //
-// Blocking: a microkernel keeps MR x NR accumulators (4 rows x 3 tiles: 12 int32 block sums and
-// 12 fp32 group sums in registers, the totals in L1, one weight register); tasks are (128-row
-// chunk, panel of 48 channels), so a chunk's activations stay in L2 while the panels go by, and
-// each microkernel call of a task prefetches its share of the next panel's weights (into L2).
-// The zero term goes in per group (an FMA), the bias and the store from registers (RowsOut).
-// Peak measured here: vpdpbusd 452 GOPS a core (one 512-bit instruction a cycle at 3.5 GHz), and
-// FMAs, multiplies and vpdpbusd share those slots: scaling each block's sums by s * sx (a multiply
-// and an FMA per accumulator and block) capped the microkernel at 96 / 120 of peak; the group sums
-// (one FMA per block, the weight scale per group) at 96 / 111.
-// Measured (2 threads, SmolLM2 shapes, noisy host): against the oneDNN-packed bf16 GEMM, one
+// Blocking: a microkernel keeps MR x NR accumulators (4 rows x 3 tiles: 12 int32 block sums in
+// registers; the fp32 group sums and totals in L1); tasks are (128-row chunk, panel of 48
+// channels), so a chunk's activations stay in L2 while the panels go by, and each microkernel
+// call of a task prefetches its share of the next panel's weights (into L2). The zero term goes in
+// per group (an FMA), the bias and the store from registers (RowsOut).
+// Peak measured on the session-14 host (Zen 5, one core, /tmp microbenchmarks): 7.1 G vpdpbusd a
+// second (910 GOPS, two a cycle; vdpbf16ps 6.6 G, 425 GFLOP/s), 820 GOPS with each block's
+// convert + FMA into L1 sums, as this kernel does.
+// Measured (2 threads, SmolLM2 shapes, noisy hosts): against the oneDNN-packed bf16 GEMM, one
 // layer's four linears with cached weights 1.50x at 64 rows, 1.14-1.30x at 1024; the 49152-row
-// head 1.3-1.55x. Same-process A/Bs of this kernel's versions, all 30 layers' linears (weights
-// from memory, as in a step): finishing rows from registers instead of a pass over an fp32 buffer
-// (a quarter of the kernel's time at 64 rows, profiled) 42.2 -> 39.0 ms at 64 rows (+ head),
-// 508 -> 479 at 1024, outputs identical; then the group sums and the spread prefetch 37.4 -> 34.6
-// ms and 473 -> 432 ms (465-515 GOPS, 51-57% of the two cores' peak; fp32 outputs are as close to
-// the reference as before, median relative error 3.4e-7 vs 3.8e-7).
+// head 1.3-1.55x (session 10's host). Same-process A/Bs of this kernel's versions, all 30 layers'
+// linears (weights from memory, as in a step): finishing rows from registers instead of a pass
+// over an fp32 buffer 42.2 -> 39.0 ms at 64 rows (+ head), 508 -> 479 at 1024; then the group
+// sums and the spread prefetch 37.4 -> 34.6 ms and 473 -> 432 ms. Session 14 (Zen 5 host, where
+// that version ran at ~545 GOPS a core on cached weights, 60% of peak, with block sums spilled to
+// the stack): group sums in L1 and the interleaved layouts above, 666 GOPS a core cached (3072 x
+// 576, 64 rows); 30 layers 17.42 -> 14.72 ms at 64 rows, head 4.79 -> 2.88 ms; at 1024 rows
+// 276.2 -> 200.4 ms, head 79.0 -> 47.7 ms (the bf16 GEMM: 16.3 and 287 ms); outputs identical.
 // Tried and not kept: 6 x 2 and 3 x 4 register blocks, broadcasts folded into vpdpbusd (within
-// noise or slower); no row chunks (1024 rows: 1.19x instead of 1.38x).
+// noise or slower; on session 10's host); no row chunks (1024 rows: 1.19x instead of 1.38x).
 // Without AVX512-VNNI the same layout runs through plain C++ (tests of the portable build).
 
 #include "gemv_common.h"
@@ -60,21 +66,28 @@ constexpr int kNR = 3;           // tiles per microkernel
 constexpr int kMR = 4;           // rows per microkernel
 constexpr int64_t kPanel = kNR * kTile;
 constexpr int64_t kRowChunk = 128;
+constexpr int64_t kBlockQuads = kBlock / 4;               // channel quads per activation block
+constexpr int64_t kPanelQuadBytes = kPanel * 4;           // a panel's weights for one channel quad
+constexpr int64_t kBlockPanelBytes = kBlockQuads * kPanelQuadBytes;
+constexpr int64_t kQuadBytes = kMR * 4;                   // a row group's codes for one channel quad
 
-// One row's block of 32 values -> q and *scale; returns sum(q). Rounding as in the header
-// (vcvtps2dq rounds half to even under the default MXCSR, as nearbyint does).
+// One row's block of 32 values -> codes and *scale; returns sum(codes). The codes go out as 8
+// quads of 4 channels, `stride` bytes apart (the interleaved activation layout: the header).
+// Rounding as in the header (vcvtps2dq rounds half to even under the default MXCSR, as nearbyint
+// does).
 template <typename scalar_t>
-inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
+inline int quantize_block(const scalar_t* x, int8_t* q, int64_t stride, float* scale) {
+  alignas(16) int8_t codes[kBlock];
 #ifdef QKILN_W4A8_VNNI
   const __m512 lo = load(x), hi = load(x + 16);  // exact widening to fp32
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
   const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qlo));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qhi));
+  _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtsepi32_epi8(qlo));
+  _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtsepi32_epi8(qhi));
   *scale = amax / 127.f;
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
 #else
   float v[kBlock], amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i] = static_cast<float>(x[i])));
@@ -82,12 +95,13 @@ inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   int sum = 0;
   for (int i = 0; i < kBlock; ++i) {
     const int r = static_cast<int>(std::nearbyint(v[i] * inv));
-    q[i] = static_cast<int8_t>(r);
+    codes[i] = static_cast<int8_t>(r);
     sum += r;
   }
   *scale = amax / 127.f;
-  return sum;
 #endif
+  for (int j = 0; j < kBlock / 4; ++j) std::memcpy(q + j * stride, codes + 4 * j, 4);
+  return sum;
 }
 
 // What a microkernel's rows need besides the weights: the header's zero term (zs, xs) and where
@@ -110,45 +124,52 @@ inline void store_row(Vf v, const RowsOut<scalar_t>& o, int m, int64_t c) {
   store(o.out + m * o.out_features + c, v, width);
 }
 
-// Rows q[0..MR) times one panel of weights w (kNR tiles, K / 4 groups of 64 bytes each) -> y.
-// Per block of 32 channels the int32 dot products are scaled by the row's activation scale into a
-// group sum (one FMA each); per weight group the sum is scaled by the weight scale and the zero
-// term taken off (two FMAs each, into the fp32 totals kept in L1; see the header for why).
+// Rows 0..MR of one row group's codes q (kQuadBytes a channel quad) times one panel of weights w
+// (kPanelQuadBytes a channel quad) -> y. Per block of 32 channels the int32 dot products are
+// scaled by the row's activation scale into a group sum (one FMA each); per weight group the sum
+// is scaled by the weight scale and the zero term taken off (two FMAs each, into the fp32 totals
+// kept in L1; see the header for why). Both sums live in L1: beside the 12 block sums in
+// registers, GCC spilled block sums inside the vpdpbusd loop. noinline: inlined into run(), GCC
+// ran out of registers for the loop's pointers.
 #ifdef QKILN_W4A8_VNNI
 template <int MR, typename scalar_t>
-void panel_rows(const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
-                const float* s, int64_t N_p, const uint8_t* next, int part, int parts,
-                const RowsOut<scalar_t>& o) {
-  const int64_t B = K / kBlock, quads = K / 4, blocks_per_group = G / kBlock;
-  alignas(64) float total[MR][kPanel];
+__attribute__((noinline)) void panel_rows(const int8_t* q, const float* sx, int64_t K, int64_t G,
+                                          const uint8_t* w, const float* s, int64_t N_p,
+                                          const uint8_t* next, int part, int parts,
+                                          const RowsOut<scalar_t>& o) {
+  const int64_t B = K / kBlock, blocks_per_group = G / kBlock;
+  alignas(64) float total[MR][kPanel], group_sum[MR][kPanel];
+  int64_t fetch = part;  // the next block whose share of `next` this call fetches
   for (int64_t b0 = 0, g = 0; b0 < B; b0 += blocks_per_group, ++g) {
-    __m512 group_sum[MR][kNR];
     for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < kNR; ++n) group_sum[m][n] = _mm512_setzero_ps();
+      for (int c = 0; c < kPanel; c += kTile) _mm512_store_ps(group_sum[m] + c, _mm512_setzero_ps());
     for (int64_t b = b0; b < std::min(B, b0 + blocks_per_group); ++b) {
+      const uint8_t* wb = w + b * kBlockPanelBytes;
+      const int8_t* qb = q + b * kBlockQuads * kQuadBytes;
+      if (next && b == fetch) {  // this call's share of the next panel, into L2
+        fetch += parts;
+        for (int64_t i = 0; i < kBlockPanelBytes; i += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(next + b * kBlockPanelBytes + i), _MM_HINT_T1);
+      }
       __m512i dot[MR][kNR];
       for (int m = 0; m < MR; ++m)
         for (int n = 0; n < kNR; ++n) dot[m][n] = _mm512_setzero_si512();
-      const uint8_t* wb = w + b * (kBlock / 4) * 64;
-      const int8_t* qb = q + b * kBlock;
-      if (next && b % parts == part)  // this call's share of the next panel, into L2
-        for (int n = 0; n < kNR; ++n)
-          for (int j = 0; j < kBlock / 4; ++j)
-            _mm_prefetch(reinterpret_cast<const char*>(next + (n * quads + b * kBlock / 4 + j) * 64),
-                         _MM_HINT_T1);
-      for (int j = 0; j < kBlock / 4; ++j)  // a constant trip count: unrolled, sums in registers
+      for (int j = 0; j < kBlockQuads; ++j)  // a constant trip count: unrolled, sums in registers
         for (int n = 0; n < kNR; ++n) {
-          const __m512i wv = _mm512_loadu_si512(wb + (n * quads + j) * 64);
+          const __m512i wv = _mm512_loadu_si512(wb + j * kPanelQuadBytes + n * 64);
           for (int m = 0; m < MR; ++m) {
             int32_t x4;
-            std::memcpy(&x4, qb + m * K + 4 * j, 4);
+            std::memcpy(&x4, qb + j * kQuadBytes + m * 4, 4);
             dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], wv, _mm512_set1_epi32(x4));
           }
         }
       for (int m = 0; m < MR; ++m) {
         const __m512 row_scale = _mm512_set1_ps(sx[m * B + b]);
-        for (int n = 0; n < kNR; ++n)
-          group_sum[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), row_scale, group_sum[m][n]);
+        for (int n = 0; n < kNR; ++n) {
+          float* sum = group_sum[m] + n * kTile;
+          _mm512_store_ps(sum, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), row_scale,
+                                               _mm512_load_ps(sum)));
+        }
       }
     }
     for (int n = 0; n < kNR; ++n) {
@@ -156,7 +177,7 @@ void panel_rows(const int8_t* q, const float* sx, int64_t K, int64_t G, const ui
       const __m512 zw = _mm512_loadu_ps(o.zs + g * o.N_p + n * kTile);
       for (int m = 0; m < MR; ++m) {
         __m512 t = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(total[m] + n * kTile);
-        t = _mm512_fmadd_ps(group_sum[m][n], sw, t);
+        t = _mm512_fmadd_ps(_mm512_load_ps(group_sum[m] + n * kTile), sw, t);
         t = _mm512_fnmadd_ps(zw, _mm512_set1_ps(o.xs[m * o.NG + g]), t);
         _mm512_store_ps(total[m] + n * kTile, t);
       }
@@ -182,16 +203,16 @@ template <typename scalar_t>
 void panel(int mr, const int8_t* q, const float* sx, int64_t K, int64_t G, const uint8_t* w,
            const float* s, int64_t N_p, const uint8_t* /*next*/, int /*part*/, int /*parts*/,
            const RowsOut<scalar_t>& o) {
-  const int64_t B = K / kBlock, quads = K / 4;
+  const int64_t B = K / kBlock;
   for (int m = 0; m < mr; ++m) {
     float total[kPanel];
     for (int64_t c = 0; c < kPanel; ++c) {
-      const uint8_t* wc = w + (c / kTile) * quads * 64 + (c % kTile) * 4;
       total[c] = 0.f;
       for (int64_t b = 0; b < B; ++b) {
         int32_t dot = 0;
         for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k)
-          dot += static_cast<int32_t>(wc[(k / 4) * 64 + k % 4]) * q[m * K + k];
+          dot += static_cast<int32_t>(w[(k / 4) * kPanelQuadBytes + c * 4 + k % 4]) *
+                 q[(k / 4) * kQuadBytes + m * 4 + k % 4];
         total[c] += static_cast<float>(dot) * (s[(b * kBlock / G) * N_p + c] * sx[m * B + b]);
       }
       for (int64_t g = 0; g < o.NG; ++g) total[c] -= o.zs[g * o.N_p + c] * o.xs[m * o.NG + g];
@@ -208,9 +229,8 @@ W4A8Gemm::W4A8Gemm(const at::Tensor& packed, const at::Tensor& scales, const at:
     : bias(bias_f32), K(packed.size(1) * 4), G(group_size), NG(scales.size(0)), N_p(scales.size(1)),
       out_features(out_features) {
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) * kTile == N_p && packed.size(2) == kTile && packed.size(3) == 4 &&
-                  N_p % kPanel == 0,
-              "w4a8_gemm: packed must be contiguous uint8 [N_p / 16, K / 4, 16, 4], N_p % 48 == 0");
+                  packed.size(0) * kPanel == N_p && packed.size(2) == kPanel && packed.size(3) == 4,
+              "w4a8_gemm: packed must be contiguous uint8 [N_p / 48, K / 4, 48, 4]");
   TORCH_CHECK(scales.dtype() == at::kFloat && zero_scales.dtype() == at::kFloat &&
                   scales.is_contiguous() && zero_scales.is_contiguous() &&
                   scales.sizes() == zero_scales.sizes() && scales.dim() == 2,
@@ -223,7 +243,8 @@ W4A8Gemm::W4A8Gemm(const at::Tensor& packed, const at::Tensor& scales, const at:
 }
 
 void W4A8Gemm::size(int64_t M, Int8Rows& a) const {
-  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
+  const int64_t rows = (M + kMR - 1) / kMR * kMR;  // whole row groups
+  if (static_cast<int64_t>(a.q.size()) < rows * K) a.q.resize(rows * K);
   if (static_cast<int64_t>(a.sx.size()) < M * (K / kBlock)) a.sx.resize(M * (K / kBlock));
   if (static_cast<int64_t>(a.xs.size()) < M * NG) a.xs.resize(M * NG);
 }
@@ -237,9 +258,12 @@ void W4A8Gemm::quantize(const at::Tensor& x, int64_t first_row, Int8Rows& a) con
     for (int64_t i = 0; i < x.size(0); ++i) {
       const int64_t m = first_row + i;
       std::fill(a.xs.begin() + m * NG, a.xs.begin() + (m + 1) * NG, 0.f);
+      // Row m's quads in its row group (the header's layout): at (m - m % 4) * K + quad * 16 + m % 4 * 4.
+      int8_t* q_row = a.q.data() + (m - m % kMR) * K + (m % kMR) * 4;
       for (int64_t b = 0; b < B; ++b) {
         float scale;
-        const int sum = quantize_block(xp + i * K + b * kBlock, a.q.data() + m * K + b * kBlock, &scale);
+        const int sum = quantize_block(xp + i * K + b * kBlock, q_row + b * kBlockQuads * kQuadBytes,
+                                       kQuadBytes, &scale);
         a.sx[m * B + b] = scale;
         a.xs[m * NG + b * kBlock / G] += scale * static_cast<float>(sum);
       }

@@ -49,7 +49,7 @@ def test_kernel_matches_reference(native_ext, out_features, in_features, group_s
     codes, zero_points = unsigned(qweight, zeros)
     zp = zero_points.expand_as(scales) if zero_points.shape[1] == 1 else zero_points
     packed, s, zs = cpu_native.pack_w4a8(codes, scales, zp)
-    assert packed.shape == (-(-out_features // 48) * 3, in_features // 4, 16, 4)
+    assert packed.shape == (-(-out_features // 48), in_features // 4, 48, 4)
     bias = torch.randn(out_features)
     for rows, dtype in [(17, torch.float32), (64, torch.bfloat16), (130, torch.float16), (5, torch.float32)]:
         x = torch.randn(rows, in_features).to(dtype)
