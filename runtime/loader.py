@@ -11,12 +11,13 @@ import torch
 
 from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError
+from qkiln.plugins.weight_arena import gather_gemv_weights
 
 from .config import ModelConfig
 from .dense_linear import pack_dense_linears
 from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
-from .quantized_linear import make_quantized_linear
+from .quantized_linear import QuantizedLinear, make_quantized_linear
 from .source import build_model, load_source
 from .tokenizer import Tokenizer
 
@@ -99,6 +100,8 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
         model.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
     model = model.to(device)
     pack_dense_linears(model)  # layers left unquantized (recipe `ignore`), a tied bf16 head
+    # The decode GEMVs' weights in one buffer, in layer order: huge pages (weight_arena.py)
+    gather_gemv_weights([m.packed for m in model.modules() if isinstance(m, QuantizedLinear)])
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None
     tokenizer = Tokenizer.from_dir(path / "tokenizer")

@@ -150,6 +150,19 @@ def test_models_the_stack_cannot_serve_keep_the_python_path(artifacts, monkeypat
     assert _engine(paths["w4a16-rtn"], monkeypatch, stack=True).runner.decode_stack is None
 
 
+def test_loaded_artifacts_keep_their_gemv_weights_in_one_buffer(artifacts):
+    """loader.py gathers the decode GEMVs' tensors (plugins/weight_arena.py) in layer order."""
+    from qkiln.runtime.quantized_linear import QuantizedLinear
+
+    for recipe in ("w4a16-rtn", "w8a16"):
+        model = load_for_serving(str(artifacts[1][recipe])).model
+        weights = [m.packed for m in model.modules() if isinstance(m, QuantizedLinear)]
+        tensors = [w.packed if hasattr(w, "packed") else w.weight for w in weights]
+        assert len(tensors) == 4 * model.config.num_hidden_layers + (model.lm_head is not None)
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1, recipe
+        assert [t.data_ptr() for t in tensors] == sorted(t.data_ptr() for t in tensors)
+
+
 def test_stack_results_do_not_depend_on_the_thread_count(artifacts, monkeypatch):
     # One parallel region splits the tiles and attention tasks over the threads; a tile's result
     # must not depend on which thread computed it.
