@@ -14,11 +14,12 @@ dependent phases) instead of a fork/join per kernel.
 path serves every step); `applies` says per step whether the step is decodes only. Up to SMALL_M
 rows (INT4_GEMV_ROWS for int4 weights with a dense copy) run the GEMV kernels; more run the Python
 path's GEMM for them, each thread taking its share of the rows for the row-wise ops: with int8
-activations loaded (opt-in) the int8-activation GEMM
-(offline 64 x 128/128, same-process A/B, 5 rounds: decode step 74.2 -> 63.2 ms, 537.9 -> 584.5
-tok/s), else (exact) oneDNN's bf16 GEMM on the dequantized weights, called between short parallel
-regions (decode step 103.5 -> 84.5 ms, 422.2 -> 489.7 tok/s). Embeddings, RoPE tables and the
-lm_head stay in model.py.
+activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp), else (exact) the
+bf16 GEMM on the dequantized weights (qkiln's panels, csrc/cpu_gemm_bf16.cpp). When this form was
+measured against the Python layer loop (offline 64 x 128/128, same-process A/B, 5 rounds; the bf16
+GEMM was oneDNN's then): decode step 74.2 -> 63.2 ms (537.9 -> 584.5 tok/s) with int8 activations,
+103.5 -> 84.5 ms (422.2 -> 489.7 tok/s) exact. Embeddings, RoPE tables and the lm_head stay in
+model.py.
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 

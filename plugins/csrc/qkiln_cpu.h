@@ -21,7 +21,8 @@ at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      int64_t G, int64_t out_features);
 std::string w4a8_kernel_isa();
 
-// The quantized activations of one int8-activation linear: q int8 [M, K], sx fp32 [M, K / 32]
+// The quantized activations of one int8-activation linear: q int8 [M rounded up to 4, K] in
+// groups of 4 rows interleaved per 4 channels (cpu_gemm_w4a8.cpp's header), sx fp32 [M, K / 32]
 // (one scale per block of 32 channels), xs fp32 [M, num_groups] (the zero term's row sums).
 struct Int8Rows {
   std::vector<int8_t> q;
