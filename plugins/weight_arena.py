@@ -5,8 +5,10 @@ model's quantized linears are smaller than that one by one (SmolLM2-135M's int4 
 MB with their scales), so as loaded they sit on 4 KB pages: a batch-1 step reads ~60 MB of them
 across ~15,000 pages, a TLB miss and a restart of the hardware prefetcher at every page. Copied
 into one buffer in layer order, they sit on ~30 huge pages: batch-1 decode of the `w4a16-rtn`
-SmolLM2 artifact 3.32 -> 3.17 and 3.54 -> 3.35 ms a step (two same-process A/Bs of two loads of
-the artifact, 10 and 20 alternating runs, 8/10 and 16/20 pairs faster; session 14).
+SmolLM2 artifact 3.32 -> 3.17, 3.54 -> 3.35 and (through loader.py) 3.12 -> 2.95 ms a step
+(same-process A/Bs of two loads of the artifact, 10, 20 and 20 alternating runs, 8/10, 16/20 and
+15/20 pairs faster; session 14). Offline 64 x 128/128 runs decode through the dense copies and
+did not change beyond the host's noise; gathering those too (269 MB) was not measurably better.
 
 The weights keep their dtypes, shapes and contiguity; their tensors become views of the buffer
 (64-byte aligned), which their storage keeps alive. Kernels read them through data_ptr, so nothing
