@@ -288,7 +288,12 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
     if use_native and cpu_native.native_extension():
         return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized,
                            int8_act)
-    return W8A16Weight(qweight.contiguous(), scales.to(torch.bfloat16), "cpu", dequantized, int8_act)
+    # torch's kernel loads the weight with 16-byte aligned loads above 4 rows (a SIGSEGV, not an
+    # error, otherwise); an artifact's tensors come zero-copy from safetensors at any offset.
+    weight = qweight.contiguous()
+    if weight.data_ptr() % 64:
+        weight = weight.clone()
+    return W8A16Weight(weight, scales.to(torch.bfloat16), "cpu", dequantized, int8_act)
 
 
 def prepare_fp8_w8a8(weight, weight_scale, target: str) -> FP8Weight:

@@ -89,6 +89,21 @@ def test_cpu_w8a16_matches_reference(rows, keep_dequantized):
     assert rel_error(actual, reference_w8a16_linear(x, qweight, scales, bias)) < BF16_TOLERANCE
 
 
+def test_torch_int8_path_takes_weights_at_any_offset():
+    """torch's _weight_int8pack_mm (the path without qkiln's kernels) loads the weight with
+    16-byte aligned loads above 4 rows and crashed the process on an artifact's int8 head, which
+    safetensors hands over zero-copy at an odd offset: prepare_w8a16 copies such a weight."""
+    qweight = torch.randint(-128, 128, (48, 96), dtype=torch.int8)
+    scales = torch.rand(48) * 0.01 + 0.001
+    odd = torch.empty(48 * 96 + 1, dtype=torch.int8)[1:].view(48, 96)
+    odd.copy_(qweight)
+    assert odd.data_ptr() % 16  # the case: not aligned
+    weight = prepare_w8a16(odd, scales, "cpu", use_native=False)
+    assert weight.weight.data_ptr() % 64 == 0 and torch.equal(weight.weight, qweight)
+    x = torch.randn(5, 96)  # more than 4 rows: the aligned-load path
+    assert rel_error(w8a16_linear(x, weight), reference_w8a16_linear(x, qweight, scales)) < BF16_TOLERANCE
+
+
 @pytest.mark.parametrize("rows", [2, 40])
 def test_cpu_fp8_w8a8_matches_reference(rows):
     w = torch.randn(48, 96)
