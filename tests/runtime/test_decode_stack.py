@@ -163,6 +163,26 @@ def test_loaded_artifacts_keep_their_gemv_weights_in_one_buffer(artifacts):
         assert [t.data_ptr() for t in tensors] == sorted(t.data_ptr() for t in tensors)
 
 
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16"])
+def test_artifacts_serve_without_the_native_kernels(artifacts, monkeypatch, recipe):
+    """QKILN_NATIVE_CPU=0 (or no compiler): torch's int4 / int8 kernels serve the same artifact to
+    bf16 rounding, prompts of more than 4 tokens included (torch's int8 kernel blocks rows by 4;
+    test_plugins_linear holds the unaligned-weight case that crashed it)."""
+    ids = torch.arange(3, 15)[None]
+
+    def last_logits():
+        model = load_for_serving(str(artifacts[1][recipe])).model
+        with torch.inference_mode():
+            return model(ids)[0, -1].float()
+
+    native = last_logits()
+    monkeypatch.setenv("QKILN_NATIVE_CPU", "0")
+    monkeypatch.setattr(cpu_native, "_extension", cpu_native._MISSING)
+    assert cpu_native.native_extension() is None
+    fallback = last_logits()
+    assert (fallback - native).abs().max() <= 2e-2 * native.abs().max()
+
+
 def test_stack_results_do_not_depend_on_the_thread_count(artifacts, monkeypatch):
     # One parallel region splits the tiles and attention tasks over the threads; a tile's result
     # must not depend on which thread computed it.
