@@ -32,7 +32,7 @@ def gather_gemv_weights(weights: list) -> int:
     for w in weights:
         fields = _GEMV_FIELDS.get(type(w), ())
         if fields and w.target == "cpu":
-            parts += [(w, f) for f in fields if getattr(w, f) is not None and getattr(w, f).device.type == "cpu"]
+            parts += [(w, f) for f in fields if getattr(w, f) is not None]
     if not parts:
         return 0
     sizes = [-(-getattr(w, f).nbytes // _ALIGN) * _ALIGN for w, f in parts]

@@ -72,11 +72,11 @@ constexpr int64_t kBlockPanelBytes = kBlockQuads * kPanelQuadBytes;
 constexpr int64_t kQuadBytes = kMR * 4;                   // a row group's codes for one channel quad
 
 // One row's block of 32 values -> codes and *scale; returns sum(codes). The codes go out as 8
-// quads of 4 channels, `stride` bytes apart (the interleaved activation layout: the header).
+// quads of 4 channels, kQuadBytes apart (the interleaved activation layout: the header).
 // Rounding as in the header (vcvtps2dq rounds half to even under the default MXCSR, as nearbyint
 // does).
 template <typename scalar_t>
-inline int quantize_block(const scalar_t* x, int8_t* q, int64_t stride, float* scale) {
+inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   alignas(16) int8_t codes[kBlock];
 #ifdef QKILN_W4A8_VNNI
   const __m512 lo = load(x), hi = load(x + 16);  // exact widening to fp32
@@ -100,7 +100,7 @@ inline int quantize_block(const scalar_t* x, int8_t* q, int64_t stride, float* s
   }
   *scale = amax / 127.f;
 #endif
-  for (int j = 0; j < kBlock / 4; ++j) std::memcpy(q + j * stride, codes + 4 * j, 4);
+  for (int j = 0; j < kBlockQuads; ++j) std::memcpy(q + j * kQuadBytes, codes + 4 * j, 4);
   return sum;
 }
 
@@ -263,7 +263,7 @@ void W4A8Gemm::quantize(const at::Tensor& x, int64_t first_row, Int8Rows& a) con
       for (int64_t b = 0; b < B; ++b) {
         float scale;
         const int sum = quantize_block(xp + i * K + b * kBlock, q_row + b * kBlockQuads * kQuadBytes,
-                                       kQuadBytes, &scale);
+                                       &scale);
         a.sx[m * B + b] = scale;
         a.xs[m * NG + b * kBlock / G] += scale * static_cast<float>(sum);
       }
