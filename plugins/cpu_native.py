@@ -26,6 +26,7 @@ from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
+            "cpu_gemm_bf16_amx.cpp",
             "cpu_attention.cpp", "cpu_attention_prefill.cpp", "cpu_kv_write.cpp", "cpu_small_ops.cpp",
             "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
@@ -168,11 +169,16 @@ def w4a8_gemm(x2d, packed, scales, zero_scales, bias, group_size: int, out_featu
 BF16_PANEL = 48  # output channels per panel of the bf16 GEMM's layout (kPanel)
 
 
-def bf16_panels_available() -> bool:
-    """Whether the extension built the AVX512-BF16 GEMM (the portable build's loop is for tests:
-    slower than oneDNN, so callers keep oneDNN then)."""
+def bf16_panels_available(in_features: int) -> bool:
+    """Whether qkiln's bf16 GEMM is the one to use for weights with `in_features` inputs: its AMX
+    path (in a multiple of 32), or its AVX512-BF16 path on a CPU without AMX-BF16; where the CPU
+    has AMX but our AMX path cannot run, oneDNN's GEMM (which uses AMX) measured 4-5x faster than
+    the AVX512-BF16 panels. The portable build's loop is for tests: callers keep oneDNN then."""
     ext = native_extension()
-    return ext is not None and ext.bf16_gemm_isa() == "avx512-bf16"
+    isa = None if ext is None or in_features % 2 else ext.bf16_gemm_isa()
+    if isa == "amx-bf16":
+        return in_features % 32 == 0
+    return isa == "avx512-bf16" and not torch.cpu._is_amx_tile_supported()
 
 
 def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:

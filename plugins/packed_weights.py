@@ -129,9 +129,9 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 def pack_dense(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [out, in] copy for the many-row CPU GEMM (cpu_linear.dense_linear): qkiln's own
-    panels (int32, cpu_native.pack_bf16_panels; csrc/cpu_gemm_bf16.cpp, 1.36x oneDNN at 64 rows)
-    where its AVX512-BF16 kernel built and `in` is even, else oneDNN's packing (onednn_pack)."""
-    if weight.shape[1] % 2 == 0 and cpu_native.bf16_panels_available():
+    panels (int32, cpu_native.pack_bf16_panels; csrc/cpu_gemm_bf16*.cpp, 1.36x oneDNN at 64 rows
+    without AMX) where cpu_native.bf16_panels_available says, else oneDNN's packing (onednn_pack)."""
+    if cpu_native.bf16_panels_available(weight.shape[1]):
         return cpu_native.pack_bf16_panels(weight.contiguous())
     return onednn_pack(weight)
 

@@ -22,6 +22,7 @@
 // Without AVX512-BF16 the same layout runs through plain C++ in vdpbf16ps's order (portable
 // build, tests); the Python side then keeps oneDNN for speed (bf16_gemm_isa()).
 
+#include "cpu_gemm_bf16_amx.h"
 #include "qkiln_cpu.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -111,6 +112,19 @@ void Bf16Gemm::run(const at::Tensor& x, int64_t begin, int64_t end, at::Tensor& 
   const int64_t M = x.size(0);
   const uint16_t* a = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   c10::BFloat16* c = y.data_ptr<c10::BFloat16>();
+  if (K % 32 == 0 && amx_bf16_ready()) {  // cpu_gemm_bf16_amx.cpp: the same tasks through tiles
+    const AmxTiles tiles;
+    const int64_t lines = K / 2 * kPanel * 4 / 64;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task / P, p = task % P, n0 = p * kPanel;
+      const int64_t r0 = chunk * kRowChunk, r1 = std::min(M, r0 + kRowChunk);
+      const bool more = task + 1 < end;
+      const char* next = reinterpret_cast<const char*>(w + ((task + 1) % P) * (K / 2) * kPanel);
+      amx_bf16_panel(a + r0 * K, r1 - r0, K, w + p * (K / 2) * kPanel, c + r0 * N + n0, N,
+                     std::min(kPanel, N - n0), more ? next : nullptr, more ? lines : 0);
+    }
+    return;
+  }
   for (int64_t task = begin; task < end; ++task) {
     const int64_t chunk = task / P, p = task % P, n0 = p * kPanel;
     const int64_t r0 = chunk * kRowChunk, r1 = std::min(M, r0 + kRowChunk);
@@ -151,6 +165,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_
 }
 
 std::string bf16_gemm_isa() {
+  if (amx_bf16_ready()) return "amx-bf16";  // for K a multiple of 32; avx512-bf16 otherwise
 #ifdef QKILN_BF16_GEMM
   return "avx512-bf16";
 #else

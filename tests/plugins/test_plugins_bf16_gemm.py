@@ -9,9 +9,10 @@ import torch
 
 from qkiln.plugins import cpu_native
 
-# (rows, out, in): rows not a multiple of the 8-row block; out short of, at and past a 48-wide
-# panel; in down to one pair; 300 rows span two 256-row chunks.
-SHAPES = [(1, 5, 2), (7, 48, 64), (20, 100, 576), (64, 960, 576), (300, 49, 1536)]
+# (rows, out, in): rows not a multiple of the 8-row block (AVX512) or the 16-row tile (AMX); out
+# short of, at and past a 48-wide panel; in down to one pair, and not a multiple of 32 (on an AMX
+# CPU the AVX512 path then serves); 300 rows span two 256-row chunks.
+SHAPES = [(1, 5, 2), (7, 48, 64), (20, 100, 576), (33, 50, 80), (64, 960, 576), (300, 49, 1536)]
 
 
 def _check(y, x, w):
@@ -47,6 +48,18 @@ def test_bf16_gemm_is_exact_up_to_fp32_sums_and_output_rounding(native_ext, rows
     x, w = _inputs(rows, out_features, in_features)
     y = cpu_native.bf16_gemm(x, cpu_native.pack_bf16_panels(w), out_features)
     _check(y, x, w)
+
+
+def test_amx_cpus_get_the_amx_path(native_ext):
+    """The AMX path builds wherever the CPU has AMX-BF16 (-march=native) and takes the tile state;
+    elsewhere the AVX512-BF16 path, which such a CPU has too."""
+    caps = torch._C._cpu._get_cpu_capability()
+    isa = cpu_native.native_extension().bf16_gemm_isa()
+    if caps.get("amx_bf16") and caps.get("amx_tile"):
+        assert isa == "amx-bf16"
+        assert cpu_native.bf16_panels_available(576) and not cpu_native.bf16_panels_available(80)
+    else:
+        assert isa in ("avx512-bf16", "portable")
 
 
 def test_bf16_gemm_results_do_not_depend_on_the_thread_count(native_ext):

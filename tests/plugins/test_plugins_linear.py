@@ -130,7 +130,7 @@ def _plain(weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 17, 64])
 def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows):
     """The many-row GEMMs read packed copies: the int4 / int8 ones in qkiln's bf16 panels where
-    that AVX512-BF16 kernel built (else oneDNN-packed), fp8 oneDNN-packed. oneDNN's packing gives
+    that kernel serves this CPU (else oneDNN-packed), fp8 oneDNN-packed. oneDNN's packing gives
     the plain weight's bits; the panels the same exact products summed in another order, so within
     the bf16 output's rounding of them."""
     qweight, scales, zeros = canonical_int4(40, 576, 64, is_symmetric=True)
@@ -138,7 +138,7 @@ def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows):
     w8 = prepare_w8a16(torch.randint(-128, 128, (48, 576), dtype=torch.int8), torch.rand(48) / 100, "cpu",
                        keep_dequantized=True)
     fp8 = prepare_fp8_w8a8(torch.randn(48, 576).to(torch.float8_e4m3fn), torch.rand(48), "cpu")
-    panels = cpu_native.bf16_panels_available()
+    panels = cpu_native.bf16_panels_available(576)
     for copy in (w4.dequantized, w8.dequantized):
         assert copy.dtype == torch.int32 if panels else copy.is_mkldnn
     assert fp8.weight.is_mkldnn
