@@ -19,8 +19,10 @@
 // Rounding: the fp32 sums round to bf16 to nearest even, as oneDNN's output does; the order of the
 // sums differs from oneDNN's, so the bits can differ in the last place from a oneDNN GEMM, never
 // between calls of this kernel (a task's result does not depend on how tasks are split).
-// Without AVX512-BF16 the same layout runs through plain C++ in vdpbf16ps's order (portable
-// build, tests); the Python side then keeps oneDNN for speed (bf16_gemm_isa()).
+// On a CPU with AMX-BF16 the same panels go through tiles instead (cpu_gemm_bf16_amx.cpp: there
+// vdpbf16ps ran at a quarter of what oneDNN's AMX GEMM reached). Without AVX512-BF16 the layout runs
+// through plain C++ in vdpbf16ps's order (portable build, tests); the Python side then keeps
+// oneDNN for speed (bf16_gemm_isa(), cpu_native.bf16_panels_available).
 
 #include "cpu_gemm_bf16_amx.h"
 #include "qkiln_cpu.h"
