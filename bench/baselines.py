@@ -10,12 +10,19 @@ GenAI, the third, is ort_genai.py):
   decode tokens/s = batch * (N - 1) / (TN - T1). Throughput: the requests in consecutive static
   batches of `batch_size`; each batch is left-padded and runs until its longest output
   (`min_new_tokens = max_new_tokens`, so EOS cannot end it early); only requested tokens count.
-- llama.cpp through llama-cpp-python on the same GGUF (batch-1 decode; yields are timed). It
-  returns {"skipped": reason} when not installed or when it fails, and never raises.
+- llama.cpp through llama-cpp-python on the same GGUF (batch-1 decode; yields are timed), in a
+  child process: its CPU backend has died with SIGSEGV while loading on an AMX Xeon host (now and
+  then: a general protection fault in libggml-cpu.so, 1 of 4 loads), which took the whole
+  comparison run with it. It returns {"skipped": reason} when not installed, when it fails or
+  when its process dies twice, and never raises.
 transformers and llama_cpp are imported inside functions only.
 """
 
+import importlib.util
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -128,13 +135,30 @@ LATENCY_KEYS = ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "e2e
 
 
 def llama_cpp_latency(gguf: str | Path | None, workload: Workload, num_threads: int, num_repeats: int = 3) -> dict:
-    """Batch-1 greedy decode of the first prompt with llama.cpp on `gguf` (same file as the source)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    """Batch-1 greedy decode of the first prompt with llama.cpp on `gguf` (same file as the source),
+    in a child process (a crash there costs this row, not the run; one retry)."""
+    if importlib.util.find_spec("llama_cpp") is None:
         return {"skipped": "llama-cpp-python is not installed (pip install llama-cpp-python)"}
     if gguf is None or not str(gguf).endswith(".gguf"):
         return {"skipped": "the source model is not a .gguf file"}
+    return run_in_child("llama.cpp", _llama_cpp_latency, gguf, workload, num_threads, num_repeats)
+
+
+def run_in_child(name: str, fn, *args, attempts: int = 2):
+    """fn(*args) in a fresh (spawned) process; {"skipped": reason} when that process dies each of
+    `attempts` times (fn and args must pickle)."""
+    for attempt in range(attempts):
+        try:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            log(f"{name}: its process died (attempt {attempt + 1} of {attempts})")
+    return {"skipped": f"{name}'s process died {attempts} times (a crash inside it)"}
+
+
+def _llama_cpp_latency(gguf, workload: Workload, num_threads: int, num_repeats: int) -> dict:
+    from llama_cpp import Llama
+
     prompt, n = workload.prompts[0], workload.output_lens[0]
     try:
         llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + n + 8, n_threads=num_threads,

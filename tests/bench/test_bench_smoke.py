@@ -6,6 +6,7 @@ assertions: the numbers themselves are noise on a shared CI machine.
 import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -245,3 +246,11 @@ def test_cpu_kernels_report(tmp_path):
     assert report["config"]["step_rows"] == 20 and step["bf16"]["median"] > 0
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the oneDNN-packed copy, side by side
         assert step["bf16_onednn"]["median"] > 0
+
+
+def test_a_comparator_that_crashes_costs_its_row_not_the_run():
+    """llama.cpp runs in a child process: its death (SIGABRT here, SIGSEGV seen) is a skipped row."""
+    from qkiln.bench.baselines import run_in_child
+
+    assert run_in_child("sqrt", math.sqrt, 6.25) == 2.5
+    assert "died 2 times" in run_in_child("abort", os.abort)["skipped"]
