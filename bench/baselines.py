@@ -11,10 +11,11 @@ GenAI, the third, is ort_genai.py):
   batches of `batch_size`; each batch is left-padded and runs until its longest output
   (`min_new_tokens = max_new_tokens`, so EOS cannot end it early); only requested tokens count.
 - llama.cpp through llama-cpp-python on the same GGUF (batch-1 decode; yields are timed), in a
-  child process: its CPU backend has died with SIGSEGV while loading on an AMX Xeon host (now and
-  then: a general protection fault in libggml-cpu.so, 1 of 4 loads), which took the whole
-  comparison run with it. It returns {"skipped": reason} when not installed, when it fails or
-  when its process dies twice, and never raises.
+  child process: built with -march=native on an AMX Xeon host, its AMX backend died with SIGSEGV
+  in ggml_backend_amx_mul_mat on every generation (a general protection fault: GCC 12 drops the
+  stores of a stack-held tile configuration), which took the whole comparison run with it. It
+  returns {"skipped": reason} when not installed, when it fails or when its process dies twice,
+  and never raises.
 transformers and llama_cpp are imported inside functions only.
 """
 
