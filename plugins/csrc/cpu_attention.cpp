@@ -236,15 +236,6 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 
-// The K rows the same thread reads next (the next task's), fetched into L2 during this task's
-// p @ V: table nullptr when there is none.
-template <typename kv_t>
-struct NextKeys {
-  const kv_t* k_head = nullptr;
-  const int32_t* table = nullptr;
-  int64_t T = 0;
-};
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 
@@ -579,8 +570,8 @@ int64_t AttentionTasks::size() const {
   return static_cast<int64_t>(blocks_.size()) * (k_cache_.size(2) / heads_per_task_);
 }
 
-// Tasks [begin, end): task = row block * (Hkv / heads_per_task_) + kv head group.
-void AttentionTasks::run(int64_t begin, int64_t end) const {
+// The stream's tasks: task = row block * (Hkv / heads_per_task_) + kv head group.
+void AttentionTasks::run(TaskStream& tasks) const {
   const int64_t Hq = query_.size(1), D = query_.size(2), Hkv = k_cache_.size(2);
   const Decode a{tables_, max_blocks_, k_cache_.size(1), Hkv, D, Hq / Hkv, scale_};
   const float* k_scale = k_scale_.defined() ? k_scale_.data_ptr<float>() : nullptr;
@@ -603,15 +594,16 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
       // whole_block(b, h, table): serves all of block b's rows for heads h .. h + H * group - 1
       // itself and returns true, or returns false to leave them to attend.
       auto each_row = [&](auto&& attend, auto&& whole_block) {
-        for (int64_t task = begin; task < end; ++task) {
+        for (; !tasks.done(); tasks.advance()) {
+          const int64_t task = tasks.task(), ahead = tasks.ahead();
           const RowBlock& b = blocks_[task / per_block];
           const int64_t h = task % per_block * H;
           const int32_t* table = a.tables + b.seq * a.max_blocks;
           if (b.count > 1 && whole_block(b, h, table)) continue;
           struct { int64_t h; const int32_t* table; int64_t T; } next{0, nullptr, 0};
-          if (b.count == 1 && task + 1 < end) {
-            const RowBlock& nb = blocks_[(task + 1) / per_block];
-            next = {(task + 1) % per_block * H, a.tables + nb.seq * a.max_blocks, row_len(nb, nb.first)};
+          if (b.count == 1 && ahead >= 0) {
+            const RowBlock& nb = blocks_[ahead / per_block];
+            next = {ahead % per_block * H, a.tables + nb.seq * a.max_blocks, row_len(nb, nb.first)};
             if (next.T <= 0) next.table = nullptr;
           }
           for (int64_t i = b.first; i < b.first + b.count; ++i) {
@@ -661,8 +653,8 @@ void AttentionTasks::run(int64_t begin, int64_t end) const {
           if constexpr (kBf16Rows) {
             if (bf16_heads_) {  // q_t is bf16 here, D is 64 or 128 (the constructor)
               const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
-              const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
               const NextKeys<kv_t> ahead{kp + next.h * D, next.table, next.T};
+              const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
               if (D == 64)
                 decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead);
               else
@@ -716,7 +708,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const KVParams& params) {
   const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                              scale, out, params);
-  at::parallel_for(0, tasks.size(), 1, [&](int64_t begin, int64_t end) { tasks.run(begin, end); });
+  TaskQueue queue(tasks.size());
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t, int64_t) {
+    TaskStream mine(queue);
+    tasks.run(mine);
+  });
 }
 
 void KVParams::check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const {

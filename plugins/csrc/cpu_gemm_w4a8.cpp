@@ -276,16 +276,16 @@ int64_t W4A8Gemm::num_tasks(int64_t M) const {
 }
 
 // Tasks [begin, end) of num_tasks(M): task = row chunk * panels + panel.
-void W4A8Gemm::run(const Int8Rows& a, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const {
+void W4A8Gemm::run(const Int8Rows& a, int64_t M, TaskStream& tasks, at::Tensor& y) const {
   const int64_t B = K / kBlock, panels = N_p / kPanel;
   QKILN_DISPATCH(y.scalar_type(), "qkiln_w4a8", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n0 = (task % panels) * kPanel, chunk = task / panels;
+    for (; !tasks.done(); tasks.advance()) {
+      const int64_t task = tasks.task(), n0 = (task % panels) * kPanel, chunk = task / panels;
       const int64_t m_begin = chunk * kRowChunk, m_end = std::min(M, m_begin + kRowChunk);
-      // This thread's next task is usually the next panel: its blocks are fetched a share per
-      // microkernel call (all in the first call stalled that call).
-      const uint8_t* next = task + 1 < end && (task + 1) % panels ? w + (n0 + kPanel) * K : nullptr;
+      // The panel of this thread's next task: its blocks are fetched a share per microkernel call
+      // (all in the first call stalled that call).
+      const uint8_t* next = tasks.ahead() >= 0 ? w + (tasks.ahead() % panels) * kPanel * K : nullptr;
       const int parts = static_cast<int>((m_end - m_begin + kMR - 1) / kMR);
       for (int64_t m0 = m_begin; m0 < m_end; m0 += kMR) {
         const int mr = static_cast<int>(std::min<int64_t>(kMR, m_end - m0));
@@ -315,7 +315,11 @@ at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   Int8Rows& a = rows;  // (the name inside the parallel region would be each worker's own)
   gemm.size(M, a);
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) { gemm.quantize(x.narrow(0, m0, m1 - m0), m0, a); });
-  at::parallel_for(0, gemm.num_tasks(M), 1, [&](int64_t b, int64_t e) { gemm.run(a, M, b, e, y); });
+  TaskQueue queue(gemm.num_tasks(M));
+  at::parallel_for(0, gemm.num_tasks(M), 1, [&](int64_t, int64_t) {
+    TaskStream tasks(queue);
+    gemm.run(a, M, tasks, y);
+  });
   return y;
 }
 

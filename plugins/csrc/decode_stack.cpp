@@ -166,7 +166,8 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       });
       if (tasks) {
         const auto [begin, end] = share(tasks->size(), tid, n);
-        guarded([&] { tasks->run(begin, end); });
+        TaskStream mine(begin, end);
+        guarded([&] { tasks->run(mine); });
       }
 #pragma omp barrier
       serial([&] { l.o.prepare(attn2d, acts); });

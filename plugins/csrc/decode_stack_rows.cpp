@@ -5,6 +5,8 @@
 
 #include <omp.h>
 
+#include <deque>
+
 #include "decode_stack_internal.h"
 
 using namespace decode_stack_detail;
@@ -26,9 +28,14 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
   Int8Rows acts;  // the current linear's quantized input; sized here for the largest
   std::vector<AttentionTasks> tasks;  // per layer, validated before the region
   tasks.reserve(layers_.size());
+  std::deque<TaskQueue> queues;  // per layer: its four linears' tasks, then its attention's
   for (const StackLayer& l : layers_) {
-    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) lin->int8_activations()->size(M, acts);
+    for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      lin->int8_activations()->size(M, acts);
+      queues.emplace_back(lin->int8_activations()->num_tasks(M));
+    }
     tasks.emplace_back(q, l.k_cache, l.v_cache, block_tables, seq_lens, query_start_loc, scale_, attn, l.kv);
+    queues.emplace_back(tasks.back().size());
   }
   FirstError errors;
   const int threads = std::max(1, at::get_num_threads());
@@ -47,10 +54,9 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
       if (r1 > r0) guarded([&] { lin.int8_activations()->quantize(x_rows, r0, acts); });
 #pragma omp barrier
     };
-    auto linear = [&](const NativeLinear& lin, at::Tensor& y) {
-      const W4A8Gemm& gemm = *lin.int8_activations();
-      const auto [begin, end] = share(gemm.num_tasks(M), tid, n);
-      guarded([&] { gemm.run(acts, M, begin, end, y); });
+    auto linear = [&](const NativeLinear& lin, TaskQueue& queue, at::Tensor& y) {
+      TaskStream mine(queue);
+      guarded([&] { lin.int8_activations()->run(acts, M, mine, y); });
 #pragma omp barrier
     };
     at::Tensor my_hidden = mine(hidden), my_residual = mine(residual), my_qkv = mine(qkv);
@@ -61,8 +67,9 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
           if (i == 0) my_hidden.copy_(rms_norm(my_residual, l.input_norm, eps_));
           else fused_add_rms_norm(my_hidden, my_residual, l.input_norm, eps_);
         });
+      TaskQueue* queue = &queues[5 * i];  // qkv, o, gate_up, down, attention
       quantize(l.qkv, my_hidden);
-      linear(l.qkv, qkv2d);
+      linear(l.qkv, queue[0], qkv2d);
       if (r1 > r0)
         guarded([&] {
           rotary_embedding(my_qkv, mine(cos), mine(signed_sin), Hq + Hkv);
@@ -70,19 +77,19 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
         });
 #pragma omp barrier
       {
-        const auto [begin, end] = share(tasks[i].size(), tid, n);
-        guarded([&] { tasks[i].run(begin, end); });
+        TaskStream attention(queue[4]);
+        guarded([&] { tasks[i].run(attention); });
       }
 #pragma omp barrier
       quantize(l.o, mine(attn2d));
-      linear(l.o, hidden);
+      linear(l.o, queue[1], hidden);
       if (r1 > r0) guarded([&] { fused_add_rms_norm(my_hidden, my_residual, l.post_norm, eps_); });
       quantize(l.gate_up, my_hidden);
-      linear(l.gate_up, gate_up);
+      linear(l.gate_up, queue[2], gate_up);
       at::Tensor act;
       if (r1 > r0) guarded([&] { act = silu_and_mul(mine(gate_up)); });
       quantize(l.down, act);
-      linear(l.down, hidden);
+      linear(l.down, queue[3], hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }
   errors.rethrow();
@@ -176,6 +183,7 @@ at::Tensor DecodeStack::forward_dense_rows(at::Tensor h, const at::Tensor& cos,
     const at::Tensor qkv = l.qkv.dense(hidden).view({M, Hq + 2 * Hkv, D});
     const AttentionTasks tasks(qkv.narrow(1, 0, Hq), l.k_cache, l.v_cache, block_tables, seq_lens,
                                query_start_loc, scale_, attn, l.kv);
+    TaskQueue queue(tasks.size());
     each_thread([&](int tid, int n) {
       const auto [r0, r1] = share(M, tid, n);
       if (r1 > r0)
@@ -185,8 +193,8 @@ at::Tensor DecodeStack::forward_dense_rows(at::Tensor h, const at::Tensor& cos,
           write_kv(l, mine.narrow(1, Hq, Hkv), mine.narrow(1, Hq + Hkv, Hkv), slot_mapping.narrow(0, r0, r1 - r0));
         });
 #pragma omp barrier
-      const auto [begin, end] = share(tasks.size(), tid, n);
-      errors.guard([&] { tasks.run(begin, end); });
+      TaskStream mine(queue);
+      errors.guard([&] { tasks.run(mine); });
     });
     hidden = l.o.dense(attn2d);
     row_op([&](int64_t r0, int64_t rows) {

@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include "task_stream.h"
+
 #include <string>
 #include <vector>
 
@@ -43,7 +45,7 @@ struct W4A8Gemm {
   void size(int64_t M, Int8Rows& a) const;  // grows the buffers only: several linears share them
   void quantize(const at::Tensor& x, int64_t first_row, Int8Rows& a) const;  // x [rows, K] -> rows first_row..
   int64_t num_tasks(int64_t M) const;
-  void run(const Int8Rows& a, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+  void run(const Int8Rows& a, int64_t M, TaskStream& tasks, at::Tensor& y) const;
 };
 
 // cpu_gemm_bf16.cpp: many rows, bf16 activations x bf16 weights in 48-channel panels (exact products)
@@ -59,7 +61,7 @@ struct Bf16Gemm {
   Bf16Gemm(const at::Tensor& panels, int64_t out_features);
   void check(const at::Tensor& x) const;  // TORCH_CHECKs: contiguous bf16 [M, K]
   int64_t num_tasks(int64_t M) const;
-  void run(const at::Tensor& x, int64_t begin, int64_t end, at::Tensor& y) const;
+  void run(const at::Tensor& x, TaskStream& tasks, at::Tensor& y) const;
 };
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
@@ -123,7 +125,7 @@ class AttentionTasks {
                  const at::Tensor& query_start_loc, double scale, at::Tensor& out,
                  const KVParams& params = {});
   int64_t size() const;
-  void run(int64_t begin, int64_t end) const;
+  void run(TaskStream& tasks) const;  // any partition of [0, size()), or claims on a TaskQueue
 
  private:
   struct RowBlock {  // query rows [first, first + count) of sequence seq
