@@ -236,6 +236,15 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 
+// The K rows the same thread reads next (the next task's), fetched into L2 during this task's
+// p @ V: table nullptr when there is none.
+template <typename kv_t>
+struct NextKeys {
+  const kv_t* k_head = nullptr;
+  const int32_t* table = nullptr;
+  int64_t T = 0;
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 constexpr bool kBf16Heads = true;
 

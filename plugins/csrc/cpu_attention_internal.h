@@ -26,15 +26,6 @@ inline void tile_slots(const int32_t* table, int64_t block_size, int64_t t0, int
   }
 }
 
-// The K rows the same thread reads next (the next task's), fetched into L2 during this task's
-// p @ V: table nullptr when there is none.
-template <typename kv_t>
-struct NextKeys {
-  const kv_t* k_head = nullptr;
-  const int32_t* table = nullptr;
-  int64_t T = 0;
-};
-
 // A block of R query rows of one sequence (row r sees T_first + r tokens) for one kv head over a
 // bf16 cache, D = 32 * NP (cpu_attention_prefill.cpp; instantiated for NP 2, 4 and fp32 / bf16 /
 // fp16 outputs; without AVX512-BF16 it does nothing and AttentionTasks does not call it).

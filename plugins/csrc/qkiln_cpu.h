@@ -52,7 +52,7 @@ struct W4A8Gemm {
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
 std::string bf16_gemm_isa();
 // One bf16 GEMM as tasks (row chunk x panel): check x once, then run any partition of the tasks,
-// each written to y [M, N] (contiguous bf16); bf16_gemm spreads them with at::parallel_for. The
+// each written to y [M, N] (contiguous bf16); bf16_gemm has its threads claim them (task_stream.h). The
 // constructor validates the panels (NativeLinear::add_dense uses it for that). Holds a raw
 // pointer: the panels must outlive it.
 struct Bf16Gemm {
@@ -116,7 +116,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
                      const KVParams& params = {});
 // paged_attention as tasks (row block x kv head group) a caller spreads over its own threads (the decode
-// stack); paged_attention itself runs them through at::parallel_for. Validates in the
+// stack); paged_attention itself has torch's threads claim them. Validates in the
 // constructor, so run() cannot fail. The index tensors must outlive it.
 class AttentionTasks {
  public:
