@@ -292,8 +292,16 @@ constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> ? 256.f : 1.
 // next task's whole K during p @ V (`next`, spread over the V blocks) did: same-process A/Bs with
 // scattered blocks, 64 decodes, 30 layers: 0.577 -> 0.497, 0.615 -> 0.534 ms a layer at 192
 // tokens, 0.734 -> 0.646 at 256, 0.539 -> 0.468 at 140; with the engine's block layout 0.505 ->
-// 0.415 at 192; the offline 64 x 128/128 run's decode steps 2.7 ms faster (a lock-step A/B). A
-// row-by-row spread instead of per block: 0.637 -> 0.575, no better.
+// 0.415 at 192; the offline 64 x 128/128 run's decode steps 2.7 ms faster (a lock-step A/B).
+// Every prefetch is issued one row at a time, interleaved with the arithmetic (a trickle): the
+// next tile's K one row per row of this tile, the next V block and the next task's K one row per
+// row of the first head's p @ V walk. Issued in bursts (a tile's 96 lines at once), the prefetches
+// themselves stalled on the full miss queue (profiled on the AMX Xeon host: a third of the
+// kernel's samples sat on prefetcht1) while no arithmetic ran. Same-process A/B there, scattered
+// blocks, 64 decodes, 30 layers, bursts -> trickle: 27.1 -> 22.4 and 23.7 -> 19.6 ms at 192
+// tokens, 33.0 -> 28.1 at 256, 22.6 -> 19.1 at 144 (a 283 MB read takes 16-17 ms there).
+// Fetching every other line only (the rest left to the adjacent-line prefetcher) was slower
+// (20.0 -> 22.7 ms), and fetching K two tiles ahead instead of one no better (23.8 vs 24.2).
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
                        const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
@@ -317,17 +325,15 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
     tile_slots(table, bs, t0, n, row_stride, offsets);
-    if (t0 + kW < T) {  // the next tile's K rows into L2 (the hardware prefetchers stop at blocks)
-      const int64_t n_ahead = std::min<int64_t>(kW, T - t0 - kW);
-      int64_t ahead[kW];
-      tile_slots(table, bs, t0 + kW, n_ahead, row_stride, ahead);
-      for (int64_t i = 0; i < n_ahead; ++i) fetch_rows<_MM_HINT_T1>(k_head + ahead[i], 1, 0, row_bytes);
-    }
+    const int64_t n_ahead = t0 + kW < T ? std::min<int64_t>(kW, T - t0 - kW) : 0;
+    int64_t ahead[kW];  // the next tile's K rows: fetched into L2 one per row of this tile
+    tile_slots(table, bs, t0 + kW, n_ahead, row_stride, ahead);
     for (int64_t i = 0; i < kW; ++i) {
       if (i >= n) {
         for (int64_t j = 0; j < HG; ++j) dots[j * kW + i] = set1(0.f);
         continue;
       }
+      if (i < n_ahead) fetch_rows<_MM_HINT_T1>(k_head + ahead[i], 1, 0, row_bytes);
       // this row's V slices into L2 now, while the K pass computes: pass 2 finds them there
       fetch_rows<_MM_HINT_T1>(v_head + offsets[i], 1, 0, row_bytes);
       for (int64_t h = 0; h < H; ++h) {
@@ -349,16 +355,23 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {  // pass 2: p @ V
     const kv_t* rows = v_head + table[b] * block_stride;
-    if (t0 + bs < T)  // the next block's slices of these heads into L1: rows jump with the table
-      fetch_rows<_MM_HINT_T0>(v_head + table[b + 1] * block_stride, std::min(bs, T - t0 - bs), row_stride,
-                              row_bytes);
-    if (next.table) {  // this V block's share of the next task's K blocks
+    const kv_t* next_v = t0 + bs < T ? v_head + table[b + 1] * block_stride : nullptr;
+    const int64_t next_v_rows = next_v ? std::min(bs, T - t0 - bs) : 0;
+    int64_t nk0 = 0, nk_rows = 0;  // this V block's share of the next task's K: rows from block nk0
+    if (next.table) {
       const int64_t nb = (T + bs - 1) / bs, next_nb = (next.T + bs - 1) / bs;
-      for (int64_t nbk = b * next_nb / nb; nbk < (b + 1) * next_nb / nb; ++nbk)
-        fetch_rows<_MM_HINT_T1>(next.k_head + next.table[nbk] * block_stride, std::min(bs, next.T - nbk * bs),
-                                row_stride, row_bytes);
+      nk0 = b * next_nb / nb;
+      nk_rows = std::max<int64_t>(0, std::min((b + 1) * next_nb / nb * bs, next.T) - nk0 * bs);
     }
     const int64_t rows_here = std::min(bs, T - t0);
+    // row o of the first head's walk over the block fetches row o of the next V block and its
+    // share of the next task's K rows
+    auto trickle = [&](int64_t o) {
+      if (o < next_v_rows) fetch_rows<_MM_HINT_T0>(next_v + o * row_stride, 1, 0, row_bytes);
+      for (int64_t r = o * nk_rows / rows_here; r < (o + 1) * nk_rows / rows_here; ++r)
+        fetch_rows<_MM_HINT_T1>(next.k_head + (next.table[nk0 + r / bs] * bs + r % bs) * row_stride, 1, 0,
+                                row_bytes);
+    };
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
         const int64_t heads = std::min<int64_t>(kValueHeads, G - g0);
@@ -369,6 +382,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
             if (g < heads) even[g][p] = saved[(g * 2) * NP + p], odd[g][p] = saved[(g * 2 + 1) * NP + p];
         const float* pg0 = scores + (h * G + g0) * T + t0;
         for (int64_t o = 0; o < rows_here; ++o) {
+          if (h == 0 && g0 == 0) trickle(o);
           Vf ve[NP], vo[NP];
           for (int p = 0; p < NP; ++p) {
             const __m512i v = bf16x32(rows + o * row_stride + h * D + p * 32);
