@@ -568,10 +568,21 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   const int64_t bytes = rows.num_kv_heads * D / 2, slot_groups = rows.num_kv_heads * groups;
   const __m512i low_nibble = _mm512_set1_epi32(15);
   alignas(64) float minimum[kW * kW];  // [group, token of the tile]: the tile's K minimums
-  int64_t slots[kW];
+  int64_t slots[kW], ahead[kW];
+  // A slot's codes, scales and minimums of this head into L2 (one line each: a head's codes are
+  // D / 2 <= 64 bytes, its groups' fp16 scales fewer). Without these prefetches the kernel read
+  // only what the hardware prefetchers brought; same-process A/B on the AMX Xeon host (64 decodes x
+  // 192 tokens, scattered blocks, 30 layers, 2 threads): 63.5 -> 50.7, 60.0 -> 45.0, 65.7 -> 53.1 ms.
+  auto fetch_slot = [&](const uint8_t* codes, const c10::Half* scales, const c10::Half* mins, int64_t slot) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + slot * bytes), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(scales + slot * slot_groups), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(mins + slot * slot_groups), _MM_HINT_T1);
+  };
   for (int64_t t0 = 0; t0 < T; t0 += kW) {  // pass 1: scores
     const int64_t n = std::min<int64_t>(kW, T - t0);
     tile_slots(rows.table, rows.block_size, t0, n, 1, slots);
+    const int64_t n_ahead = t0 + kW < T ? std::min<int64_t>(kW, T - t0 - kW) : 0;
+    tile_slots(rows.table, rows.block_size, t0 + kW, n_ahead, 1, ahead);
     for (int64_t i = 0; i < kW; ++i) {
       if (i >= n) {
         for (int64_t g = 0; g < G; ++g) dots[g * kW + i] = set1(0.f);
@@ -579,6 +590,9 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
         continue;
       }
       const int64_t slot = slots[i];
+      // one row at a time, as decode_heads_bf16 does: the next tile's K, this row's V for pass 2
+      if (i < n_ahead) fetch_slot(rows.k_head, rows.k_scale, rows.k_min, ahead[i]);
+      fetch_slot(rows.v_head, rows.v_scale, rows.v_min, slot);
       const uint8_t* packed = rows.k_head + slot * bytes;
       const Vf scale = load(rows.k_scale + slot * slot_groups, groups);
       alignas(64) float row_minimum[kW];
