@@ -1,5 +1,6 @@
 // qkiln CPU attention for prefill blocks over a bf16 cache (cpu_attention.cpp splits the work
-// into tasks and serves decodes and the other cache dtypes).
+// into tasks, serves decodes and the other cache dtypes, and hands an fp8 cache's prefix here as
+// bf16 rows with the head's scales in the Decode).
 
 #include "cpu_attention_internal.h"
 #include "vec.h"
@@ -138,7 +139,7 @@ void prefill_block_bf16(const Decode& a, const c10::BFloat16* q, int64_t q_strid
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t rg = r * G + g;
-      const Vf inv = set1(1.f / run_sum[rg]);
+      const Vf inv = set1(a.out_scale / run_sum[rg]);  // out_scale: an fp8 cache's v_scale
       o_t* dst = out + r * out_stride + g * D;
       for (int c = 0; c < NP; ++c) {
         const Vf lo = acc[rg * 2 * NP + 2 * c], hi = acc[rg * 2 * NP + 2 * c + 1];

@@ -141,7 +141,7 @@ class AttentionTasks {
   std::vector<RowBlock> blocks_;
   bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query, bf16/fp8 cache, D 64/128)
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
-  bool prefill_tiled_ = false;   // prefill_block_bf16 serves blocks of several rows (bf16 query and cache)
+  bool prefill_tiled_ = false;   // prefill_block_bf16 serves multi-row blocks (bf16 q; bf16/fp8 cache)
 };
 // cpu_kv_write.cpp
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,

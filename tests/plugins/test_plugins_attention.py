@@ -57,8 +57,9 @@ def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, s
     """bf16 query over a bf16 or fp8 cache at D = 64 / 128 (the native kernel's vdpbf16ps path
     where the CPU has it; fp8 widened in registers, its per-head scales folded in): GQA groups
     larger than one register chunk, tiles that span blocks, tasks serving both kv heads (8+ row
-    blocks, group <= 8) or one; over a bf16 cache, prefill blocks through the tiled kernel
-    (online softmax across 16-token tiles, rows of a block ending mid-tile)."""
+    blocks, group <= 8) or one; prefill blocks through the tiled kernel (online softmax across
+    16-token tiles, rows of a block ending mid-tile; an fp8 cache's prefix converted to bf16 rows
+    first, its scales passed on)."""
     cache = make_cache(kv_dtype, 40, 2, head_dim, block_size=block_size)
     batch = PagedBatch(specs, cache, num_heads=2 * group)
     args = batch.attention_args(cache, torch.bfloat16)
