@@ -269,8 +269,8 @@ inline void fetch_rows(const kv_t* first, int64_t rows, int64_t row_stride, int6
 // memory: 24.0 against 22.6). With the tables (held in registers; reloaded per row they cost a
 // third more): 12.4 ms in L2, 16.0-16.5 from memory, the bf16 cache 22.7 in the same runs; against
 // the widening build, processes in turn: 29.9 -> 17.8 and 31.8 -> 23.5 ms from memory. The
-// unpacks leave each 64-element chunk's words in fp8_order's order (they pair bytes within
-// 128-bit lanes): the query is permuted into it once per task and the outputs back at the end;
+// unpacks leave each 64-element chunk's words in RowWords::row_order0/1's order (they pair bytes
+// within 128-bit lanes): the query is permuted into it once per task and the outputs back at the end;
 // the order does not change a dot product. Without VBMI the row is widened in order, exactly, to
 // x / 256 (e4m3's fields as fp16, then fp32, then bf16: none a bf16 subnormal, which vdpbf16ps
 // would flush), and kRowUnit puts the 256 back into the head scales.
@@ -283,14 +283,6 @@ template <typename kv_t>
 constexpr bool kPermutedRows = kFp8Tables && std::is_same_v<kv_t, c10::Float8_e4m3fn>;
 template <typename kv_t>
 constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> && !kFp8Tables ? 256.f : 1.f;
-// Word j of the first (half 0) / second (half 1) vector of a 64-element chunk holds element
-// fp8_order(half)[j]: 0-7, 16-23, 32-39, 48-55 / 8-15, 24-31, 40-47, 56-63.
-inline __m512i fp8_order(int half) {
-  alignas(64) int16_t idx[32];
-  for (int j = 0; j < 32; ++j) idx[j] = static_cast<int16_t>(j / 8 * 16 + half * 8 + j % 8);
-  return _mm512_load_si512(idx);
-}
-
 template <typename kv_t>
 struct RowWords;
 
@@ -318,12 +310,18 @@ struct RowWords<c10::Float8_e4m3fn> {
     }
     lo0 = _mm512_load_si512(lo), lo1 = _mm512_load_si512(lo + 64);
     hi0 = _mm512_load_si512(hi), hi1 = _mm512_load_si512(hi + 64);
-    alignas(64) int16_t idx[2][32];  // element e of a chunk: group g = e / 8 of 8 sits in half g % 2
-    for (int e = 0; e < 64; ++e)
-      idx[e / 32][e % 32] = static_cast<int16_t>(e / 8 % 2 * 32 + e / 16 * 8 + e % 8);
-    in_order0 = _mm512_load_si512(idx[0]), in_order1 = _mm512_load_si512(idx[1]);
+    alignas(64) int16_t rows[2][32], elements[2][32];
+    for (int j = 0; j < 64; ++j) {
+      // read's word j of half j / 32 holds element 0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, ...
+      rows[j / 32][j % 32] = static_cast<int16_t>(j % 32 / 8 * 16 + j / 32 * 8 + j % 8);
+      // element e sits in half e / 8 % 2 (of the pair, 32 + for the second) at word e / 16 * 8 + e % 8
+      elements[j / 32][j % 32] = static_cast<int16_t>(j / 8 % 2 * 32 + j / 16 * 8 + j % 8);
+    }
+    row_order0 = _mm512_load_si512(rows[0]), row_order1 = _mm512_load_si512(rows[1]);
+    in_order0 = _mm512_load_si512(elements[0]), in_order1 = _mm512_load_si512(elements[1]);
   }
-  __m512i in_order0, in_order1;  // read's words back into element order (read_in_order)
+  __m512i row_order0, row_order1;  // a chunk's elements into read's word order (the query)
+  __m512i in_order0, in_order1;    // read's words back into element order (read_in_order)
   // The row in element order, for prefill_block_bf16, which pairs the elements itself.
   template <int NP>
   void read_in_order(const c10::Float8_e4m3fn* p, __m512i* out) const {
@@ -358,6 +356,14 @@ struct RowWords<c10::Float8_e4m3fn> {
 #endif
   }
 };
+
+// The tables, built once per process (a copy per kernel call keeps them in registers: reloaded
+// per row they cost a third more).
+template <typename kv_t>
+const RowWords<kv_t>& row_words() {
+  static const RowWords<kv_t> words;
+  return words;
+}
 
 // decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
 // (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
@@ -409,15 +415,13 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
     out_scale[h] = v_scale ? v_scale[h] * kRowUnit<kv_t> : 1.f;
   }
   const int64_t row_bytes = H * D * int64_t(sizeof(kv_t));  // this task's slice of a cache row
-  static const RowWords<kv_t> tables;
-  const RowWords<kv_t> words = tables;  // fp8: the tables in registers, not reloaded per row
+  const RowWords<kv_t> words = row_words<kv_t>();
   alignas(64) c10::BFloat16 q_permuted[16 * 128];  // the query in the rows' word order
   if constexpr (kPermutedRows<kv_t>) {
-    const __m512i first = fp8_order(0), second = fp8_order(1);
     for (int64_t j = 0; j < HG * D; j += 64) {
       const __m512i a = _mm512_loadu_si512(q + j), b = _mm512_loadu_si512(q + j + 32);
-      _mm512_store_si512(q_permuted + j, _mm512_permutex2var_epi16(a, first, b));
-      _mm512_store_si512(q_permuted + j + 32, _mm512_permutex2var_epi16(a, second, b));
+      _mm512_store_si512(q_permuted + j, _mm512_permutex2var_epi16(a, words.row_order0, b));
+      _mm512_store_si512(q_permuted + j + 32, _mm512_permutex2var_epi16(a, words.row_order1, b));
     }
     q = q_permuted;
   }
@@ -657,8 +661,7 @@ template <int NP, typename Serve>
 void serve_fp8_prefix(const Decode& a, const c10::Float8_e4m3fn* k_head, const c10::Float8_e4m3fn* v_head,
                       const int32_t* table, int64_t T, float k_scale, float v_scale, Serve&& serve) {
   constexpr int64_t D = NP * 32;
-  static const RowWords<c10::Float8_e4m3fn> tables;
-  const RowWords<c10::Float8_e4m3fn> words = tables;
+  const RowWords<c10::Float8_e4m3fn> words = row_words<c10::Float8_e4m3fn>();
   thread_local std::vector<c10::BFloat16> k_rows, v_rows;  // [T, D]
   if (static_cast<int64_t>(k_rows.size()) < T * D) k_rows.resize(T * D), v_rows.resize(T * D);
   const int64_t row_stride = a.num_kv_heads * D;
