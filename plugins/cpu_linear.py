@@ -8,7 +8,9 @@ kernel is exact too, without rounding activations at all (bf16 ones through vdpb
 widened to fp32). Otherwise torch's packed kernels, fast only with bf16 activations
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), so activations are cast to bf16 and the
 result cast back.
-Many rows (prefill): a bf16 GEMM on dequantized weights, where the packed kernels lose to it
+Many rows (prefill, offline decode): on a CPU with AMX-BF16, the native int4 layout's codes go
+through csrc/cpu_gemm_w4_amx.cpp (exact; the dense copy's bits without the copy). Elsewhere a
+bf16 GEMM on dequantized weights, where the packed kernels lose to it
 (DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional cached
 `dequantized` copy: without it the packed kernel stays in use, because dequantizing the packed
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
@@ -57,10 +59,14 @@ def _finish(out, x, bias, out_features: int):
 
 
 def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int,
-                     out_features: int, bias=None, dequantized=None):
+                     out_features: int, bias=None, dequantized=None, amx_tables=None):
     """x [..., in] -> [..., out]; native layout (fp32 scales, `zeros` = zero term) or tinygemm's
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
+    if amx_tables is not None and rows.shape[0] > INT4_GEMV_ROWS:
+        out = cpu_native.w4a16_amx_gemm(rows.to(torch.bfloat16), packed, amx_tables, group_size,
+                                        out_features)
+        return _finish(out, x, bias, out_features)
     if dequantized is not None and rows.shape[0] > INT4_GEMV_ROWS:
         return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
                        x, bias, out_features)

@@ -26,7 +26,7 @@ from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
-            "cpu_gemm_bf16_amx.cpp",
+            "cpu_gemm_bf16_amx.cpp", "cpu_gemm_w4_amx.cpp",
             "cpu_attention.cpp", "cpu_attention_prefill.cpp", "cpu_kv_write.cpp", "cpu_small_ops.cpp",
             "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
@@ -140,6 +140,38 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
     """x [M, in] -> [M, out] in x's dtype, through the native int4 kernel."""
     return native_extension().w4a16_gemm(x2d.contiguous(), packed, scales, c, bias, group_size,
                                          out_features)
+
+
+W4_AMX_BLOCK = 32  # output channels per task of the AMX int4 GEMM (kBlock); tables pad to it
+
+
+def w4_amx_available(in_features: int, group_size: int) -> bool:
+    """Whether the AMX int4 GEMM (csrc/cpu_gemm_w4_amx.cpp) can serve many rows of a native int4
+    weight with these shapes here: AMX-BF16 and the tile state, K and G multiples of 32.
+    QKILN_W4_AMX=0 keeps the dense bf16 copy instead (A/B measurements)."""
+    ext = native_extension()
+    return ext is not None and in_features % 32 == 0 and group_size % 32 == 0 and \
+        os.environ.get("QKILN_W4_AMX", "1") != "0" and ext.w4_amx_ready()
+
+
+def w4_amx_tables(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,
+                  group_size: int) -> torch.Tensor:
+    """The AMX int4 GEMM's lookup tables: bf16 [out rounded up to 32, num_groups, 16], entry
+    [o, g, c] = bf16((c - z[o, g]) * s[o, g]), the formula of the dense copy
+    (packed_weights._prepare_w4a16_native), so both compute with the same bf16 weights."""
+    out_features, num_groups = scales.shape
+    codes = torch.arange(16, dtype=torch.float32)
+    z = torch.full((out_features, num_groups), 8.0) if zero_point is None else zero_point.float()
+    tables = ((codes - z[..., None]) * scales.float()[..., None]).to(torch.bfloat16)
+    out_padded = -(-out_features // W4_AMX_BLOCK) * W4_AMX_BLOCK
+    return torch.nn.functional.pad(tables, (0, 0, 0, 0, 0, out_padded - out_features)).contiguous()
+
+
+def w4a16_amx_gemm(x2d: torch.Tensor, packed: torch.Tensor, tables: torch.Tensor, group_size: int,
+                   out_features: int) -> torch.Tensor:
+    """bf16 x [M, in] -> bf16 [M, out] through the AMX int4 GEMM (packed: pack_w4a16's codes)."""
+    return native_extension().w4a16_amx_gemm(x2d.contiguous(), packed, tables, group_size,
+                                             out_features)
 
 
 W4A8_PANEL = 48  # output channels the packed layout pads to (kPanel)

@@ -58,7 +58,8 @@ _LIB.define("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tenso
             "Tensor? v_group_min, Tensor? k_channel_scale, Tensor block_tables, Tensor seq_lens, "
             "Tensor query_start_loc, float scale) -> Tensor")
 _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size, "
-            "int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor")
+            "int in_features, int out_features, Tensor? bias, Tensor? dequantized, "
+            "Tensor? amx_tables=None) -> Tensor")
 _LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, "
@@ -110,7 +111,8 @@ def _(query, *args) -> Tensor:
     return torch.empty_like(query)
 
 
-def _cuda_w4a16_linear(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized):
+def _cuda_w4a16_linear(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized,
+                       amx_tables=None):
     from qkiln.plugins.triton_w4a16 import triton_wna16_linear
 
     return triton_wna16_linear(x, packed, scales, zeros, group_size, 4, in_features,
@@ -122,7 +124,8 @@ _register("w4a16_linear", cpu_linear.cpu_w4a16_linear, _cuda_w4a16_linear, _no_k
 
 
 @torch.library.register_fake("qkiln::w4a16_linear")
-def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized):
+def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, dequantized,
+      amx_tables=None):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -257,7 +260,8 @@ def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> 
         return w4a8_linear(x, a8, bias)
     return torch.ops.qkiln.w4a16_linear(x, weight.packed, weight.scales, weight.zeros,
                                         weight.group_size, weight.in_features,
-                                        weight.out_features, bias, weight.dequantized)
+                                        weight.out_features, bias, weight.dequantized,
+                                        weight.amx_tables)
 
 
 def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:

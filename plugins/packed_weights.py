@@ -51,6 +51,12 @@ Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only,
     (1 byte per weight instead of 2). Needs `in` and group_size multiples of 32 and the native
     extension; otherwise the weight is prepared as without the option.
 
+Native int4 on a CPU with AMX-BF16 (in and group_size multiples of 32):
+    amx_tables bf16 [out rounded up to 32, num_groups, 16] (cpu_native.w4_amx_tables): the 16
+    weight values of each (channel, group), for csrc/cpu_gemm_w4_amx.cpp, which serves many rows
+    from the packed codes with the same bits as the dense copy below, which it replaces (2 bytes
+    per weight less memory, a quarter of the bytes a 64-row step reads).
+
 Both cpu layouts:
     dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
     where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
@@ -97,6 +103,12 @@ class W4A16Weight:
     target: str
     dequantized: torch.Tensor | None = None
     int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
+    amx_tables: torch.Tensor | None = None  # cpu native, many rows on AMX (replaces dequantized)
+
+    @property
+    def many_rows_form(self) -> bool:
+        """Whether steps above INT4_GEMV_ROWS rows have a GEMM form (dense copy or AMX tables)."""
+        return self.dequantized is not None or self.amx_tables is not None
 
 
 @dataclass
@@ -253,7 +265,9 @@ def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantiz
     packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size)
     weight = W4A16Weight(packed, tiled_scales, zero_term, group_size, in_features, out_features,
                          "cpu")
-    if keep_dequantized:
+    if keep_dequantized and cpu_native.w4_amx_available(in_features, group_size):
+        weight.amx_tables = cpu_native.w4_amx_tables(q, scales, zero_point, group_size)
+    elif keep_dequantized:
         z = 8.0 if zero_point is None else \
             zero_point.float().repeat_interleave(group_size, dim=1)[:, :in_features]
         s = scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]

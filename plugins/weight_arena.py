@@ -22,7 +22,9 @@ from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 _ALIGN = 64  # bytes: a cache line, and what the kernels' aligned loads could ask for
 
 # The tensors the CPU GEMV kernels read (not the many-row copies: `dequantized`, `int8_act`).
-_GEMV_FIELDS = {W4A16Weight: ("packed", "scales", "zeros"), W8A16Weight: ("weight", "scales")}
+# The AMX int4 GEMM's tables go along: it reads the same codes (packed_weights.py).
+_GEMV_FIELDS = {W4A16Weight: ("packed", "scales", "zeros", "amx_tables"),
+                W8A16Weight: ("weight", "scales")}
 
 
 def gather_gemv_weights(weights: list) -> int:

@@ -57,6 +57,8 @@ def _native_linear(module, ext):
         linear.add_int8_activations(a.packed, a.scales, a.zero_scales, a.group_size)
     if w.dequantized is not None:
         linear.add_dense(w.dequantized)
+    if isinstance(w, W4A16Weight) and w.amx_tables is not None:
+        linear.add_amx_tables(w.amx_tables)
     return linear
 
 
@@ -99,7 +101,7 @@ class NativeDecodeStack:
         # The GEMV form's row limit is the Python path's (cpu_linear.py): lower for int4 weights
         # with a dense copy. One limit serves one model: a model mixing those with other linears
         # (no recipe makes one) keeps the Python path, which decides per linear.
-        int4_dense = [isinstance(w, W4A16Weight) and w.dequantized is not None for w in weights]
+        int4_dense = [isinstance(w, W4A16Weight) and w.many_rows_form for w in weights]
         if any(int4_dense) and not all(int4_dense):
             return None
         norm = model.model.norm

@@ -27,10 +27,13 @@ class NativeLinear {
   // (int32, cpu_gemm_bf16.cpp), plain [out, in] or pre-packed for oneDNN (int8: the codes, the
   // per-channel scales applied to the product).
   void add_dense(at::Tensor weight);
-  // x [M, in] -> [M, out] in x's dtype through that dense weight: the Python path's ATen calls, so
-  // the same bits. Called outside any parallel region (the GEMM splits over the threads itself).
+  // Or, for int4 on AMX, the lookup tables the AMX int4 GEMM reads the codes with
+  // (cpu_gemm_w4_amx.cpp; the dense copy's bits without the copy).
+  void add_amx_tables(at::Tensor tables);
+  // x [M, in] -> [M, out] in x's dtype through that dense form: the Python path's calls, so the
+  // same bits. Called outside any parallel region (the GEMM splits over the threads itself).
   at::Tensor dense(const at::Tensor& x) const;
-  bool has_dense() const { return dense_.defined(); }
+  bool has_dense() const { return dense_.defined() || amx_.has_value(); }
 
   void prepare(const at::Tensor& x, GemvActs& acts) const;
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
@@ -40,11 +43,12 @@ class NativeLinear {
 
  private:
   at::Tensor weight_, scales_, zero_term_, bias_, bias_f32_, dense_;
-  at::Tensor w4a8_packed_, w4a8_scales_, w4a8_zero_scales_;
+  at::Tensor w4a8_packed_, w4a8_scales_, w4a8_zero_scales_, amx_tables_;
   int64_t out_features_;
   std::optional<Int4Gemv> int4_;
   std::optional<Int8Gemv> int8_;
   std::optional<W4A8Gemm> w4a8_;
+  std::optional<W4AmxGemm> amx_;
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):

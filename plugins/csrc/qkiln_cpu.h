@@ -63,6 +63,28 @@ struct Bf16Gemm {
   int64_t num_tasks(int64_t M) const;
   void run(const at::Tensor& x, TaskStream& tasks, at::Tensor& y) const;
 };
+// cpu_gemm_w4_amx.cpp: many rows, bf16 activations x int4 codes of the native GEMV layout on
+// AMX-BF16, exact (the dense AMX GEMM's bits); tables bf16 [out rounded up to 32, num_groups, 16]
+// hold bf16((q - z) * s) for each (channel, group) and code q (cpu_native.w4_amx_tables).
+bool w4_amx_ready();  // this build has the path and the process holds the tile state
+at::Tensor w4a16_amx_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tables,
+                          int64_t group_size, int64_t out_features);
+// The same as steps a caller that owns the threads runs: size the repacked activations
+// (acts_size(M) words), repack any partition of the 16-row blocks [0, ceil(M / 16)), then run any
+// partition of the tasks (row chunk x block of 32 channels), each written to y [M, N] (contiguous
+// bf16). Holds raw pointers: the tensors it was made from must outlive it.
+struct W4AmxGemm {
+  const uint8_t* w;
+  const uint16_t* t;
+  int64_t K, K_p, G, num_groups, out_p, N;
+  W4AmxGemm(const at::Tensor& packed, const at::Tensor& tables, int64_t group_size,
+            int64_t in_features, int64_t out_features);
+  int64_t acts_size(int64_t M) const;
+  void prepare(const at::Tensor& x, int64_t block_begin, int64_t block_end, uint32_t* acts) const;
+  int64_t num_tasks(int64_t M) const;
+  void run(const uint32_t* acts, int64_t M, TaskStream& tasks, at::Tensor& y) const;
+};
+
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
 // (bf16 x, M >= 2) or f32 = x widened [M, K].

@@ -34,18 +34,24 @@ def test_cpu_w4a16_matches_reference(group_size, in_features, is_symmetric):
             assert rel_error(actual, expected) < BF16_TOLERANCE
 
 
-def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy():
-    """Up to INT4_GEMV_ROWS rows the int4 kernel serves a weight even when it has a dense copy; a
-    row more and the copy's bf16 GEMM does (cpu_linear.py: the measured crossover)."""
+def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
+    """Up to INT4_GEMV_ROWS rows the int4 kernel serves a weight even when it has a many-row form;
+    a row more and the form's GEMM does (cpu_linear.py: the measured crossover): the dense copy's
+    bf16 GEMM, or on an AMX CPU the AMX int4 GEMM, which gives the same bits."""
     qweight, scales, zeros = canonical_int4(96, 576, 64, True)
-    with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
+    many_rows = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     packed_only = prepare_w4a16(qweight, scales, zeros, 64, "cpu")
+    monkeypatch.setenv("QKILN_W4_AMX", "0")
+    with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
+    assert with_copy.dequantized is not None and many_rows.many_rows_form
     for rows in (INT4_GEMV_ROWS, INT4_GEMV_ROWS + 1):
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         kernel = w4a16_linear(x, packed_only)
         dense = dense_linear(x, with_copy.dequantized, out_features=96)
         assert not torch.equal(kernel, dense)  # the two paths are told apart by their bits
-        assert torch.equal(w4a16_linear(x, with_copy), kernel if rows <= INT4_GEMV_ROWS else dense)
+        expected = kernel if rows <= INT4_GEMV_ROWS else dense
+        assert torch.equal(w4a16_linear(x, with_copy), expected)
+        assert torch.equal(w4a16_linear(x, many_rows), expected)
 
 
 def test_cpu_w4a16_keeps_leading_dims_and_bf16():
@@ -128,11 +134,13 @@ def _plain(weight: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN without bf16")
 @pytest.mark.parametrize("rows", [1, 17, 64])
-def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows):
+def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows, monkeypatch):
     """The many-row GEMMs read packed copies: the int4 / int8 ones in qkiln's bf16 panels where
     that kernel serves this CPU (else oneDNN-packed), fp8 oneDNN-packed. oneDNN's packing gives
     the plain weight's bits; the panels the same exact products summed in another order, so within
-    the bf16 output's rounding of them."""
+    the bf16 output's rounding of them. (int4 with a dense copy: on an AMX CPU only without the
+    AMX int4 GEMM, test_plugins_w4_amx_gemm.py.)"""
+    monkeypatch.setenv("QKILN_W4_AMX", "0")
     qweight, scales, zeros = canonical_int4(40, 576, 64, is_symmetric=True)
     w4 = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     w8 = prepare_w8a16(torch.randint(-128, 128, (48, 576), dtype=torch.int8), torch.rand(48) / 100, "cpu",
