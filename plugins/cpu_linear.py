@@ -8,12 +8,14 @@ kernel is exact too, without rounding activations at all (bf16 ones through vdpb
 widened to fp32). Otherwise torch's packed kernels, fast only with bf16 activations
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), so activations are cast to bf16 and the
 result cast back.
-Many rows (prefill, offline decode): on a CPU with AMX-BF16, the native int4 layout's codes go
-through csrc/cpu_gemm_w4_amx.cpp (exact; the dense copy's bits without the copy). Elsewhere a
-bf16 GEMM on dequantized weights, where the packed kernels lose to it
+Many rows (prefill, offline decode): a bf16 GEMM on dequantized weights, where the packed kernels
+lose to it
 (DESIGN.md: int4 ~2x slower than bf16 at 64 rows). For int4 that needs the optional cached
 `dequantized` copy: without it the packed kernel stays in use, because dequantizing the packed
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
+Opted in (QKILN_AMX_CODES=1) on a CPU with AMX-BF16, native int4 / int8 weights keep no copy:
+csrc/cpu_gemm_codes_amx.cpp reads their codes (exact, the copy's bits; cpu_native.codes_amx_available
+says why it is not the default).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
@@ -81,8 +83,9 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     return _finish(out[:, :out_features], x, bias, out_features)
 
 
-def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
-    """x [..., in] @ (int8 weight [out, in] * scales [out])^T; `dequantized`: the codes as bf16."""
+def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None, amx_codes=False):
+    """x [..., in] @ (int8 weight [out, in] * scales [out])^T; `dequantized`: the codes as bf16;
+    amx_codes: many rows read `weight` through the AMX codes GEMM instead (same bits)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.shape[0] <= SMALL_M and scales.dtype == torch.float32:  # native layout
@@ -92,8 +95,11 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None):
     if rows.shape[0] <= SMALL_M:
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
-        codes = dequantized if dequantized is not None else weight.to(torch.bfloat16)
-        out = dense_linear(rows, codes, out_features=out_features)
+        if amx_codes:
+            out = cpu_native.int8_codes_amx_gemm(rows, weight)
+        else:
+            codes = dequantized if dequantized is not None else weight.to(torch.bfloat16)
+            out = dense_linear(rows, codes, out_features=out_features)
         # In place when nothing follows: the product is taken in fp32 and rounded once into bf16,
         # as the out-of-place product would be by _finish (a bias is added before that rounding).
         out = cpu_native.scale_columns_(out, scales) if bias is None else out * scales

@@ -26,7 +26,7 @@ from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
-            "cpu_gemm_bf16_amx.cpp", "cpu_gemm_w4_amx.cpp",
+            "cpu_gemm_bf16_amx.cpp", "cpu_gemm_codes_amx.cpp",
             "cpu_attention.cpp", "cpu_attention_prefill.cpp", "cpu_kv_write.cpp", "cpu_small_ops.cpp",
             "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
@@ -142,16 +142,20 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
                                          out_features)
 
 
-W4_AMX_BLOCK = 32  # output channels per task of the AMX int4 GEMM (kBlock); tables pad to it
+AMX_CODES_BLOCK = 32  # output channels per task of the AMX codes GEMMs (kBlock); tables pad to it
 
 
-def w4_amx_available(in_features: int, group_size: int) -> bool:
-    """Whether the AMX int4 GEMM (csrc/cpu_gemm_w4_amx.cpp) can serve many rows of a native int4
-    weight with these shapes here: AMX-BF16 and the tile state, K and G multiples of 32.
-    QKILN_W4_AMX=0 keeps the dense bf16 copy instead (A/B measurements)."""
+def codes_amx_available(in_features: int, group_size: int = 32) -> bool:
+    """Whether the AMX codes GEMMs (csrc/cpu_gemm_codes_amx.cpp) serve many rows of a native int4 /
+    int8 weight with these shapes here, instead of a dense bf16 copy: opted in (QKILN_AMX_CODES=1),
+    AMX-BF16 and the tile state, K and G multiples of 32.
+    Opt-in because, on the AMX host measured (session 18), the copies were faster for prefill: 30
+    SmolLM2 layers' linears at 1024 rows 375 vs 427 ms (same process), equal at 64 rows (26.9 vs
+    26.2); the codes save 2 bytes a weight of memory (offline 64 x 128/128 maxrss ~1.38 -> ~1.2 GB
+    for SmolLM2-135M; an 8B model's copies would be ~16 GB)."""
     ext = native_extension()
     return ext is not None and in_features % 32 == 0 and group_size % 32 == 0 and \
-        os.environ.get("QKILN_W4_AMX", "1") != "0" and ext.w4_amx_ready()
+        os.environ.get("QKILN_AMX_CODES", "0") == "1" and ext.codes_amx_ready()
 
 
 def w4_amx_tables(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,
@@ -163,7 +167,7 @@ def w4_amx_tables(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tenso
     codes = torch.arange(16, dtype=torch.float32)
     z = torch.full((out_features, num_groups), 8.0) if zero_point is None else zero_point.float()
     tables = ((codes - z[..., None]) * scales.float()[..., None]).to(torch.bfloat16)
-    out_padded = -(-out_features // W4_AMX_BLOCK) * W4_AMX_BLOCK
+    out_padded = -(-out_features // AMX_CODES_BLOCK) * AMX_CODES_BLOCK
     return torch.nn.functional.pad(tables, (0, 0, 0, 0, 0, out_padded - out_features)).contiguous()
 
 
@@ -172,6 +176,11 @@ def w4a16_amx_gemm(x2d: torch.Tensor, packed: torch.Tensor, tables: torch.Tensor
     """bf16 x [M, in] -> bf16 [M, out] through the AMX int4 GEMM (packed: pack_w4a16's codes)."""
     return native_extension().w4a16_amx_gemm(x2d.contiguous(), packed, tables, group_size,
                                              out_features)
+
+
+def int8_codes_amx_gemm(x2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 x [M, in] @ int8 codes [out, in]^T -> bf16 [M, out], unscaled (the AMX int8 GEMM)."""
+    return native_extension().int8_codes_amx_gemm(x2d.contiguous(), weight)
 
 
 W4A8_PANEL = 48  # output channels the packed layout pads to (kPanel)

@@ -12,8 +12,10 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
     qkiln::paged_attention(Tensor query, <the same nine cache tensors, none mutated>,
         Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> Tensor
     qkiln::w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size,
-        int in_features, int out_features, Tensor? bias, Tensor? dequantized) -> Tensor
-    qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor
+        int in_features, int out_features, Tensor? bias, Tensor? dequantized,
+        Tensor? amx_tables=None) -> Tensor
+    qkiln::w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized,
+        bool amx_codes=False) -> Tensor
     qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
     qkiln::w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size,
         int out_features, Tensor? bias) -> Tensor      (CPU only: opt-in int8 activations)
@@ -60,7 +62,8 @@ _LIB.define("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tenso
 _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int group_size, "
             "int in_features, int out_features, Tensor? bias, Tensor? dequantized, "
             "Tensor? amx_tables=None) -> Tensor")
-_LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized) -> Tensor")
+_LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized, "
+            "bool amx_codes=False) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, "
             "int out_features, Tensor? bias) -> Tensor")
@@ -129,7 +132,7 @@ def _(x, packed, scales, zeros, group_size, in_features, out_features, bias, deq
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def _cuda_w8a16_linear(x, weight, scales, bias, dequantized):
+def _cuda_w8a16_linear(x, weight, scales, bias, dequantized, amx_codes=False):
     from qkiln.plugins.triton_w4a16 import triton_wna16_linear
 
     in_features, out_features = weight.shape
@@ -143,7 +146,7 @@ _register("w8a16_linear", cpu_linear.cpu_w8a16_linear, _cuda_w8a16_linear, _no_k
 
 
 @torch.library.register_fake("qkiln::w8a16_linear")
-def _(x, weight, scales, bias, dequantized):
+def _(x, weight, scales, bias, dequantized, amx_codes=False):
     return x.new_empty(*x.shape[:-1], scales.shape[-1])  # [out] on cpu, [1, out] on cuda
 
 
@@ -267,7 +270,8 @@ def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> 
 def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:
     if (a8 := _int8_act(x, weight)) is not None:
         return w4a8_linear(x, a8, bias)
-    return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias, weight.dequantized)
+    return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias, weight.dequantized,
+                                        weight.amx_codes)
 
 
 def fp8_w8a8_linear(x: Tensor, weight: FP8Weight, bias: Tensor | None = None) -> Tensor:

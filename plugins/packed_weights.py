@@ -51,11 +51,13 @@ Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only,
     (1 byte per weight instead of 2). Needs `in` and group_size multiples of 32 and the native
     extension; otherwise the weight is prepared as without the option.
 
-Native int4 on a CPU with AMX-BF16 (in and group_size multiples of 32):
+Native int4 on a CPU with AMX-BF16 (in and group_size multiples of 32), opted in (QKILN_AMX_CODES=1):
     amx_tables bf16 [out rounded up to 32, num_groups, 16] (cpu_native.w4_amx_tables): the 16
-    weight values of each (channel, group), for csrc/cpu_gemm_w4_amx.cpp, which serves many rows
+    weight values of each (channel, group), for csrc/cpu_gemm_codes_amx.cpp, which serves many rows
     from the packed codes with the same bits as the dense copy below, which it replaces (2 bytes
     per weight less memory, a quarter of the bytes a 64-row step reads).
+Native int8 on a CPU with AMX-BF16 (in a multiple of 32), opted in: amx_codes = True, the same kernel reads
+    the int8 codes for many rows instead of their dense bf16 copy (half the bytes).
 
 Both cpu layouts:
     dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
@@ -118,6 +120,11 @@ class W8A16Weight:
     target: str
     dequantized: torch.Tensor | None = None  # cpu: the codes as bf16 [out, in] (exact), many rows
     int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
+    amx_codes: bool = False  # cpu native: many rows on AMX read `weight` (replaces dequantized)
+
+    @property
+    def many_rows_form(self) -> bool:
+        return self.dequantized is not None or self.amx_codes
 
 
 @dataclass
@@ -265,7 +272,7 @@ def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantiz
     packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size)
     weight = W4A16Weight(packed, tiled_scales, zero_term, group_size, in_features, out_features,
                          "cpu")
-    if keep_dequantized and cpu_native.w4_amx_available(in_features, group_size):
+    if keep_dequantized and cpu_native.codes_amx_available(in_features, group_size):
         weight.amx_tables = cpu_native.w4_amx_tables(q, scales, zero_point, group_size)
     elif keep_dequantized:
         z = 8.0 if zero_point is None else \
@@ -297,11 +304,14 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
         codes = (qweight.to(torch.int16) + 128).to(torch.uint8)
         int8_act = _int8_act_weight(codes, scales[:, None], torch.full_like(scales[:, None], 128.0),
                                     in_features)
-    dequantized = pack_dense(qweight.to(torch.bfloat16)) if keep_dequantized and int8_act is None \
-        else None
-    if use_native and cpu_native.native_extension():
+    native = use_native and cpu_native.native_extension() is not None
+    amx_codes = native and keep_dequantized and int8_act is None and \
+        cpu_native.codes_amx_available(in_features)
+    dequantized = pack_dense(qweight.to(torch.bfloat16)) \
+        if keep_dequantized and int8_act is None and not amx_codes else None
+    if native:
         return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized,
-                           int8_act)
+                           int8_act, amx_codes)
     # torch's kernel loads the weight with 16-byte aligned loads above 4 rows (a SIGSEGV, not an
     # error, otherwise); an artifact's tensors come zero-copy from safetensors at any offset.
     weight = qweight.contiguous()

@@ -58,7 +58,9 @@ def _native_linear(module, ext):
     if w.dequantized is not None:
         linear.add_dense(w.dequantized)
     if isinstance(w, W4A16Weight) and w.amx_tables is not None:
-        linear.add_amx_tables(w.amx_tables)
+        linear.add_amx_codes(w.amx_tables)
+    if isinstance(w, W8A16Weight) and w.amx_codes:
+        linear.add_amx_codes()
     return linear
 
 

@@ -73,7 +73,7 @@ AmxTiles::AmxTiles() {
   // dropped the stores of a local configuration (ldtilecfg then faulted on all-zero tiles).
   static const TileConfig cfg = [] {
     TileConfig c;
-    // block16: 0-2 C, 3 A, 4-6 B; cpu_gemm_w4_amx.cpp: 0-3 C, 4-5 A, 6-7 B. All 16 x 64 bytes.
+    // block16: 0-2 C, 3 A, 4-6 B; cpu_gemm_codes_amx.cpp: 0-3 C, 4-5 A, 6-7 B. All 16 x 64 bytes.
     for (int t = 0; t < 8; ++t) {
       c.rows[t] = kTileRows;
       c.colsb[t] = 64;

@@ -27,9 +27,9 @@ class NativeLinear {
   // (int32, cpu_gemm_bf16.cpp), plain [out, in] or pre-packed for oneDNN (int8: the codes, the
   // per-channel scales applied to the product).
   void add_dense(at::Tensor weight);
-  // Or, for int4 on AMX, the lookup tables the AMX int4 GEMM reads the codes with
-  // (cpu_gemm_w4_amx.cpp; the dense copy's bits without the copy).
-  void add_amx_tables(at::Tensor tables);
+  // Or, on AMX, the codes themselves through cpu_gemm_codes_amx.cpp (the dense copy's bits
+  // without the copy): int4 with its lookup tables, int8 without.
+  void add_amx_codes(c10::optional<at::Tensor> tables);
   // x [M, in] -> [M, out] in x's dtype through that dense form: the Python path's calls, so the
   // same bits. Called outside any parallel region (the GEMM splits over the threads itself).
   at::Tensor dense(const at::Tensor& x) const;
@@ -48,7 +48,7 @@ class NativeLinear {
   std::optional<Int4Gemv> int4_;
   std::optional<Int8Gemv> int8_;
   std::optional<W4A8Gemm> w4a8_;
-  std::optional<W4AmxGemm> amx_;
+  std::optional<CodesAmxGemm> amx_;
 };
 
 // One Llama-family decoder layer as the serving model fuses it (runtime/model.py, fusion.py):

@@ -110,10 +110,15 @@ void NativeLinear::add_dense(at::Tensor weight) {
   dense_ = std::move(weight);
 }
 
-void NativeLinear::add_amx_tables(at::Tensor tables) {
-  TORCH_CHECK(int4_, "NativeLinear.add_amx_tables: only int4 linears read codes through tables");
-  amx_tables_ = std::move(tables);
-  amx_.emplace(weight_, amx_tables_, int4_->G, int4_->K, out_features_);
+void NativeLinear::add_amx_codes(c10::optional<at::Tensor> tables) {
+  TORCH_CHECK(tables.has_value() == bool(int4_),
+              "NativeLinear.add_amx_codes: int4 codes need their tables, int8 codes none");
+  if (int4_) {
+    amx_tables_ = *tables;
+    amx_ = CodesAmxGemm::int4(weight_, amx_tables_, int4_->G, int4_->K, out_features_);
+  } else {
+    amx_ = CodesAmxGemm::int8(weight_);
+  }
 }
 
 namespace {
@@ -134,13 +139,10 @@ at::Tensor onednn_gemm(const at::Tensor& rows, const at::Tensor& weight) {
 
 at::Tensor NativeLinear::dense(const at::Tensor& x) const {
   const at::Tensor rows = x.to(at::kBFloat16);
-  if (amx_) {  // cpu_linear.cpu_w4a16_linear's call (int4 has no per-channel scales to apply)
-    at::Tensor out = w4a16_amx_gemm(rows, weight_, amx_tables_, int4_->G, out_features_);
-    if (bias_.defined()) out = out + bias_;
-    return out.to(x.scalar_type());
-  }
-  const bool panels = dense_.scalar_type() == at::kInt;  // else oneDNN-packed or plain bf16
-  at::Tensor out = panels ? bf16_gemm(rows, dense_, out_features_) : onednn_gemm(rows, dense_);
+  const bool panels = dense_.defined() && dense_.scalar_type() == at::kInt;  // else oneDNN or plain
+  at::Tensor out = amx_    ? (*amx_)(rows)
+                   : panels ? bf16_gemm(rows, dense_, out_features_)
+                            : onednn_gemm(rows, dense_);
   if (int8_) {  // per-channel scales commute with the GEMM; in place unless a bias follows
     if (bias_.defined()) out = out * scales_;
     else scale_columns_(out, scales_);

@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_kernel_isa", &w4a8_kernel_isa, "the w4a8 kernel this build compiled");
   m.def("bf16_gemm", &bf16_gemm, "bf16 x bf16 GEMM over 48-channel weight panels, many rows");
   m.def("w4a16_amx_gemm", &w4a16_amx_gemm, "int4 codes x bf16 GEMM on AMX, many rows, exact");
-  m.def("w4_amx_ready", &w4_amx_ready, "whether w4a16_amx_gemm can run here");
+  m.def("int8_codes_amx_gemm", &int8_codes_amx_gemm, "int8 codes x bf16 GEMM on AMX, unscaled");
+  m.def("codes_amx_ready", &codes_amx_ready, "whether the AMX codes GEMMs can run here");
   m.def("bf16_gemm_isa", &bf16_gemm_isa, "the bf16 GEMM kernel this build compiled");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
@@ -66,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_int8_activations", &NativeLinear::add_int8_activations, py::arg("packed"),
            py::arg("scales"), py::arg("zero_scales"), py::arg("group_size"))
       .def("add_dense", &NativeLinear::add_dense, py::arg("weight"))
-      .def("add_amx_tables", &NativeLinear::add_amx_tables, py::arg("tables"));
+      .def("add_amx_codes", &NativeLinear::add_amx_codes, py::arg("tables") = py::none());
   py::class_<StackLayer>(m, "StackLayer", py::module_local())
       .def(py::init([](NativeLinear qkv, NativeLinear o, NativeLinear gate_up, NativeLinear down,
                        at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache,

@@ -63,26 +63,31 @@ struct Bf16Gemm {
   int64_t num_tasks(int64_t M) const;
   void run(const at::Tensor& x, TaskStream& tasks, at::Tensor& y) const;
 };
-// cpu_gemm_w4_amx.cpp: many rows, bf16 activations x int4 codes of the native GEMV layout on
-// AMX-BF16, exact (the dense AMX GEMM's bits); tables bf16 [out rounded up to 32, num_groups, 16]
-// hold bf16((q - z) * s) for each (channel, group) and code q (cpu_native.w4_amx_tables).
-bool w4_amx_ready();  // this build has the path and the process holds the tile state
+// cpu_gemm_codes_amx.cpp: many rows on AMX-BF16, bf16 activations x a weight's integer codes,
+// exact (the dense AMX GEMM's bits): int4 codes of the native GEMV layout with tables bf16
+// [out rounded up to 32, num_groups, 16] holding bf16((q - z) * s) for each (channel, group) and
+// code q (cpu_native.w4_amx_tables); or int8 codes [out, in], the product left unscaled.
+bool codes_amx_ready();  // this build has the path and the process holds the tile state
 at::Tensor w4a16_amx_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& tables,
                           int64_t group_size, int64_t out_features);
-// The same as steps a caller that owns the threads runs: size the repacked activations
-// (acts_size(M) words), repack any partition of the 16-row blocks [0, ceil(M / 16)), then run any
-// partition of the tasks (row chunk x block of 32 channels), each written to y [M, N] (contiguous
-// bf16). Holds raw pointers: the tensors it was made from must outlive it.
-struct W4AmxGemm {
+at::Tensor int8_codes_amx_gemm(const at::Tensor& x, const at::Tensor& weight);
+// One such GEMM; operator() runs it on torch's threads. The steps, for a caller that owns the
+// threads: size the repacked activations (acts_size(M) words), repack any partition of the
+// 16-row blocks [0, ceil(M / 16)), then run any partition of the tasks (row chunk x block of 32
+// channels), each written to y [M, N] (contiguous bf16). Holds raw pointers: the tensors it was
+// made from must outlive it.
+struct CodesAmxGemm {
   const uint8_t* w;
-  const uint16_t* t;
-  int64_t K, K_p, G, num_groups, out_p, N;
-  W4AmxGemm(const at::Tensor& packed, const at::Tensor& tables, int64_t group_size,
-            int64_t in_features, int64_t out_features);
+  const uint16_t* t;  // int4 tables, nullptr for int8
+  int64_t bits, K, K_p, G, num_groups, out_p, N;
+  static CodesAmxGemm int4(const at::Tensor& packed, const at::Tensor& tables, int64_t group_size,
+                           int64_t in_features, int64_t out_features);
+  static CodesAmxGemm int8(const at::Tensor& weight);
   int64_t acts_size(int64_t M) const;
   void prepare(const at::Tensor& x, int64_t block_begin, int64_t block_end, uint32_t* acts) const;
   int64_t num_tasks(int64_t M) const;
   void run(const uint32_t* acts, int64_t M, TaskStream& tasks, at::Tensor& y) const;
+  at::Tensor operator()(const at::Tensor& x) const;  // x bf16 [M, K] -> bf16 [M, N]
 };
 
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.

@@ -39,9 +39,10 @@ def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
     a row more and the form's GEMM does (cpu_linear.py: the measured crossover): the dense copy's
     bf16 GEMM, or on an AMX CPU the AMX int4 GEMM, which gives the same bits."""
     qweight, scales, zeros = canonical_int4(96, 576, 64, True)
+    monkeypatch.setenv("QKILN_AMX_CODES", "1")  # on an AMX CPU: the codes, not a copy
     many_rows = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     packed_only = prepare_w4a16(qweight, scales, zeros, 64, "cpu")
-    monkeypatch.setenv("QKILN_W4_AMX", "0")
+    monkeypatch.setenv("QKILN_AMX_CODES", "0")
     with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     assert with_copy.dequantized is not None and many_rows.many_rows_form
     for rows in (INT4_GEMV_ROWS, INT4_GEMV_ROWS + 1):
@@ -90,7 +91,7 @@ def test_cpu_w8a16_matches_reference(rows, keep_dequantized):
     bias = torch.randn(48)
     x = torch.randn(rows, 96)
     weight = prepare_w8a16(qweight, scales, "cpu", keep_dequantized=keep_dequantized)
-    assert (weight.dequantized is not None) == keep_dequantized
+    assert weight.many_rows_form == keep_dequantized  # a dense copy, or AMX reading the codes
     actual = w8a16_linear(x, weight, bias)
     assert rel_error(actual, reference_w8a16_linear(x, qweight, scales, bias)) < BF16_TOLERANCE
 
@@ -140,7 +141,7 @@ def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows, monkeypatch)
     the plain weight's bits; the panels the same exact products summed in another order, so within
     the bf16 output's rounding of them. (int4 with a dense copy: on an AMX CPU only without the
     AMX int4 GEMM, test_plugins_w4_amx_gemm.py.)"""
-    monkeypatch.setenv("QKILN_W4_AMX", "0")
+    monkeypatch.setenv("QKILN_AMX_CODES", "0")
     qweight, scales, zeros = canonical_int4(40, 576, 64, is_symmetric=True)
     w4 = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     w8 = prepare_w8a16(torch.randint(-128, 128, (48, 576), dtype=torch.int8), torch.rand(48) / 100, "cpu",

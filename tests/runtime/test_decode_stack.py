@@ -124,6 +124,28 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
     assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
 
 
+@pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16"])
+def test_amx_codes_steps_match_the_dense_copies(artifacts, monkeypatch, recipe):
+    """Opted in on an AMX CPU (QKILN_AMX_CODES=1), many-row steps read the int4 / int8 codes
+    (csrc/cpu_gemm_codes_amx.cpp) and keep no dense copy: the stack and the Python path give the
+    bits the dense copies give."""
+    if not cpu_native.native_extension().codes_amx_ready():
+        pytest.skip("the AMX codes GEMMs need a CPU with AMX-BF16")
+    _, paths = artifacts
+    generator = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(20)]
+    dense = _run_recording(_engine(paths[recipe], monkeypatch, stack=False), prompts, 6)
+    monkeypatch.setenv("QKILN_AMX_CODES", "1")
+    for stack in (True, False):
+        engine = _engine(paths[recipe], monkeypatch, stack=stack)
+        packed = [m.packed for m in engine.runner.model.modules() if hasattr(m, "packed")]
+        assert packed and all(p.many_rows_form and p.dequantized is None for p in packed
+                              if getattr(p, "target", None) == "cpu" and hasattr(p, "many_rows_form"))
+        tokens, logits, steps = _run_recording(engine, prompts, 6)
+        assert tokens == dense[0] and all(torch.equal(a, b) for a, b in zip(logits, dense[1]))
+        assert any(served for _, _, served in steps) == stack
+
+
 def test_mixed_steps_take_the_python_path(artifacts, monkeypatch):
     _, paths = artifacts
     # Staggered budgets mix prefill with decodes; decode-only steps of 17 rows (past the GEMV row

@@ -1,13 +1,14 @@
-"""The AMX int4 GEMM for many rows (csrc/cpu_gemm_w4_amx.cpp): the dense AMX GEMM's bits from the
-int4 codes, without the dense bf16 copy. The kernel tests need a CPU with AMX-BF16 (skipped
-elsewhere); the tables' formula and the fallback to the dense copy are checked everywhere."""
+"""The AMX codes GEMMs for many rows (csrc/cpu_gemm_codes_amx.cpp): the dense AMX GEMM's bits from
+the int4 / int8 codes, without the dense bf16 copy. The kernel tests need a CPU with AMX-BF16
+(skipped elsewhere); the tables' formula and the fallback to the dense copy are checked everywhere."""
 
 import pytest
 import torch
 
 from qkiln.plugins import cpu_native
 from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, cpu_w4a16_linear
-from qkiln.plugins.packed_weights import _prepare_w4a16_native, pack_dense
+from qkiln.plugins.ops import w8a16_linear
+from qkiln.plugins.packed_weights import _prepare_w4a16_native, pack_dense, prepare_w8a16
 
 # (rows, out, in, group): rows short of a 16-row tile, between tiles, past a 32-row pass and over
 # two 256-row chunks; out short of a 32-channel block and of the GEMV layout's 4-row tile; in with
@@ -35,7 +36,7 @@ def _dense(q, scales, zeros, group_size):
 
 @pytest.fixture
 def amx(native_ext):
-    if not native_ext.w4_amx_ready():
+    if not native_ext.codes_amx_ready():
         pytest.skip("the AMX int4 GEMM needs a CPU with AMX-BF16 and the tile state")
     return native_ext
 
@@ -93,10 +94,14 @@ def test_amx_int4_gemm_refuses_mismatched_inputs(amx):
         amx.w4a16_amx_gemm(x[:, :112].contiguous(), packed, tables, 64, 50)
 
 
-def test_native_int4_weights_carry_tables_instead_of_a_dense_copy_where_amx_serves(native_ext):
-    """On an AMX CPU the many-row form is the tables and the linear gives the dense copy's bits;
-    elsewhere the dense copy, as before."""
+def test_native_int4_weights_carry_tables_instead_of_a_dense_copy_where_opted_in(native_ext,
+                                                                                 monkeypatch):
+    """Opted in on an AMX CPU the many-row form is the tables and the linear gives the dense copy's
+    bits; elsewhere, and by default, the dense copy."""
     q, scales, zeros = _weight(96, 576, 128, asymmetric=True, seed=3)
+    default = _prepare_w4a16_native(q, scales, zeros, 128, keep_dequantized=True)
+    assert default.amx_tables is None and default.dequantized is not None
+    monkeypatch.setenv("QKILN_AMX_CODES", "1")
     weight = _prepare_w4a16_native(q, scales, zeros, 128, keep_dequantized=True)
     assert weight.many_rows_form
     x = torch.randn(2, 24, 576).to(torch.bfloat16)  # 48 rows > INT4_GEMV_ROWS
@@ -106,12 +111,42 @@ def test_native_int4_weights_carry_tables_instead_of_a_dense_copy_where_amx_serv
     y = cpu_w4a16_linear(x, weight.packed, weight.scales, weight.zeros, 128, 576, 96,
                          dequantized=weight.dequantized, amx_tables=weight.amx_tables)
     assert torch.equal(y, reference)
-    if native_ext.w4_amx_ready():
+    if native_ext.codes_amx_ready():
         assert weight.amx_tables is not None and weight.dequantized is None
     else:
         assert weight.amx_tables is None and weight.dequantized is not None
 
 
-def test_portable_build_has_no_amx_int4_path(native_ext):
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 5, 32), (20, 100, 576), (64, 960, 576),
+                                                           (300, 49, 1536)])
+def test_amx_int8_gemm_matches_the_dense_amx_gemm_of_the_codes(amx, rows, out_features, in_features):
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(-128, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+    y = cpu_native.int8_codes_amx_gemm(x, codes)
+    panels = cpu_native.pack_bf16_panels(codes.to(torch.bfloat16))
+    assert torch.equal(y, cpu_native.bf16_gemm(x, panels, out_features))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_native.int8_codes_amx_gemm(x[:, :16].contiguous(), codes[:, :16].contiguous())
+
+
+def test_native_int8_weights_read_their_codes_where_opted_in(native_ext, monkeypatch):
+    codes = torch.randint(-128, 128, (48, 576), dtype=torch.int8)
+    scales = torch.rand(48) / 100
+    assert not prepare_w8a16(codes, scales, "cpu", keep_dequantized=True).amx_codes  # default
+    monkeypatch.setenv("QKILN_AMX_CODES", "1")
+    weight = prepare_w8a16(codes, scales, "cpu", keep_dequantized=True)
+    assert weight.many_rows_form
+    assert weight.amx_codes == native_ext.codes_amx_ready() and \
+        (weight.dequantized is None) == weight.amx_codes
+    monkeypatch.setenv("QKILN_AMX_CODES", "0")
+    with_copy = prepare_w8a16(codes, scales, "cpu", keep_dequantized=True)
+    assert not with_copy.amx_codes and with_copy.dequantized is not None
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    for bias in (None, torch.randn(48)):
+        assert torch.equal(w8a16_linear(x, weight, bias), w8a16_linear(x, with_copy, bias))
+
+
+def test_portable_build_has_no_amx_codes_path(native_ext):
     portable = cpu_native.build_portable_extension()
-    assert not portable.w4_amx_ready()
+    assert not portable.codes_amx_ready()
