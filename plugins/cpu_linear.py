@@ -14,8 +14,8 @@ lose to it
 `dequantized` copy: without it the packed kernel stays in use, because dequantizing the packed
 weight on every call measured slower than tinygemm itself at 16-128 rows (SmolLM2 shapes).
 Opted in (QKILN_AMX_CODES=1) on a CPU with AMX-BF16, native int4 / int8 weights keep no copy:
-csrc/cpu_gemm_codes_amx.cpp reads their codes (exact, the copy's bits; cpu_native.codes_amx_available
-says why it is not the default).
+csrc/cpu_gemm_codes_amx.cpp reads their codes (exact, the copy's bits;
+cpu_native.codes_amx_available says why it is not the default).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to

@@ -55,9 +55,9 @@ Native int4 on a CPU with AMX-BF16 (in and group_size multiples of 32), opted in
     amx_tables bf16 [out rounded up to 32, num_groups, 16] (cpu_native.w4_amx_tables): the 16
     weight values of each (channel, group), for csrc/cpu_gemm_codes_amx.cpp, which serves many rows
     from the packed codes with the same bits as the dense copy below, which it replaces (2 bytes
-    per weight less memory, a quarter of the bytes a 64-row step reads).
-Native int8 on a CPU with AMX-BF16 (in a multiple of 32), opted in: amx_codes = True, the same kernel reads
-    the int8 codes for many rows instead of their dense bf16 copy (half the bytes).
+    per weight less memory; codes and tables are ~0.4 of the bytes a 64-row step reads).
+Native int8 on a CPU with AMX-BF16 (in a multiple of 32), opted in: amx_codes = True, the same
+    kernel reads the int8 codes for many rows instead of their dense bf16 copy (half the bytes).
 
 Both cpu layouts:
     dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
@@ -124,6 +124,7 @@ class W8A16Weight:
 
     @property
     def many_rows_form(self) -> bool:
+        """Whether steps above SMALL_M rows have a GEMM form (dense copy or the AMX codes GEMM)."""
         return self.dequantized is not None or self.amx_codes
 
 

@@ -2,11 +2,11 @@
 // dense bf16 copy of it: the int4 codes of the native GEMV layout (cpu_gemv_int4.cpp's header)
 // and the int8 codes of the int8 layout (row-major int8 [out, K], cpu_gemv_int8.cpp).
 //
-// Why: at 64 rows (an offline decode step) the dense AMX GEMM (cpu_gemm_bf16_amx.cpp) waited on its
-// bf16 panels: 30 SmolLM2 layers' linears took 18.8 ms with the 212 MB of panels from memory and
-// 12.3 ms with one layer's panels reused. int4 codes are a quarter of those bytes, int8 half, and
-// without the dense copy a quantized model's CPU runtime holds its weights at 4 or 8 bits instead
-// of 4 + 16 or 8 + 16.
+// Why: without the dense copy a quantized model's CPU runtime holds its weights at 4 or 8 bits
+// instead of 4 + 16 or 8 + 16 (an 8B model: ~16 GB less). And at 64 rows (an offline decode step)
+// the dense AMX GEMM (cpu_gemm_bf16_amx.cpp) waited on its bf16 panels: 30 SmolLM2 layers' linears
+// took 18.8 ms with the 212 MB of panels from memory and 12.3 ms with one layer's panels reused;
+// int4 codes with their tables are ~0.4 of those bytes, int8 codes half.
 //
 // Exactness: each weight becomes the bf16 number the dense copy holds. int4: bf16((q - z) * s)
 // rounded to nearest even (packed_weights._prepare_w4a16_native), looked up in a table of the 16
@@ -24,6 +24,16 @@
 // into a scratch (2 KB a K step of 32, L1/L2), then runs passes of 32 rows: C tiles 0-3 (2
 // channel blocks x 2 row blocks), A tiles 4-5, B tiles 6-7: per K step 4 tile loads, 4 tdpbf16ps.
 // While it computes it fetches the next task's codes (and tables) into L2.
+//
+// Measured (session 18, the 2-core AMX Xeon, 30 SmolLM2 layers' int4 linears from memory, same
+// process as the dense AMX GEMM): 64 rows equal (26.2 vs 26.9 ms medians; 23.2 vs 21.2 and 27.6
+// vs 26.7 in other runs), 1024 rows slower (427 vs 375 ms); the int8 head at 64 rows 9.0-11.0 vs
+// 8.3-9.9 ms. The tile unit's loop dominates the profile (~80% at 1024 rows; the dequantization
+// ~15% at 64), so reading 4x fewer bytes did not show: hence opt-in (cpu_native.codes_amx_available).
+// Tried, not kept: dequantizing each K step inside the first pass, a step ahead of its tile loads
+// (no faster at 64 rows, 1.2x slower at 1080); 48-channel tasks with one 16-row block a pass (3 C
+// tiles, B alternating between two tiles: 1.16x slower at 64 rows, 1.4x at 1024); each thread
+// repacking all the activations itself instead of a second fork / join (1.2x slower at 1080).
 
 #include "cpu_gemm_bf16_amx.h"
 #include "qkiln_cpu.h"
@@ -84,18 +94,22 @@ struct Ahead {
 // are two A tiles of 16 rows x 64 bytes).
 // int4: `chunk` is the channel's 16 words of chunk s / 2 (nibbles 0, 1 = weights 64c + j,
 // 64c + 16 + j: even steps; 2, 3 the next 32: odd steps), `table` the 16 values of its group.
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
 inline void dequantize_int4(const uint8_t* chunk, int64_t odd, const uint16_t* table, uint16_t* dst) {
-  const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(8 * odd), _mm256_set1_epi16(8 * odd + 4), 1);
-  const __m512i words = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  const __m512i shifts =
+      _mm512_inserti64x4(_mm512_set1_epi16(8 * odd), _mm256_set1_epi16(8 * odd + 4), 1);
+  const __m512i words = _mm512_broadcast_i64x4(load256(chunk));
   const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(words, shifts), _mm512_set1_epi16(0xF));
-  const __m512i values = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(table)));
-  _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, values));
+  _mm512_store_si512(dst, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(load256(table))));
 }
 
 // int8: 32 codes -> bf16, exact (|q| <= 128).
 inline void dequantize_int8(const int8_t* codes, uint16_t* dst) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
+  const auto widen = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  const __m512 lo = widen(codes), hi = widen(codes + 16);
   _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 #endif
@@ -192,8 +206,10 @@ void CodesAmxGemm::run(const uint32_t* acts, int64_t M, TaskStream& tasks, at::T
     // slower at 1080, 30 SmolLM2 layers, same process.)
     const int64_t live = std::max<int64_t>(0, std::min(kBlock, out_p - c0));
     for (int64_t s = 0; s < steps; ++s)
-      for (int64_t c = live; c < kBlock; ++c) _mm512_store_si512(scratch + (s * kBlock + c) * 32, _mm512_setzero_si512());
-    const uint8_t* first_code = bits == 4 ? w + c0 / kTileRows * (K_p / kChunk) * kTileRows * 32 : w + c0 * K;
+      for (int64_t c = live; c < kBlock; ++c)
+        _mm512_store_si512(scratch + (s * kBlock + c) * 32, _mm512_setzero_si512());
+    const uint8_t* first_code =
+        bits == 4 ? w + c0 / kTileRows * (K_p / kChunk) * kTileRows * 32 : w + c0 * K;
     const uint16_t* first_table = t ? t + c0 * num_groups * 16 : nullptr;
     const int64_t tile_bytes = (K_p / kChunk) * kTileRows * 32;  // int4: 4 channels' codes
     auto dequantize_step = [=](int64_t s) {
@@ -213,7 +229,8 @@ void CodesAmxGemm::run(const uint32_t* acts, int64_t M, TaskStream& tasks, at::T
     alignas(64) float sums[4][16 * 16];
     alignas(64) float rows_out[16 * 16];
     for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t b0 = (r0 + 32 * pass) / 16, row_blocks = std::min<int64_t>(2, (r1 - r0 - 32 * pass + 15) / 16);
+      const int64_t b0 = (r0 + 32 * pass) / 16;
+      const int64_t row_blocks = std::min<int64_t>(2, (r1 - r0 - 32 * pass + 15) / 16);
       const uint32_t* x0 = acts + b0 * steps * 256;
       _tile_zero(0);
       _tile_zero(1);
