@@ -104,15 +104,6 @@ void store_rows(const float* sums, int64_t valid, c10::BFloat16* c, int64_t ldc,
     }
 }
 
-// Prefetches spread over a call's K steps (Bresenham): `lines` cache lines from `next` in `steps`.
-struct Ahead {
-  const char* next;
-  int64_t lines, steps, due = 0;
-  void step() {
-    for (due += lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
-
 // 16 rows of a (row stride K) x the panel -> sums [16, 48]: C tiles 0-2, A 3, B 4-6.
 void block16(const uint16_t* a, int64_t K, const uint32_t* panel, float* sums, Ahead& ahead) {
   _tile_zero(0);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <xmmintrin.h>
 
 // Whether this build compiled the AMX path and the process holds the tile state (asked once).
 bool amx_bf16_ready();
@@ -13,6 +14,16 @@ struct AmxTiles {
   ~AmxTiles();
   AmxTiles(const AmxTiles&) = delete;
   AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// Prefetches spread over a task's K steps (Bresenham): `lines` cache lines from `next` into L2 in
+// `steps` calls of step(); the AMX GEMMs (bf16 panels and integer codes) fetch their next task so.
+struct Ahead {
+  const char* next;
+  int64_t lines, steps, due = 0;
+  void step() {
+    for (due += lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
 };
 
 // rows x K bf16 activations `a` (row stride K, K a multiple of 32) times one 48-channel panel ->

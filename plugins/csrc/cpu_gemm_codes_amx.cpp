@@ -81,21 +81,12 @@ inline void transpose16(const uint32_t* src, int64_t src_stride, uint32_t* dst, 
   }
 }
 
-// Prefetches spread over a task's K steps (Bresenham): `lines` cache lines from `next` in `steps`.
-struct Ahead {
-  const char* next;
-  int64_t lines, steps, due = 0;
-  void step() {
-    for (due += lines; due >= steps; due -= steps, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-  }
-};
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // One K step of one channel -> its 32 bf16 weights at dst (a scratch row: the step's 32 channels
 // are two A tiles of 16 rows x 64 bytes).
 // int4: `chunk` is the channel's 16 words of chunk s / 2 (nibbles 0, 1 = weights 64c + j,
 // 64c + 16 + j: even steps; 2, 3 the next 32: odd steps), `table` the 16 values of its group.
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
 inline void dequantize_int4(const uint8_t* chunk, int64_t odd, const uint16_t* table, uint16_t* dst) {
   const __m512i shifts =
       _mm512_inserti64x4(_mm512_set1_epi16(8 * odd), _mm256_set1_epi16(8 * odd + 4), 1);
