@@ -30,6 +30,8 @@
 #include "qkiln_cpu.h"
 #include "vec.h"
 
+#include <optional>
+
 using namespace attention_detail;
 
 namespace {
@@ -708,7 +710,8 @@ constexpr int64_t kFuseHeadsMinBlocks = 8;
 AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale, at::Tensor& out, const KVParams& params)
+                               double scale, at::Tensor& out, const KVParams& params,
+                               const uint8_t* skip_seqs)
     : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
       scale_(static_cast<float>(scale)) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
@@ -740,7 +743,8 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
   starts_ = query_start_loc.data_ptr<int32_t>();
   max_blocks_ = block_tables.size(1);
   for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t first = 0; first < starts_[s + 1] - starts_[s]; first += kRowsPerTask)
+    for (int64_t first = 0; first < starts_[s + 1] - starts_[s] && !(skip_seqs && skip_seqs[s]);
+         first += kRowsPerTask)
       blocks_.push_back({s, first, std::min(kRowsPerTask, starts_[s + 1] - starts_[s] - first)});
   // With many row blocks (a decode batch) a task serves several kv heads, so K rows are read
   // whole rather than one head's 2-line slice at a time, which the hardware prefetcher hardly
@@ -910,12 +914,21 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
                      const KVParams& params) {
-  const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                             scale, out, params);
-  TaskQueue queue(tasks.size());
-  at::parallel_for(0, tasks.size(), 1, [&](int64_t, int64_t) {
+  // (AttentionTasks checks the arguments; AmxPrefill reads them only after that)
+  std::optional<AttentionTasks> tasks;
+  tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, params);
+  AmxPrefill amx(query, k_cache, v_cache, block_tables.data_ptr<int32_t>(), block_tables.size(1),
+                 seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), seq_lens.size(0),
+                 static_cast<float>(scale), out);
+  if (amx.served_any()) {  // those sequences' rows go to AMX, the rest stay here
+    tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                  params, amx.served());
+    amx.run();
+  }
+  TaskQueue queue(tasks->size());
+  at::parallel_for(0, tasks->size(), 1, [&](int64_t, int64_t) {
     TaskStream mine(queue);
-    tasks.run(mine);
+    tasks->run(mine);
   });
 }
 

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace attention_detail {
 
@@ -33,5 +34,50 @@ template <int NP, typename o_t>
 void prefill_block_bf16(const Decode& a, const c10::BFloat16* q, int64_t q_stride,
                         const c10::BFloat16* k_head, const c10::BFloat16* v_head, const int32_t* table,
                         int64_t T_first, int64_t R, o_t* out, int64_t out_stride);
+
+}  // namespace attention_detail
+
+namespace attention_detail {
+
+// Sequences with this many query rows in a step take the AMX prefill kernel where it runs
+// (cpu_attention_prefill_amx.cpp); fewer rows stay on the per-block kernels.
+constexpr int64_t kAmxMinRows = 16;
+
+// Whether this build compiled the AMX prefill kernel and the process holds the tile state.
+bool amx_prefill_ready();
+
+// The prefill rows paged_attention serves on AMX (cpu_attention_prefill_amx.cpp): every sequence
+// with kAmxMinRows+ rows, when the query and cache are bf16, head_dim is 64 or 128 and AMX is
+// ready; none otherwise. The tables / lens / starts arrays must outlive it.
+class AmxPrefill {
+ public:
+  AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens, const int32_t* starts,
+             int64_t num_seqs, float scale, at::Tensor& out);
+  bool served_any() const { return !seqs_.empty(); }
+  const uint8_t* served() const { return served_.data(); }  // per sequence: 1 where run() writes its rows
+  void run();                      // stages K / V, then serves the rows (two parallel phases)
+
+ private:
+  struct Staged {
+    int64_t seq, offset, T_pad;  // offset: of its staged K^T (and V) in elements, all kv heads
+  };
+  struct Task {
+    int64_t seq, h, index;  // index into seqs_, kv head, 64-token chunk (staging) or 16-row tile
+  };
+  void stage(const Task& task);
+  template <typename o_t>
+  void rows(const Task& task, o_t* out) const;
+
+  at::Tensor query_, k_cache_, v_cache_, out_;
+  const int32_t* tables_;
+  int64_t max_blocks_;
+  const int32_t *lens_, *starts_;
+  float scale_;
+  std::vector<uint8_t> served_;
+  std::vector<Staged> seqs_;
+  std::vector<Task> stage_tasks_, row_tasks_;
+  std::vector<uint16_t> staged_k_, staged_v_;  // per sequence and kv head: [T_pad * D] each
+};
 
 }  // namespace attention_detail

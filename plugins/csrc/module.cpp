@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "decode_stack.h"
+#include "cpu_attention_internal.h"
 #include "qkiln_cpu.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -14,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_amx_gemm", &w4a16_amx_gemm, "int4 codes x bf16 GEMM on AMX, many rows, exact");
   m.def("int8_codes_amx_gemm", &int8_codes_amx_gemm, "int8 codes x bf16 GEMM on AMX, unscaled");
   m.def("codes_amx_ready", &codes_amx_ready, "whether the AMX codes GEMMs can run here");
+  m.def("amx_prefill_ready", &attention_detail::amx_prefill_ready,
+        "whether paged_attention serves prefill rows on AMX here (QKILN_AMX_PREFILL=0: never)");
   m.def("bf16_gemm_isa", &bf16_gemm_isa, "the bf16 GEMM kernel this build compiled");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");

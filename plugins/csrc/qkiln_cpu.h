@@ -150,7 +150,7 @@ class AttentionTasks {
   AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                 const KVParams& params = {});
+                 const KVParams& params = {}, const uint8_t* skip_seqs = nullptr);
   int64_t size() const;
   void run(TaskStream& tasks) const;  // any partition of [0, size()), or claims on a TaskQueue
 
