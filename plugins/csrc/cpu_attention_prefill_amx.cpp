@@ -44,6 +44,32 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace
 
+#ifdef QKILN_AMX_PREFILL
+namespace {
+
+// exp(x) for x <= 0 (a score minus its row's max), inlined: n = round(x / ln 2), r = x - n ln 2 in
+// two parts (|r| <= 0.35), a degree-6 Taylor polynomial (error < 2e-7 relative), times 2^n by
+// vscalefps (underflows to 0). Called through a pointer, torch's Sleef exp took as long as all the
+// tile work here (perf, one 4096-token prompt). p is rounded to bf16 (8 bits) for P @ V anyway.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln 2, high bits
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);        // ln 2, the rest
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace
+#endif
+
 AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens,
                        const int32_t* starts, int64_t num_seqs, float scale, at::Tensor& out)
@@ -172,19 +198,16 @@ void AmxPrefill::rows(const Task& task, o_t* out) const {
         std::memset(p, 0, P_ld * sizeof(uint16_t));
         continue;
       }
-      float* s = S + r * S_ld;
+      const float* s = S + r * S_ld;
       const int64_t T = T_first + r;
       Vf top = set1(-std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < T; t += kW) {
-        const Vf x = mul(load(s + t, T - t), set1(scale_));
-        store(s + t, x, T - t);
-        top = _mm512_mask_max_ps(top, lanes(T - t), top, x);
-      }
-      const Vf mx = set1(reduce_max(top));
+      for (int64_t t = 0; t < T; t += kW) top = _mm512_mask_max_ps(top, lanes(T - t), top, load(s + t));
+      const Vf scale = set1(scale_), mx = set1(reduce_max(top) * scale_);  // scale_ > 0
       Vf sum = set1(0.f);
       for (int64_t t = 0; t < P_ld; t += kW) {
         const __mmask16 seen = t < T ? lanes(T - t) : 0;
-        const Vf e = _mm512_maskz_mov_ps(seen, vexp(sub(_mm512_maskz_loadu_ps(seen, s + t), mx)));
+        const Vf x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(seen, s + t), scale, mx);
+        const Vf e = _mm512_maskz_mov_ps(seen, exp_nonpositive(x));
         sum = add(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
       }
