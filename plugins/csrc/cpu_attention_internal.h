@@ -47,13 +47,14 @@ constexpr int64_t kAmxMinRows = 16;
 bool amx_prefill_ready();
 
 // The prefill rows paged_attention serves on AMX (cpu_attention_prefill_amx.cpp): every sequence
-// with kAmxMinRows+ rows, when the query and cache are bf16, head_dim is 64 or 128 and AMX is
-// ready; none otherwise. The tables / lens / starts arrays must outlive it.
+// with kAmxMinRows+ rows, when the query is bf16, the cache bf16 or fp8 e4m3fn (with its per kv
+// head k_scale / v_scale; nullptr for bf16), head_dim 64 or 128 and AMX is ready; none otherwise.
+// The tables / lens / starts / scale arrays must outlive it.
 class AmxPrefill {
  public:
   AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens, const int32_t* starts,
-             int64_t num_seqs, float scale, at::Tensor& out);
+             int64_t num_seqs, float scale, const float* k_scale, const float* v_scale, at::Tensor& out);
   bool served_any() const { return !seqs_.empty(); }
   const uint8_t* served() const { return served_.data(); }  // per sequence: 1 where run() writes its rows
   void run();                      // stages K / V, then serves the rows (two parallel phases)
@@ -74,6 +75,7 @@ class AmxPrefill {
   int64_t max_blocks_;
   const int32_t *lens_, *starts_;
   float scale_;
+  const float *k_scale_, *v_scale_;  // fp8 caches: per kv head; nullptr for bf16
   std::vector<uint8_t> served_;
   std::vector<Staged> seqs_;
   std::vector<Task> stage_tasks_, row_tasks_;

@@ -29,6 +29,8 @@
 #include "task_stream.h"
 #include "vec.h"
 
+#include <array>
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QKILN_AMX_PREFILL 1
 #endif
@@ -72,13 +74,16 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens,
-                       const int32_t* starts, int64_t num_seqs, float scale, at::Tensor& out)
+                       const int32_t* starts, int64_t num_seqs, float scale, const float* k_scale,
+                       const float* v_scale, at::Tensor& out)
     : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out), tables_(tables),
-      max_blocks_(max_blocks), lens_(seq_lens), starts_(starts), scale_(scale) {
+      max_blocks_(max_blocks), lens_(seq_lens), starts_(starts), scale_(scale), k_scale_(k_scale),
+      v_scale_(v_scale) {
   served_.assign(num_seqs, 0);
   const int64_t D = query.size(2);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn && k_scale && v_scale;
   if (!amx_prefill_ready() || query.scalar_type() != at::kBFloat16 ||
-      k_cache.scalar_type() != at::kBFloat16 || (D != 64 && D != 128))
+      !(k_cache.scalar_type() == at::kBFloat16 || fp8) || (D != 64 && D != 128))
     return;
   const int64_t Hkv = k_cache.size(2);
   int64_t staged = 0;
@@ -99,19 +104,51 @@ AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const
 
 #ifdef QKILN_AMX_PREFILL
 
-// Phase 1: tokens [64 c, 64 c + 64) of one sequence's kv head h into its staged K^T / V tiles.
+// The bf16 bits of every e4m3fn code: its values are all exact bf16 (normals from 2^-9 up; NaN
+// codes 0x7F / 0xFF to NaN), so an fp8 cache stages as exactly as a bf16 one, its scales applied
+// to the scores and the output as the other kernels do.
+const uint16_t* fp8_as_bf16() {
+  static const auto table = [] {
+    std::array<uint16_t, 256> t{};
+    for (int code = 0; code < 256; ++code) {
+      const c10::Float8_e4m3fn e(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits());
+      const float x = static_cast<float>(e);
+      uint32_t bits;
+      std::memcpy(&bits, &x, 4);
+      t[code] = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>(bits >> 16);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// Phase 1: tokens [64 c, 64 c + 64) of one sequence's kv head h into its staged K^T / V tiles
+// (an fp8 cache's rows widened to bf16 on the way).
 void AmxPrefill::stage(const Task& task) {
   const Staged& sq = seqs_[task.seq];
   const int64_t D = query_.size(2), Hkv = k_cache_.size(2), block_size = k_cache_.size(1);
   const int64_t T = lens_[sq.seq], row_stride = Hkv * D, head_elems = sq.T_pad * D;
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache_.data_ptr<at::BFloat16>()) + task.h * D;
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache_.data_ptr<at::BFloat16>()) + task.h * D;
   uint16_t* kt = staged_k_.data() + sq.offset + task.h * head_elems;
   uint16_t* vp = staged_v_.data() + sq.offset + task.h * head_elems;
   const int64_t t0 = task.index * kStageChunk, n = std::max<int64_t>(0, std::min(kStageChunk, T - t0));
   int64_t offsets[kStageChunk];
   tile_slots(tables_ + sq.seq * max_blocks_, block_size, t0, n, row_stride, offsets);
   static const uint16_t zeros[128] = {};
+  alignas(64) uint16_t widened[2][kStageChunk][128];  // fp8 only: this chunk's K and V rows as bf16
+  const uint16_t *kc, *vc;  // row i of the chunk at kc + offsets[i]
+  if (k_cache_.scalar_type() == at::kFloat8_e4m3fn) {
+    const uint16_t* bf16 = fp8_as_bf16();
+    const auto* k8 = reinterpret_cast<const uint8_t*>(k_cache_.data_ptr()) + task.h * D;
+    const auto* v8 = reinterpret_cast<const uint8_t*>(v_cache_.data_ptr()) + task.h * D;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t d = 0; d < D; ++d)
+        widened[0][i][d] = bf16[k8[offsets[i] + d]], widened[1][i][d] = bf16[v8[offsets[i] + d]];
+    for (int64_t i = 0; i < n; ++i) offsets[i] = i * 128;
+    kc = widened[0][0], vc = widened[1][0];
+  } else {
+    kc = reinterpret_cast<const uint16_t*>(k_cache_.data_ptr<at::BFloat16>()) + task.h * D;
+    vc = reinterpret_cast<const uint16_t*>(v_cache_.data_ptr<at::BFloat16>()) + task.h * D;
+  }
   auto k_row = [&](int64_t i) { return i < n ? kc + offsets[i] : zeros; };
   auto v_row = [&](int64_t i) { return i < n ? vc + offsets[i] : zeros; };
   // K^T: tile u (16 tokens) x step ks (32 dims) at ((u * D / 32 + ks) * 16 rows) * 32 words
@@ -150,6 +187,8 @@ void AmxPrefill::rows(const Task& task, o_t* out) const {
   const uint16_t* vp = staged_v_.data() + sq.offset + task.h * head_elems;
   const auto* q = reinterpret_cast<const uint16_t*>(query_.data_ptr<at::BFloat16>());
   const int64_t q_stride = query_.stride(0), row0 = starts_[sq.seq] + r0;
+  const float score_scale = k_scale_ ? scale_ * k_scale_[task.h] : scale_;  // fp8: x = code * scale
+  const float out_scale = v_scale_ ? v_scale_[task.h] : 1.f;
 
   thread_local std::vector<float> scores_buf;
   thread_local std::vector<uint16_t> p_buf;
@@ -202,7 +241,7 @@ void AmxPrefill::rows(const Task& task, o_t* out) const {
       const int64_t T = T_first + r;
       Vf top = set1(-std::numeric_limits<float>::infinity());
       for (int64_t t = 0; t < T; t += kW) top = _mm512_mask_max_ps(top, lanes(T - t), top, load(s + t));
-      const Vf scale = set1(scale_), mx = set1(reduce_max(top) * scale_);  // scale_ > 0
+      const Vf scale = set1(score_scale), mx = set1(reduce_max(top) * score_scale);  // scale > 0
       Vf sum = set1(0.f);
       for (int64_t t = 0; t < P_ld; t += kW) {
         const __mmask16 seen = t < T ? lanes(T - t) : 0;
@@ -211,7 +250,7 @@ void AmxPrefill::rows(const Task& task, o_t* out) const {
         sum = add(sum, e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t), (__m256i)_mm512_cvtneps_pbh(e));
       }
-      inv_sum[r] = 1.f / reduce_add(sum);
+      inv_sum[r] = out_scale / reduce_add(sum);
     }
     // O = P V per 64 dims (C 0-3), A: 16 rows x 32 tokens of p, B: staged V slices
     for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
