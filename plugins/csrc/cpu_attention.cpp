@@ -921,8 +921,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, params);
   AmxPrefill amx(query, k_cache, v_cache, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                  seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), seq_lens.size(0),
-                 static_cast<float>(scale), params.k_scale ? params.k_scale->data_ptr<float>() : nullptr,
-                 params.v_scale ? params.v_scale->data_ptr<float>() : nullptr, out);
+                 static_cast<float>(scale), params, out);
   if (amx.served_any()) {  // those sequences' rows go to AMX, the rest stay here
     tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                   params, amx.served());

@@ -37,6 +37,8 @@ void prefill_block_bf16(const Decode& a, const c10::BFloat16* q, int64_t q_strid
 
 }  // namespace attention_detail
 
+struct KVParams;  // qkiln_cpu.h
+
 namespace attention_detail {
 
 // Sequences with this many query rows in a step take the AMX prefill kernel where it runs
@@ -47,14 +49,14 @@ constexpr int64_t kAmxMinRows = 16;
 bool amx_prefill_ready();
 
 // The prefill rows paged_attention serves on AMX (cpu_attention_prefill_amx.cpp): every sequence
-// with kAmxMinRows+ rows, when the query is bf16, the cache bf16 or fp8 e4m3fn (with its per kv
-// head k_scale / v_scale; nullptr for bf16), head_dim 64 or 128 and AMX is ready; none otherwise.
-// The tables / lens / starts / scale arrays must outlive it.
+// with kAmxMinRows+ rows, when the query is bf16, the cache bf16, fp8 e4m3fn or int4 (with the
+// params paged_attention has checked), head_dim 64 or 128 and AMX is ready; none otherwise.
+// The tables / lens / starts arrays and the params' tensors must outlive it.
 class AmxPrefill {
  public:
   AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
              const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens, const int32_t* starts,
-             int64_t num_seqs, float scale, const float* k_scale, const float* v_scale, at::Tensor& out);
+             int64_t num_seqs, float scale, const KVParams& params, at::Tensor& out);
   bool served_any() const { return !seqs_.empty(); }
   const uint8_t* served() const { return served_.data(); }  // per sequence: 1 where run() writes its rows
   void run();                      // stages K / V, then serves the rows (two parallel phases)
@@ -66,6 +68,7 @@ class AmxPrefill {
   struct Task {
     int64_t seq, h, index;  // index into seqs_, kv head, 64-token chunk (staging) or 16-row tile
   };
+  void widen_row(bool value, int64_t row, uint16_t* out) const;  // fp8 / int4 cache row -> bf16
   void stage(const Task& task);
   template <typename o_t>
   void rows(const Task& task, o_t* out) const;
@@ -75,7 +78,8 @@ class AmxPrefill {
   int64_t max_blocks_;
   const int32_t *lens_, *starts_;
   float scale_;
-  const float *k_scale_, *v_scale_;  // fp8 caches: per kv head; nullptr for bf16
+  const float *k_scale_ = nullptr, *v_scale_ = nullptr;  // fp8 caches: per kv head
+  at::Tensor k_group_scale_, k_group_min_, v_group_scale_, v_group_min_;  // int4 caches
   std::vector<uint8_t> served_;
   std::vector<Staged> seqs_;
   std::vector<Task> stage_tasks_, row_tasks_;

@@ -26,6 +26,7 @@
 
 #include "cpu_attention_internal.h"
 #include "cpu_gemm_bf16_amx.h"
+#include "qkiln_cpu.h"
 #include "task_stream.h"
 #include "vec.h"
 
@@ -74,17 +75,21 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const int32_t* tables, int64_t max_blocks, const int32_t* seq_lens,
-                       const int32_t* starts, int64_t num_seqs, float scale, const float* k_scale,
-                       const float* v_scale, at::Tensor& out)
+                       const int32_t* starts, int64_t num_seqs, float scale, const KVParams& params,
+                       at::Tensor& out)
     : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out), tables_(tables),
-      max_blocks_(max_blocks), lens_(seq_lens), starts_(starts), scale_(scale), k_scale_(k_scale),
-      v_scale_(v_scale) {
+      max_blocks_(max_blocks), lens_(seq_lens), starts_(starts), scale_(scale) {
   served_.assign(num_seqs, 0);
   const int64_t D = query.size(2);
-  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn && k_scale && v_scale;
-  if (!amx_prefill_ready() || query.scalar_type() != at::kBFloat16 ||
-      !(k_cache.scalar_type() == at::kBFloat16 || fp8) || (D != 64 && D != 128))
+  const auto dtype = k_cache.scalar_type();
+  if (!amx_prefill_ready() || query.scalar_type() != at::kBFloat16 || (D != 64 && D != 128) ||
+      !(dtype == at::kBFloat16 || dtype == at::kFloat8_e4m3fn || dtype == at::kByte))
     return;
+  if (dtype == at::kFloat8_e4m3fn)  // (paged_attention checked that the scales are there)
+    k_scale_ = params.k_scale->data_ptr<float>(), v_scale_ = params.v_scale->data_ptr<float>();
+  if (dtype == at::kByte)
+    k_group_scale_ = *params.k_group_scale, k_group_min_ = *params.k_group_min,
+    v_group_scale_ = *params.v_group_scale, v_group_min_ = *params.v_group_min;
   const int64_t Hkv = k_cache.size(2);
   int64_t staged = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -122,8 +127,33 @@ const uint16_t* fp8_as_bf16() {
   return table.data();
 }
 
+// One cache row (slot * Hkv + kv head) of K or V as D bf16 words. fp8: exact (fp8_as_bf16). int4:
+// code * scale + minimum in fp32 (dequantize_int4_row's arithmetic), rounded to bf16: the int4
+// error is ~2^4 times that rounding's.
+void AmxPrefill::widen_row(bool value, int64_t row, uint16_t* out) const {
+  const int64_t D = query_.size(2);
+  const at::Tensor& cache = value ? v_cache_ : k_cache_;
+  if (cache.scalar_type() == at::kFloat8_e4m3fn) {
+    const uint16_t* bf16 = fp8_as_bf16();
+    const auto* codes = reinterpret_cast<const uint8_t*>(cache.data_ptr()) + row * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = bf16[codes[d]];
+    return;
+  }
+  const at::Tensor& scales = value ? v_group_scale_ : k_group_scale_;
+  const at::Tensor& mins = value ? v_group_min_ : k_group_min_;
+  const int64_t groups = scales.size(3), group = D / groups;
+  const auto* packed = cache.data_ptr<uint8_t>() + row * D / 2;
+  const c10::Half *scale = scales.data_ptr<c10::Half>() + row * groups, *minimum = mins.data_ptr<c10::Half>() + row * groups;
+  for (int64_t d = 0; d < D; ++d) {
+    const int code = d % 2 ? packed[d / 2] >> 4 : packed[d / 2] & 15;
+    const float x = static_cast<float>(code) * static_cast<float>(scale[d / group]) +
+                    static_cast<float>(minimum[d / group]);
+    out[d] = c10::BFloat16(x).x;
+  }
+}
+
 // Phase 1: tokens [64 c, 64 c + 64) of one sequence's kv head h into its staged K^T / V tiles
-// (an fp8 cache's rows widened to bf16 on the way).
+// (fp8 and int4 caches' rows widened to bf16 on the way).
 void AmxPrefill::stage(const Task& task) {
   const Staged& sq = seqs_[task.seq];
   const int64_t D = query_.size(2), Hkv = k_cache_.size(2), block_size = k_cache_.size(1);
@@ -131,23 +161,22 @@ void AmxPrefill::stage(const Task& task) {
   uint16_t* kt = staged_k_.data() + sq.offset + task.h * head_elems;
   uint16_t* vp = staged_v_.data() + sq.offset + task.h * head_elems;
   const int64_t t0 = task.index * kStageChunk, n = std::max<int64_t>(0, std::min(kStageChunk, T - t0));
-  int64_t offsets[kStageChunk];
-  tile_slots(tables_ + sq.seq * max_blocks_, block_size, t0, n, row_stride, offsets);
+  const int32_t* table = tables_ + sq.seq * max_blocks_;
+  int64_t offsets[kStageChunk];  // row i of the chunk at kc / vc + offsets[i]
   static const uint16_t zeros[128] = {};
-  alignas(64) uint16_t widened[2][kStageChunk][128];  // fp8 only: this chunk's K and V rows as bf16
-  const uint16_t *kc, *vc;  // row i of the chunk at kc + offsets[i]
-  if (k_cache_.scalar_type() == at::kFloat8_e4m3fn) {
-    const uint16_t* bf16 = fp8_as_bf16();
-    const auto* k8 = reinterpret_cast<const uint8_t*>(k_cache_.data_ptr()) + task.h * D;
-    const auto* v8 = reinterpret_cast<const uint8_t*>(v_cache_.data_ptr()) + task.h * D;
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t d = 0; d < D; ++d)
-        widened[0][i][d] = bf16[k8[offsets[i] + d]], widened[1][i][d] = bf16[v8[offsets[i] + d]];
-    for (int64_t i = 0; i < n; ++i) offsets[i] = i * 128;
-    kc = widened[0][0], vc = widened[1][0];
-  } else {
+  alignas(64) uint16_t widened[2][kStageChunk][128];  // fp8 / int4: the chunk's K and V rows as bf16
+  const uint16_t *kc, *vc;
+  if (k_cache_.scalar_type() == at::kBFloat16) {
+    tile_slots(table, block_size, t0, n, row_stride, offsets);
     kc = reinterpret_cast<const uint16_t*>(k_cache_.data_ptr<at::BFloat16>()) + task.h * D;
     vc = reinterpret_cast<const uint16_t*>(v_cache_.data_ptr<at::BFloat16>()) + task.h * D;
+  } else {
+    int64_t slots[kStageChunk];
+    tile_slots(table, block_size, t0, n, 1, slots);
+    for (int kv = 0; kv < 2; ++kv)
+      for (int64_t i = 0; i < n; ++i) widen_row(kv == 1, slots[i] * Hkv + task.h, widened[kv][i]);
+    for (int64_t i = 0; i < n; ++i) offsets[i] = i * 128;
+    kc = widened[0][0], vc = widened[1][0];
   }
   auto k_row = [&](int64_t i) { return i < n ? kc + offsets[i] : zeros; };
   auto v_row = [&](int64_t i) { return i < n ? vc + offsets[i] : zeros; };
@@ -311,6 +340,7 @@ bool amx_prefill_ready() {
 
 #else
 
+void AmxPrefill::widen_row(bool, int64_t, uint16_t*) const {}
 void AmxPrefill::stage(const Task&) {}
 template <typename o_t>
 void AmxPrefill::rows(const Task&, o_t*) const {}

@@ -1,6 +1,6 @@
 """The AMX prefill attention (csrc/cpu_attention_prefill_amx.cpp) against the float64 reference.
 
-Sequences with 16+ query rows over a bf16 or fp8 cache take it where AMX is ready; the other rows of the
+Sequences with 16+ query rows over a bf16, fp8 or int4 cache take it where AMX is ready; the other rows of the
 same call stay on the per-block kernels. QKILN_AMX_PREFILL=0 turns it off, per call.
 """
 
@@ -30,9 +30,10 @@ def _attention(args, cache, monkeypatch, amx: bool):
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("group", [1, 3, 9])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
 def test_amx_prefill_matches_reference(kv_dtype, head_dim, group, block_size, monkeypatch):
-    """fp8 caches are widened to bf16 exactly while staged, their scales applied as elsewhere."""
+    """fp8 caches are widened to bf16 exactly while staged, their scales applied as elsewhere; int4
+    caches dequantized in fp32 and rounded to bf16."""
     torch.manual_seed(head_dim + group + block_size)
     num_blocks = sum(-(-ctx // block_size) for ctx, _ in SPECS) + 4
     cache = make_cache(kv_dtype, num_blocks, 2, head_dim, block_size=block_size)  # unused: NaN
