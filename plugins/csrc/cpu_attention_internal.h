@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace attention_detail {
@@ -83,7 +84,8 @@ class AmxPrefill {
   std::vector<uint8_t> served_;
   std::vector<Staged> seqs_;
   std::vector<Task> stage_tasks_, row_tasks_;
-  std::vector<uint16_t> staged_k_, staged_v_;  // per sequence and kv head: [T_pad * D] each
+  // per sequence and kv head: [T_pad * D] each; not zeroed, stage() writes every element
+  std::unique_ptr<uint16_t[]> staged_k_, staged_v_;
 };
 
 }  // namespace attention_detail

@@ -69,3 +69,17 @@ def test_amx_prefill_rows_are_causal(monkeypatch):
     after = _attention(args, cache, monkeypatch, amx=True)
     assert torch.equal(before[:-1], after[:-1])
     assert not torch.equal(before[-1], after[-1])
+
+
+@pytest.mark.parametrize("group_size", [8, 32])
+def test_amx_prefill_int4_groups(group_size, monkeypatch):
+    """int4 groups shorter than 16 elements are dequantized element by element, others 16 at once."""
+    torch.manual_seed(group_size)
+    num_blocks = sum(-(-ctx // 16) for ctx, _ in SPECS) + 4
+    cache = make_cache("int4", num_blocks, 2, 64, group_size=group_size)
+    batch = PagedBatch(SPECS, cache, num_heads=6)
+    args = batch.attention_args(cache, torch.bfloat16)
+    expected = reference_paged_attention(*args)
+    amx = _attention(args, cache, monkeypatch, amx=True)
+    assert rel_error(amx, expected) < TOLERANCE[torch.bfloat16]
+    assert not torch.equal(amx, _attention(args, cache, monkeypatch, amx=False))
