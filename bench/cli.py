@@ -130,6 +130,24 @@ def cpu_compare_command(
     _run("cpu_compare", locals())
 
 
+@bench_app.command("prefill")
+def prefill_command(
+    model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",
+    artifact: Annotated[Optional[Path], typer.Option(help="W4A16 artifact (default: build w4a16-rtn once)")] = None,
+    work_dir: Annotated[Optional[Path], typer.Option(help="where the built artifact is kept")] = None,
+    prompt_lens: Annotated[str, typer.Option(help="prompt tokens, one prompt per length: 1024,4096")] = "1024,4096",
+    threads: Annotated[int, typer.Option(help="torch threads")] = 2,
+    repeats: Annotated[int, typer.Option(help="timed repeats per engine (median and spread)")] = 3,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="qkiln tokens per engine step (prefill chunk)")] = 1024,
+    hf: Annotated[bool, typer.Option(help="also time HF's bf16 forward over each prompt")] = True,
+    seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
+    json_out: JsonOut = None,
+    plot: PlotDir = None,
+):
+    """Time to first token of one long prompt: qkiln (AMX prefill attention on / off) and HF bf16."""
+    _run("prefill", locals())
+
+
 @bench_app.command("ort-model")
 def ort_model_command(
     out: Annotated[Path, typer.Argument(help="folder to write (genai_config.json, model.onnx)")],

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from tiny_models import write_tiny_hf_model
 
-from qkiln.bench import cpu_compare, kv_dtypes, latency, serve, throughput
+from qkiln.bench import cpu_compare, kv_dtypes, latency, prefill, serve, throughput
 from qkiln.bench.report import summarize
 from qkiln.bench.roofline import kv_bytes_per_token, measure_bandwidth, weight_bytes
 from qkiln.bench.serve import compute_metrics, parse_goodput
@@ -200,6 +200,24 @@ def test_kv_dtypes_tiny(tiny, tmp_path):
     assert (tmp_path / "plots" / "kv_dtypes_throughput.png").is_file()
 
 
+def test_prefill_tiny(tiny, tmp_path):
+    report = prefill.main(str(tiny), work_dir=tmp_path / "work", prompt_lens="40,100", threads=1, repeats=2,
+                          max_num_batched_tokens=32, json_out=tmp_path / "p.json", plot=tmp_path / "plots")
+    _check_envelope(report, "prefill")
+    rows = report["results"]["prompts"]
+    assert list(rows) == ["40", "100"]
+    for n, row in rows.items():
+        engines = [e for e, v in row.items() if isinstance(v, dict)]
+        assert "hf-bf16" in engines and len(engines) in (2, 3), engines  # qkiln: AMX on / off, or one
+        for e in engines:
+            assert row[e]["seconds"]["n"] == 2 and _positive(row[e]["seconds"]), (n, e)
+            assert row[e]["tokens_per_s"]["median"] == pytest.approx(int(n) / row[e]["seconds"]["median"], rel=0.5)
+        assert _positive(row["hf_vs_qkiln"])
+    assert (tmp_path / "plots" / "prefill_100.png").is_file()
+    with pytest.raises(BenchConfigError, match="below the model's 1024 positions"):
+        prefill.main(str(tiny), work_dir=tmp_path / "work", prompt_lens="2000", threads=1, repeats=1, hf=False)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("qkiln.runtime.server") is None, reason="runtime/server.py absent")
 def test_serve_against_a_started_server(tiny, tmp_path):
     report = serve.main(str(tiny), num_requests=3, input_len="4:6", output_len="3", concurrency="1,0",
@@ -227,6 +245,7 @@ def test_cli_wiring_and_errors(tiny):
     assert bad.exit_code == 2 and "error: input_len must be" in bad.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "prefill", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "ort-model", "--help"]).exit_code == 0
 
 
