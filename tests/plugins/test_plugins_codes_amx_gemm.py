@@ -147,6 +147,7 @@ def test_native_int8_weights_read_their_codes_where_opted_in(native_ext, monkeyp
         assert torch.equal(w8a16_linear(x, weight, bias), w8a16_linear(x, with_copy, bias))
 
 
-def test_portable_build_has_no_amx_codes_path(native_ext):
+def test_portable_build_has_no_amx_paths(native_ext):
     portable = cpu_native.build_portable_extension()
     assert not portable.codes_amx_ready()
+    assert not portable.amx_prefill_ready()  # csrc/cpu_attention_prefill_amx.cpp
