@@ -40,8 +40,9 @@ namespace {
 
 // ---- decode attention -----------------------------------------------------------------------------
 
-// Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum.
-inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum) {
+// Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum (and
+// each row's max in row_max when given).
+inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum, float* row_max = nullptr) {
   for (int64_t g = 0; g < G; ++g) {
     float* s = scores + g * T;
     Vf m = set1(-std::numeric_limits<float>::infinity());
@@ -49,6 +50,7 @@ inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum) {
     for (; t + kW <= T; t += kW) m = vmax(m, load(s + t));
     float top = reduce_max(m);
     for (; t < T; ++t) top = std::max(top, s[t]);
+    if (row_max) row_max[g] = top;
     const Vf shift = set1(top);
     Vf total = set1(0.f);
     for (int64_t t = 0; t < T; t += kW) {
@@ -403,7 +405,8 @@ const RowWords<kv_t>& row_words() {
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
                        const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
-                       const float* k_scale, const float* v_scale, const NextKeys<kv_t>& next = {}) {
+                       const float* k_scale, const float* v_scale, const NextKeys<kv_t>& next = {},
+                       float* lse = nullptr) {
   constexpr int64_t D = NP * 32;
   constexpr int kValueHeads = 8 / NP;  // query heads whose accumulators stay in registers
   const int64_t G = a.group, HG = H * G, row_stride = a.num_kv_heads * D, bs = a.block_size;
@@ -459,7 +462,10 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
     for (int64_t j = 0; j < HG; ++j)
       store(scores + j * T + t0, mul(sum16(dots.data() + j * kW), set1(score_scale[j / G])), n);
   }
-  softmax_rows(scores, HG, T, inv_sum);
+  float row_max[16];
+  softmax_rows(scores, HG, T, inv_sum, row_max);
+  if (lse)  // a part of a split context: its scores' log-sum-exp, for merge_partials
+    for (int64_t j = 0; j < HG; ++j) lse[j] = row_max[j] - std::log(inv_sum[j]);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t t0 = 0, b = 0; t0 < T; t0 += bs, ++b) {  // pass 2: p @ V
     const kv_t* rows = v_head + table[b] * block_stride;
@@ -691,7 +697,7 @@ constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
 void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const kv_t*, const int32_t*,
                        int64_t, o_t*, std::vector<float>&, int64_t, const float*, const float*,
-                       const NextKeys<kv_t>& = {}) {}
+                       const NextKeys<kv_t>& = {}, float* = nullptr) {}
 template <int NV, typename o_t>
 void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*,
                       std::vector<float>&) {}
@@ -706,6 +712,19 @@ constexpr int64_t kRowsPerTask = 8;
 // Row blocks from which a task serves several kv heads (below it, one head per task keeps every
 // thread busy at batch 1).
 constexpr int64_t kFuseHeadsMinBlocks = 8;
+// Below kFuseHeadsMinBlocks row blocks, a decode row over a bf16 / fp8 cache with at least twice
+// this many tokens is served in parts of about this many (a multiple of the block size), any
+// thread taking any part, and merge_partials combines the parts' outputs by their log-sum-exp
+// (flash-decoding). With one task per kv head, batch-1 decode at long contexts left the threads
+// unequal: SmolLM2's 3 kv heads on 2 threads, one thread read twice the KV of the other and the
+// other spun (perf, 4000-token context: attention 40% of the step, the spin 12%).
+// QKILN_DECODE_SPLIT=0 turns it off (read per call, for comparisons).
+constexpr int64_t kSplitTokens = 512;
+
+bool decode_split_enabled() {
+  const char* off = std::getenv("QKILN_DECODE_SPLIT");
+  return !(off && std::strcmp(off, "0") == 0);
+}
 
 }  // namespace
 
@@ -765,6 +784,59 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
         heads_per_task_ = h;
         break;
       }
+  if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks && decode_split_enabled())
+    split_long_decodes(k_cache.size(1));
+}
+
+// Replaces each long one-row block by its parts (kSplitTokens); heads_per_task_ is 1 here.
+void AttentionTasks::split_long_decodes(int64_t block_size) {
+  const int64_t part = (kSplitTokens + block_size - 1) / block_size * block_size;
+  std::vector<RowBlock> blocks;
+  int64_t partials = 0;
+  for (const RowBlock& b : blocks_) {
+    const int64_t q_len = starts_[b.seq + 1] - starts_[b.seq];
+    const int64_t T = b.count == 1 ? lens_[b.seq] - q_len + 1 + b.first : 0;
+    if (T < 2 * part) {
+      blocks.push_back(b);
+      continue;
+    }
+    const int64_t parts = (T + part - 1) / part;
+    splits_.push_back({starts_[b.seq] + b.first, parts, partials});
+    for (int64_t p = 0; p < parts; ++p) blocks.push_back({b.seq, b.first, 1, p, partials + p});
+    partials += parts;
+  }
+  if (partials == 0) return;
+  split_tokens_ = part;
+  blocks_ = std::move(blocks);
+  const int64_t Hq = query_.size(1), D = query_.size(2);
+  partial_out_ = at::empty({partials, Hq, D}, query_.options().dtype(at::kFloat));
+  partial_lse_ = at::empty({partials, Hq}, query_.options().dtype(at::kFloat));
+}
+
+// out = sum_p w_p out_p / sum_p w_p with w_p = exp(lse_p - max lse): the parts' softmax
+// denominators put back (each part's output was normalized by its own).
+void AttentionTasks::merge_partials() const {
+  if (splits_.empty()) return;
+  const int64_t Hq = query_.size(1), D = query_.size(2);
+  const float *parts_out = partial_out_.data_ptr<float>(), *parts_lse = partial_lse_.data_ptr<float>();
+  QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_merge", [&] {
+    scalar_t* op = out_.data_ptr<scalar_t>();
+    for (const SplitRow& r : splits_)
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t p = r.first; p < r.first + r.parts; ++p) top = std::max(top, parts_lse[p * Hq + hq]);
+        Vf acc[8];  // D <= 128
+        for (int64_t c = 0; c < D / kW; ++c) acc[c] = set1(0.f);
+        float total = 0.f;
+        for (int64_t p = r.first; p < r.first + r.parts; ++p) {
+          const float w = std::exp(parts_lse[p * Hq + hq] - top);
+          total += w;
+          for (int64_t c = 0; c < D / kW; ++c)
+            acc[c] = fmadd(set1(w), load(parts_out + (p * Hq + hq) * D + c * kW), acc[c]);
+        }
+        for (int64_t c = 0; c < D / kW; ++c) store(op + (r.row * Hq + hq) * D + c * kW, mul(acc[c], set1(1.f / total)));
+      }
+  });
 }
 
 int64_t AttentionTasks::size() const {
@@ -789,11 +861,18 @@ void AttentionTasks::run(TaskStream& tasks) const {
         return lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + i;
       };
       auto row_by_row = [](const RowBlock&, int64_t, const int32_t*) { return false; };
-      // attend(h, table, T, query row, out row, next): one query row's heads
+      // attend(h, table, T, query row, out row, next, lse): one query row's heads
       // h .. h + H * group - 1; next (kv head, table, T) is the next task's first row when this
-      // is a one-row block (decodes), else table nullptr.
+      // is a one-row block (decodes), else table nullptr. A part of a split row attends to its
+      // tokens only (table and T shifted) into partial_out_, writing its log-sum-exp to lse.
       // whole_block(b, h, table): serves all of block b's rows for heads h .. h + H * group - 1
       // itself and returns true, or returns false to leave them to attend.
+      // A part's tokens: its share of the table and of T.
+      auto part_of = [&](const RowBlock& b, const int32_t*& table, int64_t& T) {
+        if (b.part < 0) return;
+        table += b.part * split_tokens_ / a.block_size;
+        T = std::min(split_tokens_, T - b.part * split_tokens_);
+      };
       auto each_row = [&](auto&& attend, auto&& whole_block) {
         for (; !tasks.done(); tasks.advance()) {
           const int64_t task = tasks.task(), ahead = tasks.ahead();
@@ -805,16 +884,27 @@ void AttentionTasks::run(TaskStream& tasks) const {
           if (b.count == 1 && ahead >= 0) {
             const RowBlock& nb = blocks_[ahead / per_block];
             next = {ahead % per_block * H, a.tables + nb.seq * a.max_blocks, row_len(nb, nb.first)};
+            part_of(nb, next.table, next.T);
             if (next.T <= 0) next.table = nullptr;
           }
           for (int64_t i = b.first; i < b.first + b.count; ++i) {
-            const int64_t row = starts_[b.seq] + i, T = row_len(b, i);
+            const int64_t row = starts_[b.seq] + i;
+            int64_t T = row_len(b, i);
+            const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
+            if (b.part >= 0) {
+              const int32_t* part_table = table;
+              part_of(b, part_table, T);
+              const int64_t at = b.partial * Hq + h * a.group;
+              attend(h, part_table, T, qrow, partial_out_.data_ptr<float>() + at * D, next,
+                     partial_lse_.data_ptr<float>() + at);
+              continue;
+            }
             const int64_t offset = (row * Hq + h * a.group) * D;  // in out
             if (T <= 0) {
               for (int64_t j = 0; j < H * a.group * D; ++j) op[offset + j] = 0;
               continue;
             }
-            attend(h, table, T, qp + row * query_.stride(0) + h * a.group * D, op + offset, next);
+            attend(h, table, T, qrow, op + offset, next, nullptr);
           }
         }
       };
@@ -823,7 +913,7 @@ void AttentionTasks::run(TaskStream& tasks) const {
         const uint8_t *k = k_cache_.data_ptr<uint8_t>(), *v = v_cache_.data_ptr<uint8_t>();
         const c10::Half *ks = k_group_scale_.data_ptr<c10::Half>(), *km = k_group_min_.data_ptr<c10::Half>(),
                         *vs = v_group_scale_.data_ptr<c10::Half>(), *vm = v_group_min_.data_ptr<c10::Half>();
-        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, scalar_t* orow, auto) {
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow, auto, float*) {
           thread_local Int4Rows rows;
           const int64_t g = h * groups;  // the head's first group in a slot
           rows = {k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
@@ -847,7 +937,7 @@ void AttentionTasks::run(TaskStream& tasks) const {
         const kv_t* kp = k_cache_.data_ptr<kv_t>();
         const kv_t* vp = v_cache_.data_ptr<kv_t>();
         each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow,
-                     const auto& next) {
+                     const auto& next, float* lse) {
           const kv_t *kh = kp + h * D, *vh = vp + h * D;
           constexpr bool kBf16Rows = std::is_same_v<kv_t, c10::BFloat16> ||
                                      std::is_same_v<kv_t, c10::Float8_e4m3fn>;
@@ -857,9 +947,9 @@ void AttentionTasks::run(TaskStream& tasks) const {
               const NextKeys<kv_t> ahead{kp + next.h * D, next.table, next.T};
               const float *ks = k_scale ? k_scale + h : nullptr, *vs = v_scale ? v_scale + h : nullptr;
               if (D == 64)
-                decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead);
+                decode_heads_bf16<2>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead, lse);
               else
-                decode_heads_bf16<4>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead);
+                decode_heads_bf16<4>(a, qb, kh, vh, table, T, orow, buf, H, ks, vs, ahead, lse);
               return;
             }
           }
@@ -932,6 +1022,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
     TaskStream mine(queue);
     tasks->run(mine);
   });
+  tasks->merge_partials();
 }
 
 void KVParams::check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const {

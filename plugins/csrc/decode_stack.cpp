@@ -170,7 +170,10 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
         guarded([&] { tasks->run(mine); });
       }
 #pragma omp barrier
-      serial([&] { l.o.prepare(attn2d, acts); });
+      serial([&] {
+        tasks->merge_partials();  // rows whose context was split (few long decodes)
+        l.o.prepare(attn2d, acts);
+      });
       linear(l.o, hidden);
       serial([&] {
         fused_add_rms_norm(hidden, residual, l.post_norm, eps_);

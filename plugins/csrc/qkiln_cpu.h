@@ -153,11 +153,20 @@ class AttentionTasks {
                  const KVParams& params = {}, const uint8_t* skip_seqs = nullptr);
   int64_t size() const;
   void run(TaskStream& tasks) const;  // any partition of [0, size()), or claims on a TaskQueue
+  // After every task ran: the rows whose context was split into parts get their output from the
+  // parts' (one thread; a no-op without splits, which only decode steps of < 8 rows make).
+  void merge_partials() const;
 
  private:
   struct RowBlock {  // query rows [first, first + count) of sequence seq
     int64_t seq, first, count;
+    int64_t part = -1;  // a one-row block split by context: tokens [part * split_tokens_, ...)
+    int64_t partial = -1;  // then: its index in partial_out_ / partial_lse_
   };
+  struct SplitRow {  // a decode row served in `parts` parts, partials [first, first + parts)
+    int64_t row, parts, first;
+  };
+  void split_long_decodes(int64_t block_size);
   at::Tensor query_, k_cache_, v_cache_, out_;
   at::Tensor k_scale_, v_scale_;  // fp8 caches: fp32 [Hkv]; undefined otherwise
   at::Tensor k_group_scale_, k_group_min_, v_group_scale_, v_group_min_;  // int4 caches only
@@ -169,6 +178,9 @@ class AttentionTasks {
   bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query, bf16/fp8 cache, D 64/128)
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
   bool prefill_tiled_ = false;   // prefill_block_bf16 serves multi-row blocks (bf16 q; bf16/fp8 cache)
+  int64_t split_tokens_ = 0;     // context tokens per part of a split decode row (0: no splits)
+  std::vector<SplitRow> splits_;
+  at::Tensor partial_out_, partial_lse_;  // fp32 [parts, Hq, D], [parts, Hq]
 };
 // cpu_kv_write.cpp
 void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,

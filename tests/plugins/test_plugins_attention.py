@@ -66,3 +66,43 @@ def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, s
     expected = reference_paged_attention(*args)
     actual = paged_attention(args[0], cache, *args[10:])
     assert actual.dtype == torch.bfloat16 and rel_error(actual, expected) < TOLERANCE[torch.bfloat16]
+
+
+def _native_float_out(args, cache, monkeypatch, split: bool):
+    """The native op into an fp32 output (the registered op returns the query's dtype, whose
+    rounding would hide the parts' different summation order)."""
+    from qkiln.plugins import cpu_native
+
+    ops = cpu_native.native_ops()
+    if ops is None or ops.bf16_gemm_isa() == "portable":  # (built with AVX512-BF16 or not)
+        pytest.skip("needs the native extension with AVX512-BF16 (decode_heads_bf16)")
+    monkeypatch.setenv("QKILN_DECODE_SPLIT", "1" if split else "0")
+    out = torch.empty(args[0].shape, dtype=torch.float32)
+    query, k, v, k_scale, v_scale = args[:5]
+    ops.paged_attention(query, k, v, *args[10:13], args[13], out, k_scale, v_scale, None, None, None, None)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_long_decodes_split_by_context_match_reference(kv_dtype, head_dim, group, block_size, monkeypatch):
+    """Few decodes (< 8 rows) over 1024+ tokens are served in parts of ~512 tokens and merged by
+    their log-sum-exp; shorter rows are served whole, with the same bits either way."""
+    torch.manual_seed(head_dim + group + block_size)
+    specs = [(3000, 1), (1030, 1), (100, 1)]
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in specs) + 4
+    cache = make_cache(kv_dtype, num_blocks, 3, head_dim, block_size=block_size)
+    batch = PagedBatch(specs, cache, num_heads=3 * group)
+    args = batch.attention_args(cache, torch.bfloat16)
+    expected = reference_paged_attention(*args).float()
+    split = _native_float_out(args, cache, monkeypatch, split=True)
+    whole = _native_float_out(args, cache, monkeypatch, split=False)
+    assert rel_error(split, expected) < TOLERANCE[torch.bfloat16]
+    assert rel_error(split, whole) < 1e-5  # the same softmax, summed in another order
+    assert not torch.equal(split[:2], whole[:2])  # the two long rows went through the parts
+    assert torch.equal(split[2], whole[2])
+    # what the registered op returns (bf16) agrees with the fp32 result
+    monkeypatch.setenv("QKILN_DECODE_SPLIT", "1")
+    assert rel_error(paged_attention(args[0], cache, *args[10:]), split) < TOLERANCE[torch.bfloat16]
