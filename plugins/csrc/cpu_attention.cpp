@@ -24,8 +24,10 @@
 // once for all its rows: same-process A/B (5 alternating rounds), SmolLM2 heads, 30 layers:
 // 8 prompts x 128 tokens 1.639 -> 1.250 ms a layer, one 1024-token prompt 15.94 -> 12.27. Over an
 // fp8 cache a prefill block converts its prefix to bf16 rows first (serve_fp8_prefix). On an AMX CPU
-// the sequences with kAmxMinRows+ rows over a bf16 cache skip all of this: paged_attention hands
-// them to AmxPrefill (cpu_attention_prefill_amx.cpp), 1.8-3x faster from 1024-token prompts up.
+// the sequences with kAmxMinRows+ rows over a bf16, fp8 or int4 cache skip all of this:
+// paged_attention hands them to AmxPrefill (cpu_attention_prefill_amx.cpp), 1.8-3x faster from
+// 1024-token prompts up (6x over int4). A step of few long decodes splits each row's context
+// into parts (kSplitTokens, merge_partials).
 //
 
 #include "cpu_attention_internal.h"
@@ -824,7 +826,8 @@ void AttentionTasks::merge_partials() const {
     for (const SplitRow& r : splits_)
       for (int64_t hq = 0; hq < Hq; ++hq) {
         float top = -std::numeric_limits<float>::infinity();
-        for (int64_t p = r.first; p < r.first + r.parts; ++p) top = std::max(top, parts_lse[p * Hq + hq]);
+        for (int64_t p = r.first; p < r.first + r.parts; ++p)
+          top = std::max(top, parts_lse[p * Hq + hq]);
         Vf acc[8];  // D <= 128
         for (int64_t c = 0; c < D / kW; ++c) acc[c] = set1(0.f);
         float total = 0.f;
@@ -834,7 +837,8 @@ void AttentionTasks::merge_partials() const {
           for (int64_t c = 0; c < D / kW; ++c)
             acc[c] = fmadd(set1(w), load(parts_out + (p * Hq + hq) * D + c * kW), acc[c]);
         }
-        for (int64_t c = 0; c < D / kW; ++c) store(op + (r.row * Hq + hq) * D + c * kW, mul(acc[c], set1(1.f / total)));
+        for (int64_t c = 0; c < D / kW; ++c)
+          store(op + (r.row * Hq + hq) * D + c * kW, mul(acc[c], set1(1.f / total)));
       }
   });
 }

@@ -171,7 +171,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       }
 #pragma omp barrier
       serial([&] {
-        tasks->merge_partials();  // rows whose context was split (few long decodes)
+        if (tasks) tasks->merge_partials();  // rows whose context was split (few long decodes)
         l.o.prepare(attn2d, acts);
       });
       linear(l.o, hidden);

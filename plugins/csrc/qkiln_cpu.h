@@ -150,7 +150,8 @@ class AttentionTasks {
   AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, double scale, at::Tensor& out,
-                 const KVParams& params = {}, const uint8_t* skip_seqs = nullptr);
+                 const KVParams& params = {},
+                 const uint8_t* skip_seqs = nullptr);  // per sequence: 1 where AmxPrefill serves it
   int64_t size() const;
   void run(TaskStream& tasks) const;  // any partition of [0, size()), or claims on a TaskQueue
   // After every task ran: the rows whose context was split into parts get their output from the
