@@ -108,8 +108,8 @@ def run_prefill(model: str, artifact: Path, args: dict) -> dict:
 
 
 def print_prefill(results: dict, args: dict) -> None:
-    names = list(next(iter(results["prompts"].values())))
-    engines = [n for n in names if not n.endswith("_vs_amx") and not n.endswith("_vs_qkiln")]
+    first = next(iter(results["prompts"].values()))
+    engines = [name for name, value in first.items() if isinstance(value, dict)]  # not the ratios
     table = []
     for n, row in results["prompts"].items():
         table.append([n] + [fmt(row[e]["seconds"], 3) for e in engines]
