@@ -34,8 +34,6 @@
 #include "qkiln_cpu.h"
 #include "vec.h"
 
-#include <optional>
-
 using namespace attention_detail;
 
 namespace {
@@ -128,13 +126,15 @@ struct CacheRows {
   }
 };
 
-constexpr int64_t kMaxInt4HeadDim = 128;
+}  // namespace
+
+namespace attention_detail {
 
 // One packed int4 row of D elements -> fp32, x = q * scale + min per group of `group` elements
 // (kv_cache.dequantize_int4_groups; low nibble = even element). The row's fp16 scales and
 // minimums are widened once into fp32 first (a scalar c10::Half conversion per group cost more
 // than the codes).
-inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const c10::Half* min_h,
+void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const c10::Half* min_h,
                                 int64_t D, int64_t group, float* out) {
   float scale[kMaxInt4HeadDim / 2], minimum[kMaxInt4HeadDim / 2];  // groups have >= 2 elements
   for (int64_t g = 0; g < D / group; g += kW) {
@@ -158,6 +158,10 @@ inline void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h,
     out[j] = static_cast<float>(code) * scale[j / group] + minimum[j / group];
   }
 }
+
+}  // namespace attention_detail
+
+namespace {
 
 // Int4Rows: an int4 cache's rows dequantized into fp32 once per tile, for every query head of the
 // group (the bytes and the per-(slot, head, group) fp16 scale / min through the block table).
@@ -723,20 +727,11 @@ constexpr int64_t kFuseHeadsMinBlocks = 8;
 // QKILN_DECODE_SPLIT=0 turns it off (read per call, for comparisons).
 constexpr int64_t kSplitTokens = 512;
 
-bool decode_split_enabled() {
-  const char* off = std::getenv("QKILN_DECODE_SPLIT");
-  return !(off && std::strcmp(off, "0") == 0);
-}
-
-}  // namespace
-
-AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
-                               const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                               double scale, at::Tensor& out, const KVParams& params,
-                               const uint8_t* skip_seqs)
-    : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
-      scale_(static_cast<float>(scale)) {
+// paged_attention's argument checks (AttentionTasks makes them; paged_attention before AmxPrefill).
+void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                const at::Tensor& out, const KVParams& params) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2) &&
               out.is_contiguous() && out.sizes() == query.sizes(),
               "query must be [N, Hq, D] with dense heads, out contiguous [N, Hq, D]");
@@ -749,18 +744,34 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
               "block_tables, seq_lens, query_start_loc must be contiguous int32");
   const int64_t num_seqs = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t Hkv = k_cache.size(2);
+  params.check(k_cache, D, "paged_attention");
+  if (k_cache.scalar_type() == at::kByte)
+    TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_attention: int4 caches need head_dim 32, 64 or 128");
+  TORCH_CHECK(cache_head_dim(k_cache) == D && D % kW == 0 && Hq % Hkv == 0 &&
+              query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
+}
+
+}  // namespace
+
+AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                               double scale, at::Tensor& out, const KVParams& params,
+                               const uint8_t* skip_seqs)
+    : query_(query), k_cache_(k_cache), v_cache_(v_cache), out_(out),
+      scale_(static_cast<float>(scale)) {
+  check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                             params);
+  const int64_t num_seqs = seq_lens.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t Hkv = k_cache.size(2);
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   int4_ = k_cache.scalar_type() == at::kByte;
-  params.check(k_cache, D, "paged_attention");
   k_scale_ = params.k_scale.value_or(at::Tensor()), v_scale_ = params.v_scale.value_or(at::Tensor());
   if (int4_) {
     k_group_scale_ = *params.k_group_scale, k_group_min_ = *params.k_group_min;
     v_group_scale_ = *params.v_group_scale, v_group_min_ = *params.v_group_min;
-    TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_attention: int4 caches need head_dim 32, 64 or 128");
   }
-  TORCH_CHECK(cache_head_dim(k_cache) == D && D % kW == 0 && Hq % Hkv == 0 &&
-              query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
-              "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
   tables_ = block_tables.data_ptr<int32_t>();
   lens_ = seq_lens.data_ptr<int32_t>();
   starts_ = query_start_loc.data_ptr<int32_t>();
@@ -786,7 +797,8 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
         heads_per_task_ = h;
         break;
       }
-  if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks && decode_split_enabled())
+  if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks &&
+      !switched_off("QKILN_DECODE_SPLIT"))
     split_long_decodes(k_cache.size(1));
 }
 
@@ -1010,23 +1022,21 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, at::Tensor& out,
                      const KVParams& params) {
-  // (AttentionTasks checks the arguments; AmxPrefill reads them only after that)
-  std::optional<AttentionTasks> tasks;
-  tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, params);
+  check_paged_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+                             params);  // before AmxPrefill reads them
   AmxPrefill amx(query, k_cache, v_cache, block_tables.data_ptr<int32_t>(), block_tables.size(1),
                  seq_lens.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(), seq_lens.size(0),
                  static_cast<float>(scale), params, out);
-  if (amx.served_any()) {  // those sequences' rows go to AMX, the rest stay here
-    tasks.emplace(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                  params, amx.served());
-    amx.run();
-  }
-  TaskQueue queue(tasks->size());
-  at::parallel_for(0, tasks->size(), 1, [&](int64_t, int64_t) {
+  // the sequences AMX serves are skipped here
+  const AttentionTasks tasks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                             out, params, amx.served_any() ? amx.served() : nullptr);
+  amx.run();
+  TaskQueue queue(tasks.size());
+  at::parallel_for(0, tasks.size(), 1, [&](int64_t, int64_t) {
     TaskStream mine(queue);
-    tasks->run(mine);
+    tasks.run(mine);
   });
-  tasks->merge_partials();
+  tasks.merge_partials();
 }
 
 void KVParams::check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const {

@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -41,6 +43,20 @@ void prefill_block_bf16(const Decode& a, const c10::BFloat16* q, int64_t q_strid
 struct KVParams;  // qkiln_cpu.h
 
 namespace attention_detail {
+
+// Whether the environment sets `var` to "0": the kernels' comparison switches (QKILN_AMX_PREFILL,
+// QKILN_DECODE_SPLIT), read per call so one process can time both sides.
+inline bool switched_off(const char* var) {
+  const char* value = std::getenv(var);
+  return value && std::strcmp(value, "0") == 0;
+}
+
+constexpr int64_t kMaxInt4HeadDim = 128;
+
+// One packed int4 cache row of D (<= kMaxInt4HeadDim) elements -> fp32, x = q * scale + min per
+// group (cpu_attention.cpp; the int4 decode kernels and AmxPrefill's staging use it).
+void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum,
+                         int64_t D, int64_t group, float* out);
 
 // Sequences with this many query rows in a step take the AMX prefill kernel where it runs
 // (cpu_attention_prefill_amx.cpp); fewer rows stay on the per-block kernels.

@@ -35,7 +35,6 @@
 #include "task_stream.h"
 #include "vec.h"
 
-#include <array>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define QKILN_AMX_PREFILL 1
@@ -116,65 +115,26 @@ AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const
 
 #ifdef QKILN_AMX_PREFILL
 
-namespace {
-
-// The bf16 bits of every e4m3fn code: its values are all exact bf16 (normals from 2^-9 up; NaN
-// codes 0x7F / 0xFF to NaN), so an fp8 cache stages as exactly as a bf16 one, its scales applied
-// to the scores and the output as the other kernels do.
-const uint16_t* fp8_as_bf16() {
-  static const auto table = [] {
-    std::array<uint16_t, 256> t{};
-    for (int code = 0; code < 256; ++code) {
-      const c10::Float8_e4m3fn e(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits());
-      const float x = static_cast<float>(e);
-      uint32_t bits;
-      std::memcpy(&bits, &x, 4);
-      t[code] = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>(bits >> 16);
-    }
-    return t;
-  }();
-  return table.data();
-}
-
-}  // namespace
-
-// One cache row (slot * Hkv + kv head) of K or V as D bf16 words. fp8: exact (fp8_as_bf16). int4:
-// code * scale + minimum in fp32 (dequantize_int4_row's arithmetic), rounded to bf16: the int4
-// error is ~2^4 times that rounding's.
+// One cache row (slot * Hkv + kv head) of K or V as D bf16 words: fp8 exactly (e4m3 values are
+// bf16 values; vec.h's load and store, NaN to 0x7FC0); int4 dequantized in fp32 as the decode
+// kernels do (dequantize_int4_row), then rounded to bf16: the int4 error is ~2^4 times that
+// rounding's.
 void AmxPrefill::widen_row(bool value, int64_t row, uint16_t* out) const {
   const int64_t D = query_.size(2);
   const at::Tensor& cache = value ? v_cache_ : k_cache_;
+  auto* words = reinterpret_cast<c10::BFloat16*>(out);
   if (cache.scalar_type() == at::kFloat8_e4m3fn) {
-    const uint16_t* bf16 = fp8_as_bf16();
-    const auto* codes = reinterpret_cast<const uint8_t*>(cache.data_ptr()) + row * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = bf16[codes[d]];
+    const auto* codes = cache.data_ptr<c10::Float8_e4m3fn>() + row * D;
+    for (int64_t d = 0; d < D; d += kW) store(words + d, load(codes + d));
     return;
   }
   const at::Tensor& scales = value ? v_group_scale_ : k_group_scale_;
   const at::Tensor& mins = value ? v_group_min_ : k_group_min_;
-  const int64_t groups = scales.size(3), group = D / groups;
-  const auto* packed = cache.data_ptr<uint8_t>() + row * D / 2;
-  const c10::Half* scale = scales.data_ptr<c10::Half>() + row * groups;
-  const c10::Half* minimum = mins.data_ptr<c10::Half>() + row * groups;
-  if (group % kW == 0) {  // each 16-element chunk lies in one group (scalar, it was 6% of prefill)
-    for (int64_t d = 0; d < D; d += kW) {
-      const __m128i bytes =
-          _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + d / 2)));
-      const __m128i codes = _mm_or_si128(_mm_and_si128(bytes, _mm_set1_epi16(15)),  // [lo, hi] pairs
-                                         _mm_slli_epi16(_mm_srli_epi16(bytes, 4), 8));
-      const Vf x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
-      const Vf y = add(mul(x, set1(static_cast<float>(scale[d / group]))),
-                       set1(static_cast<float>(minimum[d / group])));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), bf16_bits(y));  // c10's rounding
-    }
-    return;
-  }
-  for (int64_t d = 0; d < D; ++d) {
-    const int code = d % 2 ? packed[d / 2] >> 4 : packed[d / 2] & 15;
-    const float x = static_cast<float>(code) * static_cast<float>(scale[d / group]) +
-                    static_cast<float>(minimum[d / group]);
-    out[d] = c10::BFloat16(x).x;
-  }
+  const int64_t groups = scales.size(3);
+  float values[kMaxInt4HeadDim];
+  dequantize_int4_row(cache.data_ptr<uint8_t>() + row * D / 2, scales.data_ptr<c10::Half>() + row * groups,
+                      mins.data_ptr<c10::Half>() + row * groups, D, D / groups, values);
+  for (int64_t d = 0; d < D; d += kW) store(words + d, load(values + d));
 }
 
 // Phase 1: tokens [64 c, 64 c + 64) of one sequence's kv head h into its staged K^T / V tiles
@@ -358,10 +318,7 @@ void AmxPrefill::run() {
 }
 
 // Read per call, so a process can compare the two kernels (bench/, tests).
-bool amx_prefill_ready() {
-  const char* off = std::getenv("QKILN_AMX_PREFILL");
-  return amx_bf16_ready() && !(off && std::strcmp(off, "0") == 0);
-}
+bool amx_prefill_ready() { return amx_bf16_ready() && !switched_off("QKILN_AMX_PREFILL"); }
 
 #else
 
