@@ -36,7 +36,7 @@ import torch
 from .block_manager import cdiv
 from .model import CausalLM
 from .paged_attention import AttentionMetadata
-from .runner import ModelRunner
+from .runner import ModelRunner, StepLogits
 from .scheduler import StepPlan
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -176,11 +176,11 @@ class GraphRunner(ModelRunner):
         return bucket_for(len(plan.scheduled), self.buckets)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan, argmax: bool = False) -> StepLogits:
         bucket = self.decode_bucket(plan) if self.pad_decode else None
         if bucket is None:
-            return super().execute(plan)
-        return self.execute_padded(plan, bucket)
+            return super().run(plan, argmax)
+        return StepLogits(self.execute_padded(plan, bucket), None)
 
     @torch.inference_mode()
     def execute_padded(self, plan: StepPlan, bucket: int | None = None) -> torch.Tensor:

@@ -18,8 +18,10 @@ activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp), e
 bf16 GEMM on the dequantized weights (qkiln's panels, csrc/cpu_gemm_bf16.cpp). When this form was
 measured against the Python layer loop (offline 64 x 128/128, same-process A/B, 5 rounds; the bf16
 GEMM was oneDNN's then): decode step 74.2 -> 63.2 ms (537.9 -> 584.5 tok/s) with int8 activations,
-103.5 -> 84.5 ms (422.2 -> 489.7 tok/s) exact. Embeddings, RoPE tables and the lm_head stay in
-model.py.
+103.5 -> 84.5 ms (422.2 -> 489.7 tok/s) exact. Embeddings and RoPE tables stay in model.py. A
+native lm_head joins the GEMV form's call (`logits`): its tiles split over the threads like the
+layers', and for greedy steps each thread takes the argmax of the logits it wrote (read back by
+one thread, half of them came from the other core's cache: ~0.1 ms of a ~7 ms batch-1 step).
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 
@@ -107,9 +109,12 @@ class NativeDecodeStack:
         if any(int4_dense) and not all(int4_dense):
             return None
         norm = model.model.norm
+        max_gemv_rows = INT4_GEMV_ROWS if all(int4_dense) else SMALL_M
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
-                                config.num_key_value_heads, config.head_dim, norm.eps,
-                                INT4_GEMV_ROWS if all(int4_dense) else SMALL_M)
+                                config.num_key_value_heads, config.head_dim, norm.eps, max_gemv_rows)
+        head = _native_linear(model.lm_head, ext) if model.lm_head is not None else None
+        if head is not None and _gemv_rows(model.lm_head.packed) >= max_gemv_rows:
+            stack.set_head(head)
         return cls(model, stack)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
@@ -125,3 +130,23 @@ class NativeDecodeStack:
         cos, signed_sin = self.model.rope.cos_sin(positions, x.dtype)  # [N, 1, D] each
         return self.stack.forward(x, cos, signed_sin, metadata.slot_mapping, metadata.block_tables,
                                   metadata.seq_lens, metadata.query_start_loc)
+
+    def serves_head(self, num_tokens: int) -> bool:
+        """Whether `logits` serves a step of this many rows (which `applies` accepted)."""
+        return self.stack.has_head and num_tokens <= self.stack.max_gemv_rows
+
+    def logits(self, input_ids, positions, metadata: AttentionMetadata,
+               argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids [N] -> (CausalLM.compute_logits of the hidden states [N, vocab], with `argmax` each
+        row's ops.argmax [N], else None), the head in the same native call as the layers."""
+        x = self.model.model.embed_tokens(input_ids)
+        cos, signed_sin = self.model.rope.cos_sin(positions, x.dtype)
+        logits, token_ids = self.stack.logits(x, cos, signed_sin, metadata.slot_mapping,
+                                              metadata.block_tables, metadata.seq_lens,
+                                              metadata.query_start_loc, argmax)
+        return logits, token_ids if argmax else None
+
+
+def _gemv_rows(weight) -> int:
+    """The most rows the Python path (cpu_linear.py) computes this native weight with the GEMV."""
+    return INT4_GEMV_ROWS if isinstance(weight, W4A16Weight) and weight.many_rows_form else SMALL_M

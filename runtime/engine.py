@@ -19,7 +19,7 @@ from .cuda_graphs import GraphRunner
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM
 from .runner import ModelRunner
-from .sampler import Sampler, make_generator
+from .sampler import Sampler, SamplerOutput, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -124,12 +124,18 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        logits = self.runner.execute(plan)
         sampling = plan.sampling
-        out = self.sampler.sample(
-            logits, [s.seq.sampling_params for s in sampling],
-            [self.requests[s.seq_id].generator for s in sampling],
-            [s.banned_token_ids for s in sampling])
+        params = [s.seq.sampling_params for s in sampling]
+        # Plain greedy steps may get their tokens with the logits (the native decode stack's head)
+        plain_greedy = all(p.is_greedy and p.logprobs is None for p in params) and \
+            not any(s.banned_token_ids for s in sampling)
+        step = self.runner.run(plan, argmax=plain_greedy)
+        if step.argmax is not None:
+            out = SamplerOutput(step.argmax)
+        else:
+            out = self.sampler.sample(step.logits, params,
+                                      [self.requests[s.seq_id].generator for s in sampling],
+                                      [s.banned_token_ids for s in sampling])
         sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
         finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
         self.stats["num_steps"] += 1

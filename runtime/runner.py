@@ -11,6 +11,8 @@ Only rows that end a sequence's known tokens are turned into logits (`sample_row
 prefill chunk pays for the lm_head once, not once per token. Owns no scheduling decisions.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from qkiln.plugins import KVCache
@@ -19,6 +21,11 @@ from .decode_stack import NativeDecodeStack
 from .model import CausalLM
 from .paged_attention import AttentionMetadata, PagedAttention
 from .scheduler import StepPlan
+
+
+class StepLogits(NamedTuple):
+    logits: torch.Tensor  # [num_sampling_seqs, vocab], plan.sampling order, the model's dtype
+    argmax: torch.Tensor | None  # [num_sampling_seqs] int64 ops.argmax of them, when asked and made
 
 
 class ModelRunner:
@@ -59,15 +66,23 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [N]
         return input_ids, positions_t, metadata, torch.tensor(sample_rows, dtype=torch.int64, device=dev)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns logits [num_sampling_seqs, vocab] in `plan.sampling` order, in the
         model's dtype (the sampler widens them to fp32 where it computes with them, not for greedy
         argmax: a 64 x 49152 fp32 copy a step, into memory often faulted in anew, is avoided)."""
+        return self.run(plan).logits
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, argmax: bool = False) -> StepLogits:
+        """`execute`, and with `argmax` each logits row's ops.argmax where the native decode stack
+        computes the head (then its threads take it as they write the logits), else None."""
         input_ids, positions, metadata, sample_rows = self.prepare(plan)
-        if self.decode_stack is not None and self.decode_stack.applies(input_ids.shape[0], metadata):
-            hidden = self.decode_stack.hidden_states(input_ids, positions, metadata)  # [N, hidden]
+        stack, num_tokens = self.decode_stack, input_ids.shape[0]
+        if stack is not None and stack.applies(num_tokens, metadata):
+            if stack.serves_head(num_tokens) and sample_rows.shape[0] == num_tokens:  # every row samples
+                return StepLogits(*stack.logits(input_ids, positions, metadata, argmax))
+            hidden = stack.hidden_states(input_ids, positions, metadata)  # [N, hidden]
         else:
             self.backend.metadata = metadata
             hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
-        return self.model.compute_logits(hidden[sample_rows])
+        return StepLogits(self.model.compute_logits(hidden[sample_rows]), None)

@@ -173,10 +173,59 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
   });
 }
 
-// logits [M, V] contiguous (fp32, bf16 or fp16) -> int64 [M]: the first index of each row's
-// largest value, NaN counting as the largest (torch.argmax's rule). Widening to fp32 keeps order
-// and ties, so bf16 logits need no fp32 copy first. torch's CPU argmax reads ~0.6 G floats/s
-// (76 us for SmolLM2's 49152-token vocabulary, 5.7 ms for 64 rows: a greedy step's sampling).
+namespace {
+
+// The first index of the largest of row[0, V), NaN counting as the largest (torch.argmax's rule).
+// Widening to fp32 keeps order and ties, so bf16 logits need no fp32 copy first.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t V) {
+  int64_t best = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as vec.h's Vf
+  // Per lane: strict > keeps the lane's first maximum; across lanes the smallest index among
+  // the lanes holding the maximum. Lanes past V never compare (masked), and the first
+  // vector's padding holds -inf with index INT32_MAX, never chosen over a real lane. NaN is
+  // rare: detected per vector, then found by a plain scan.
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t first_n = std::min<int64_t>(V, 16);
+  const __mmask16 first = lanes(first_n);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best_v = _mm512_mask_mov_ps(neg_inf, first, load(row, first_n));
+  __m512i best_i = _mm512_mask_mov_epi32(
+      _mm512_set1_epi32(std::numeric_limits<int32_t>::max()), first, idx);
+  __mmask16 nan = _mm512_cmp_ps_mask(best_v, best_v, _CMP_UNORD_Q);
+  for (int64_t i = 16; i < V; i += 16) {
+    idx = _mm512_add_epi32(idx, step);
+    const int64_t n = std::min<int64_t>(V - i, 16);
+    const __mmask16 valid = lanes(n);
+    const __m512 v = load(row + i, n);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, best_v, _CMP_GT_OQ);
+    best_v = _mm512_mask_mov_ps(best_v, gt, v);
+    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+    nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+  }
+  if (nan) {
+    while (!std::isnan(static_cast<float>(row[best]))) ++best;
+  } else {
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best_v));
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best_v, top, _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(at_top, best_i);
+  }
+#else
+  float best_value = static_cast<float>(row[0]);
+  for (int64_t i = 1; i < V && !std::isnan(best_value); ++i) {
+    const float value = static_cast<float>(row[i]);
+    if (value > best_value || std::isnan(value)) best = i, best_value = value;
+  }
+#endif
+  return best;
+}
+
+}  // namespace
+
+// logits [M, V] contiguous (fp32, bf16 or fp16) -> int64 [M]: argmax_row of each row. torch's CPU
+// argmax reads ~0.6 G floats/s (76 us for SmolLM2's 49152-token vocabulary, 5.7 ms for 64 rows: a
+// greedy step's sampling).
 at::Tensor argmax_rows(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "argmax_rows: needs contiguous [M, V] logits with V > 0");
@@ -185,53 +234,26 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::Tensor out = at::empty({M}, logits.options().dtype(at::kLong));
   int64_t* result = out.data_ptr<int64_t>();
   QKILN_DISPATCH(logits.scalar_type(), "qkiln_argmax_rows", [&] {
-    using T = scalar_t;
-    const T* x = logits.data_ptr<T>();
-    for_rows(M, V, [&](int64_t r) {
-      const T* row = x + r * V;
-      int64_t best = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as vec.h's Vf
-      // Per lane: strict > keeps the lane's first maximum; across lanes the smallest index among
-      // the lanes holding the maximum. Lanes past V never compare (masked), and the first
-      // vector's padding holds -inf with index INT32_MAX, never chosen over a real lane. NaN is
-      // rare: detected per vector, then found by a plain scan.
-      const __m512i step = _mm512_set1_epi32(16);
-      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const int64_t first_n = std::min<int64_t>(V, 16);
-      const __mmask16 first = lanes(first_n);
-      const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __m512 best_v = _mm512_mask_mov_ps(neg_inf, first, load(row, first_n));
-      __m512i best_i = _mm512_mask_mov_epi32(
-          _mm512_set1_epi32(std::numeric_limits<int32_t>::max()), first, idx);
-      __mmask16 nan = _mm512_cmp_ps_mask(best_v, best_v, _CMP_UNORD_Q);
-      for (int64_t i = 16; i < V; i += 16) {
-        idx = _mm512_add_epi32(idx, step);
-        const int64_t n = std::min<int64_t>(V - i, 16);
-        const __mmask16 valid = lanes(n);
-        const __m512 v = load(row + i, n);
-        const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, v, best_v, _CMP_GT_OQ);
-        best_v = _mm512_mask_mov_ps(best_v, gt, v);
-        best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-        nan |= _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
-      }
-      if (nan) {
-        while (!std::isnan(static_cast<float>(row[best]))) ++best;
-      } else {
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best_v));
-        const __mmask16 at_top = _mm512_cmp_ps_mask(best_v, top, _CMP_EQ_OQ);
-        best = _mm512_mask_reduce_min_epi32(at_top, best_i);
-      }
-#else
-      float best_value = static_cast<float>(row[0]);
-      for (int64_t i = 1; i < V && !std::isnan(best_value); ++i) {
-        const float value = static_cast<float>(row[i]);
-        if (value > best_value || std::isnan(value)) best = i, best_value = value;
-      }
-#endif
-      result[r] = best;
-    });
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    for_rows(M, V, [&](int64_t r) { result[r] = argmax_row(x + r * V, V); });
   });
   return out;
+}
+
+ArgmaxSpan argmax_span(const at::Tensor& logits, int64_t row, int64_t begin, int64_t end) {
+  ArgmaxSpan best;
+  if (end <= begin) return best;
+  QKILN_DISPATCH(logits.scalar_type(), "qkiln_argmax_span", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>() + row * logits.size(1);
+    best.index = begin + argmax_row(x + begin, end - begin);
+    best.value = static_cast<float>(x[best.index]);
+  });
+  return best;
+}
+
+void ArgmaxSpan::merge(const ArgmaxSpan& later) {
+  if (later.index < 0 || std::isnan(value)) return;
+  if (index < 0 || std::isnan(later.value) || later.value > value) *this = later;
 }
 
 bool silu_exp_is_torchs() { return exp_is_torchs(); }

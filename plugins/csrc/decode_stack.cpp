@@ -95,6 +95,11 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
     }
 }
 
+void DecodeStack::set_head(NativeLinear head) {
+  TORCH_CHECK(head.in_features() == final_norm_.size(0),
+              "DecodeStack.set_head: the head's in_features must be the hidden size");
+  head_.emplace(std::move(head));
+}
 
 namespace decode_stack_detail {
 
@@ -124,6 +129,30 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
                ? forward_many_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc)
                : forward_dense_rows(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc);
   }
+  return forward_gemv(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc,
+                      nullptr, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor> DecodeStack::logits(
+    at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc, bool argmax) const {
+  TORCH_CHECK(head_.has_value(), "DecodeStack.logits: no head (set_head)");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(0) == seq_lens.size(0) &&
+                  h.size(1) == final_norm_.size(0) && h.size(0) <= max_gemv_rows_,
+              "DecodeStack.logits: h must be contiguous [num_seqs, hidden], decodes only, at most ",
+              max_gemv_rows_, " rows");
+  at::Tensor logits = at::empty({h.size(0), head_->out_features()}, h.options()), token_ids;
+  if (argmax) token_ids = at::empty({h.size(0)}, h.options().dtype(at::kLong));
+  forward_gemv(h, cos, signed_sin, slot_mapping, block_tables, seq_lens, query_start_loc, &logits,
+               argmax ? &token_ids : nullptr);
+  return {logits, token_ids};
+}
+
+at::Tensor DecodeStack::forward_gemv(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                     at::Tensor* logits, at::Tensor* token_ids) const {
   const int64_t M = h.size(0), Hq = num_heads_, Hkv = num_kv_heads_;
   StepBuffers buf(h, Hq, Hkv, head_dim_, layers_.front().gate_up.out_features());
   auto& [residual, hidden, qkv, attn, gate_up, q, k, v, qkv2d, attn2d] = buf;
@@ -131,6 +160,7 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
   std::optional<AttentionTasks> tasks;    // the current layer's, made by thread 0
   FirstError errors;
   const int threads = std::max(1, at::get_num_threads());
+  std::vector<ArgmaxSpan> argmax_parts(token_ids ? M * threads : 0);  // [row, thread]
 
 #pragma omp parallel num_threads(threads)
   {
@@ -183,8 +213,32 @@ at::Tensor DecodeStack::forward(at::Tensor h, const at::Tensor& cos, const at::T
       serial([&] { l.down.prepare(silu_and_mul(gate_up), acts); });
       linear(l.down, hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
+    if (logits) {
+      serial([&] {
+        fused_add_rms_norm(hidden, residual, final_norm_, eps_);
+        head_->prepare(hidden, acts);
+      });
+      const auto [begin, end] = share(head_->num_tiles(), tid, n);
+      guarded([&] {
+        head_->tiles(acts, M, begin, end, *logits);
+        if (token_ids) {  // this thread's columns, which it just wrote
+          const int64_t first = begin * kGemvTileRows, last = std::min(end * kGemvTileRows, logits->size(1));
+          for (int64_t m = 0; m < M; ++m) argmax_parts[m * n + tid] = argmax_span(*logits, m, first, last);
+        }
+      });
+#pragma omp barrier
+      if (token_ids)
+        serial([&] {
+          int64_t* out = token_ids->data_ptr<int64_t>();
+          for (int64_t m = 0; m < M; ++m) {
+            ArgmaxSpan best;
+            for (int t = 0; t < n; ++t) best.merge(argmax_parts[m * n + t]);
+            out[m] = best.index;
+          }
+        });
+    }
   }
   errors.rethrow();
-  fused_add_rms_norm(hidden, residual, final_norm_, eps_);
+  if (!logits) fused_add_rms_norm(hidden, residual, final_norm_, eps_);
   return hidden;
 }

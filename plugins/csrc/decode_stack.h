@@ -39,6 +39,7 @@ class NativeLinear {
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
   int64_t num_tiles() const { return int4_ ? int4_->num_tiles : int8_->num_tiles; }
   int64_t out_features() const { return out_features_; }
+  int64_t in_features() const { return int4_ ? int4_->K : int8_->K; }
   const W4A8Gemm* int8_activations() const { return w4a8_ ? &*w4a8_ : nullptr; }
 
  private:
@@ -73,12 +74,33 @@ class DecodeStack {
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
+  // The lm_head in a native layout: lets greedy() finish a step in the same parallel region.
+  void set_head(NativeLinear head);
+  bool has_head() const { return head_.has_value(); }
+
+  // forward, then the head's logits [M, vocab] and, with `argmax`, each row's argmax (int64 [M],
+  // argmax_rows' result; else an undefined tensor), for steps of up to max_gemv_rows() rows: each
+  // thread takes the argmax of the logits it wrote, so no thread reads another's.
+  std::tuple<at::Tensor, at::Tensor> logits(at::Tensor h, const at::Tensor& cos,
+                                            const at::Tensor& signed_sin,
+                                            const at::Tensor& slot_mapping,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens,
+                                            const at::Tensor& query_start_loc, bool argmax) const;
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool int8_activations() const { return int8_activations_; }
   bool dense_rows() const { return dense_rows_; }
   int64_t max_gemv_rows() const { return max_gemv_rows_; }
 
  private:
+  // The GEMV form (up to max_gemv_rows_ rows) of forward, and of logits when `logits` is given:
+  // returns the hidden states after the final norm; fills *logits and *token_ids (argmax) then.
+  at::Tensor forward_gemv(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                          at::Tensor* logits, at::Tensor* token_ids) const;
+
   // forward for steps of more than max_gemv_rows_ rows (int8 activations; decode_stack_rows.cpp).
   at::Tensor forward_many_rows(at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -90,6 +112,7 @@ class DecodeStack {
                                 const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
   std::vector<StackLayer> layers_;
+  std::optional<NativeLinear> head_;
   at::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_, max_gemv_rows_;
   double eps_, scale_;

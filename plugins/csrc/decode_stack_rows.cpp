@@ -98,7 +98,7 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
 }
 
 void NativeLinear::add_dense(at::Tensor weight) {
-  const int64_t K = int4_ ? int4_->K : int8_->K;
+  const int64_t K = in_features();
   if (weight.scalar_type() == at::kInt) {  // qkiln's bf16 panels (cpu_gemm_bf16.cpp)
     TORCH_CHECK(Bf16Gemm(weight, out_features_).K == K,
                 "NativeLinear.add_dense: the panels' in_features do not match");

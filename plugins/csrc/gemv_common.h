@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int64_t kRows = 4;     // output rows per tile
+constexpr int64_t kRows = kGemvTileRows;  // output rows per tile
 constexpr int64_t kChunk = 64;   // weights per row per chunk (32 bytes of nibbles)
 constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
 

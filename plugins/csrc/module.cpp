@@ -92,6 +92,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("max_gemv_rows"))
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("logits", &DecodeStack::logits, py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &DecodeStack::set_head, py::arg("head"))
+      .def_property_readonly("has_head", &DecodeStack::has_head)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def_property_readonly("int8_activations", &DecodeStack::int8_activations)
       .def_property_readonly("dense_rows", &DecodeStack::dense_rows)

@@ -90,6 +90,9 @@ struct CodesAmxGemm {
   at::Tensor operator()(const at::Tensor& x) const;  // x bf16 [M, K] -> bf16 [M, N]
 };
 
+// Output rows (weight rows) per tile of the int4 and int8 GEMV layouts (gemv_common.h).
+constexpr int64_t kGemvTileRows = 4;
+
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
 // (bf16 x, M >= 2) or f32 = x widened [M, K].
@@ -195,5 +198,13 @@ void silu_and_mul_out(const at::Tensor& gate_up, at::Tensor& out);
 void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                       int64_t num_heads);
 at::Tensor argmax_rows(const at::Tensor& logits);
+// The first largest of logits[row, begin:end) (NaN the largest), with its column, for threads
+// that each take a span of a row: merging the spans in column order gives argmax_rows' result.
+struct ArgmaxSpan {
+  int64_t index = -1;  // -1: an empty span
+  float value = 0.f;
+  void merge(const ArgmaxSpan& later);  // `later` covers columns after this one's
+};
+ArgmaxSpan argmax_span(const at::Tensor& logits, int64_t row, int64_t begin, int64_t end);
 void scale_columns_(at::Tensor& x, const at::Tensor& scales);
 bool silu_exp_is_torchs();

@@ -4,7 +4,7 @@ the Python layer loop, used exactly for the steps and models it claims."""
 import pytest
 import torch
 
-from qkiln.plugins import cpu_native
+from qkiln.plugins import cpu_native, ops
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
@@ -40,25 +40,28 @@ def _engine(path, monkeypatch, stack: bool, dtype="bf16", int8_activations=False
 
 def _run_recording(engine: LLMEngine, prompts, max_tokens: int):
     """Greedy token ids per prompt, every step's logits, and per step (tokens, sequences, whether
-    the stack served it)."""
+    the stack served it). Where the stack's head also gave the step's argmax, it is checked against
+    ops.argmax of the logits."""
     logits, steps = [], []
     runner, stack = engine.runner, engine.runner.decode_stack
-    execute = runner.execute
+    run = runner.run
 
-    def recording(plan):
+    def recording(plan, argmax=False):
         steps.append([sum(s.num_scheduled_tokens for s in plan.scheduled), len(plan.scheduled), False])
-        logits.append(execute(plan))
-        return logits[-1]
+        out = run(plan, argmax)
+        if out.argmax is not None:
+            assert torch.equal(out.argmax, ops.argmax(out.logits))
+        logits.append(out.logits)
+        return out
 
-    runner.execute = recording
+    runner.run = recording
     if stack is not None:
-        hidden_states = stack.hidden_states
+        for name in ("hidden_states", "logits"):
+            def counted(*args, served=getattr(stack, name)):
+                steps[-1][2] = True
+                return served(*args)
 
-        def counted(*args):
-            steps[-1][2] = True
-            return hidden_states(*args)
-
-        stack.hidden_states = counted
+            setattr(stack, name, counted)
     ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
            for p in prompts]
     done = {}

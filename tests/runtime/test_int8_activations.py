@@ -30,12 +30,12 @@ def artifact(tmp_path_factory):
 def _step_logits(path, int8_activations: bool, prompt: list[int]) -> list[torch.Tensor]:
     loaded = load_for_serving(str(path), dtype="bf16", int8_activations=int8_activations)
     engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_num_batched_tokens=256))
-    logits, execute = [], engine.runner.execute
-    engine.runner.execute = lambda plan: logits.append(execute(plan)) or logits[-1]
+    steps, run = [], engine.runner.run
+    engine.runner.run = lambda plan, argmax=False: steps.append(run(plan, argmax)) or steps[-1]
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    return [t.float() for t in logits]
+    return [step.logits.float() for step in steps]
 
 
 def test_loader_packs_every_int_linear_for_int8_activations(artifact):
