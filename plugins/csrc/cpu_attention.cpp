@@ -726,6 +726,12 @@ constexpr int64_t kFuseHeadsMinBlocks = 8;
 // other spun (perf, 4000-token context: attention 40% of the step, the spin 12%).
 // QKILN_DECODE_SPLIT=0 turns it off (read per call, for comparisons).
 constexpr int64_t kSplitTokens = 512;
+// Shorter rows are split too when the step's tasks would not divide evenly over the threads (3 kv
+// heads on 2 threads at batch 1): into one part per thread, where a part gets kMinSplitTokens+.
+// Same-process A/B (QKILN_DECODE_SPLIT=0/1, batch-1 SmolLM2, 64 steps after the prompt, 5-7 rounds,
+// with parts of 64+): prompt of 400 tokens 111.9 -> 115.2 tok/s, 600: 98.1 -> 104.9, 700: 89.4 ->
+// 90.7; 256 and 128 (parts below 160 tokens) 1.00x and 0.98x, hence 128.
+constexpr int64_t kMinSplitTokens = 128;
 
 // paged_attention's argument checks (AttentionTasks makes them; paged_attention before AmxPrefill).
 void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
@@ -799,18 +805,29 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
       }
   if (bf16_heads_ && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks &&
       !switched_off("QKILN_DECODE_SPLIT"))
-    split_long_decodes(k_cache.size(1));
+    split_decodes(k_cache.size(1));
 }
 
-// Replaces each long one-row block by its parts (kSplitTokens); heads_per_task_ is 1 here.
-void AttentionTasks::split_long_decodes(int64_t block_size) {
-  const int64_t part = (kSplitTokens + block_size - 1) / block_size * block_size;
+// Replaces each long one-row block by its parts (kSplitTokens, or one per thread where the tasks
+// would not divide evenly over the threads); heads_per_task_ is 1 here.
+void AttentionTasks::split_decodes(int64_t block_size) {
+  const auto context = [&](const RowBlock& b) {  // a one-row block's tokens, 0 for prefill blocks
+    return b.count == 1 ? lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + b.first : 0;
+  };
+  const auto whole_blocks = [&](int64_t tokens) { return (tokens + block_size - 1) / block_size * block_size; };
+  int64_t part = whole_blocks(kSplitTokens), min_context = 2 * part;
+  const int64_t threads = at::get_num_threads(), tasks = blocks_.size() * k_cache_.size(2);
+  if (threads > 1 && tasks % threads != 0) {
+    int64_t longest = 0;
+    for (const RowBlock& b : blocks_) longest = std::max(longest, context(b));
+    const int64_t even = whole_blocks((longest + threads - 1) / threads);
+    if (even >= kMinSplitTokens && even < part) part = even, min_context = even + 1;
+  }
   std::vector<RowBlock> blocks;
   int64_t partials = 0;
   for (const RowBlock& b : blocks_) {
-    const int64_t q_len = starts_[b.seq + 1] - starts_[b.seq];
-    const int64_t T = b.count == 1 ? lens_[b.seq] - q_len + 1 + b.first : 0;
-    if (T < 2 * part) {
+    const int64_t T = context(b);
+    if (T < min_context) {
       blocks.push_back(b);
       continue;
     }

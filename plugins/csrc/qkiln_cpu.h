@@ -170,7 +170,7 @@ class AttentionTasks {
   struct SplitRow {  // a decode row served in `parts` parts, partials [first, first + parts)
     int64_t row, parts, first;
   };
-  void split_long_decodes(int64_t block_size);
+  void split_decodes(int64_t block_size);
   at::Tensor query_, k_cache_, v_cache_, out_;
   at::Tensor k_scale_, v_scale_;  // fp8 caches: fp32 [Hkv]; undefined otherwise
   at::Tensor k_group_scale_, k_group_min_, v_group_scale_, v_group_min_;  // int4 caches only

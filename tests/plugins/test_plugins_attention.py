@@ -106,3 +106,24 @@ def test_long_decodes_split_by_context_match_reference(kv_dtype, head_dim, group
     # what the registered op returns (bf16) agrees with the fp32 result
     monkeypatch.setenv("QKILN_DECODE_SPLIT", "1")
     assert rel_error(paged_attention(args[0], cache, *args[10:]), split) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_uneven_decode_steps_split_rows_per_thread(kv_dtype, block_size, monkeypatch):
+    """3 kv heads of one decode row on 2 threads: a row of 256+ tokens is split into one part per
+    thread (whole blocks), a shorter one (parts under 128 tokens) is served whole."""
+    torch.manual_seed(block_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for context, splits in ((300, True), (200, False)):
+            cache = make_cache(kv_dtype, -(-context // block_size) + 2, 3, 64, block_size=block_size)
+            args = PagedBatch([(context, 1)], cache, num_heads=9).attention_args(cache, torch.bfloat16)
+            split = _native_float_out(args, cache, monkeypatch, split=True)
+            whole = _native_float_out(args, cache, monkeypatch, split=False)
+            assert rel_error(split, reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
+            assert rel_error(split, whole) < 1e-5
+            assert torch.equal(split, whole) != splits, context
+    finally:
+        torch.set_num_threads(threads)
