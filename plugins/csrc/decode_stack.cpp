@@ -12,6 +12,8 @@
 //                 h = o_proj(paged_attention(q))
 //                 fused_add_rms_norm(h, residual); h = down(silu_and_mul(gate_up(h)))
 //     fused_add_rms_norm(h, residual, final_norm)
+//     logits = head(h)        (logits(): a native lm_head, its tiles split like a layer linear's,
+//                              each thread then taking the argmax of the columns it wrote)
 //
 // Threads: ONE OpenMP parallel region for the whole step, not a fork/join per kernel (~150 per
 // step). Each linear's output tiles and the attention tasks are split evenly over the threads;

@@ -74,7 +74,7 @@ class DecodeStack {
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
-  // The lm_head in a native layout: lets greedy() finish a step in the same parallel region.
+  // The lm_head in a native layout: logits() runs it in the layers' parallel region.
   void set_head(NativeLinear head);
   bool has_head() const { return head_.has_value(); }
 

@@ -98,6 +98,29 @@ def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, rec
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_native_head_argmax_keeps_torchs_ties_and_nans(artifacts, monkeypatch, threads):
+    """The head's argmax is taken per thread over its own columns, then merged: with every logit
+    tied the first column wins, and the first NaN (in a later thread's columns) beats them all,
+    as torch.argmax has it."""
+    _, paths = artifacts
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        engine = _engine(paths["w8a16"], monkeypatch, stack=True)
+        assert engine.runner.decode_stack.stack.has_head
+        head = engine.runner.model.lm_head.packed  # int8 [vocab, hidden], fp32 scales [vocab]
+        head.weight.copy_(head.weight[:1].expand_as(head.weight))
+        head.scales.fill_(head.scales[0].item())
+        for nans, expected in (((), 0), ((250, 200), 200)):
+            head.scales[list(nans)] = float("nan")
+            tokens, logits, steps = _run_recording(engine, [[5, 6, 7]], 4)
+            assert tokens == [[expected] * 4] and sum(served for _, _, served in steps) == 3
+            assert all(torch.equal(row.float().argmax(-1), torch.tensor([expected])) for row in logits)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("rows,int8_activations", [(20, True), (20, False), (12, False)],
                          ids=["int8-activations", "exact", "exact-12-rows"])
 @pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-int4"])
