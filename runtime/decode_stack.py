@@ -18,7 +18,9 @@ activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp), e
 bf16 GEMM on the dequantized weights (qkiln's panels, csrc/cpu_gemm_bf16.cpp). When this form was
 measured against the Python layer loop (offline 64 x 128/128, same-process A/B, 5 rounds; the bf16
 GEMM was oneDNN's then): decode step 74.2 -> 63.2 ms (537.9 -> 584.5 tok/s) with int8 activations,
-103.5 -> 84.5 ms (422.2 -> 489.7 tok/s) exact. Embeddings and RoPE tables stay in model.py. A
+103.5 -> 84.5 ms (422.2 -> 489.7 tok/s) exact. The step's embedding rows and RoPE rows are
+copied natively from the model's tables (`inputs`; nn.Embedding and two index ops cost ~0.1 ms of
+a batch-1 step, their code cold after the weights streamed through the caches). A
 native lm_head joins the GEMV form's call (`logits`): its tiles split over the threads like the
 layers', and for greedy steps each thread takes the argmax of the logits it wrote (read back by
 one thread, half of them came from the other core's cache: ~0.1 ms of a ~7 ms batch-1 step).
@@ -112,6 +114,7 @@ class NativeDecodeStack:
         max_gemv_rows = INT4_GEMV_ROWS if all(int4_dense) else SMALL_M
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps, max_gemv_rows)
+        stack.set_inputs(embed.detach(), *model.rope.tables(embed.device, embed.dtype))
         head = _native_linear(model.lm_head, ext) if model.lm_head is not None else None
         if head is not None and _gemv_rows(model.lm_head.packed) >= max_gemv_rows:
             stack.set_head(head)
@@ -126,8 +129,7 @@ class NativeDecodeStack:
 
     def hidden_states(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
         """ids [N] -> [N, hidden] after the final norm, as CausalLM.hidden_states computes it."""
-        x = self.model.model.embed_tokens(input_ids)  # [N, hidden]
-        cos, signed_sin = self.model.rope.cos_sin(positions, x.dtype)  # [N, 1, D] each
+        x, cos, signed_sin = self.stack.inputs(input_ids, positions)  # [N, hidden], [N, 1, D] x 2
         return self.stack.forward(x, cos, signed_sin, metadata.slot_mapping, metadata.block_tables,
                                   metadata.seq_lens, metadata.query_start_loc)
 
@@ -139,8 +141,7 @@ class NativeDecodeStack:
                argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [N] -> (CausalLM.compute_logits of the hidden states [N, vocab], with `argmax` each
         row's ops.argmax [N], else None), the head in the same native call as the layers."""
-        x = self.model.model.embed_tokens(input_ids)
-        cos, signed_sin = self.model.rope.cos_sin(positions, x.dtype)
+        x, cos, signed_sin = self.stack.inputs(input_ids, positions)
         logits, token_ids = self.stack.logits(x, cos, signed_sin, metadata.slot_mapping,
                                               metadata.block_tables, metadata.seq_lens,
                                               metadata.query_start_loc, argmax)

@@ -56,7 +56,7 @@ class RotaryEmbedding(torch.nn.Module):
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [max_pos, 1, D] in `dtype`: computed in fp32, rounded once."""
         if self._cos_sin is None or self._cos_sin[0].device != device:
             t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
@@ -79,7 +79,7 @@ class RotaryEmbedding(torch.nn.Module):
         rows of tables kept in `dtype` (negating and rounding commute, so this equals rounding
         per step; the per-step version cost ~0.1 ms of a ~6 ms CPU decode step).
         """
-        cos, signed_sin = self._table(positions.device, dtype)
+        cos, signed_sin = self.tables(positions.device, dtype)
         return cos[positions], signed_sin[positions]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):

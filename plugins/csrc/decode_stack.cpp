@@ -31,6 +31,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 
 NativeLinear::NativeLinear(int64_t bits, at::Tensor weight, at::Tensor scales,
                            at::Tensor zero_term, c10::optional<at::Tensor> bias,
@@ -95,6 +96,45 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers, at::Tensor final_norm, 
       int8_activations_ = int8_activations_ && lin->int8_activations();
       dense_rows_ = dense_rows_ && lin->has_dense();
     }
+}
+
+void DecodeStack::set_inputs(at::Tensor embedding, at::Tensor cos, at::Tensor signed_sin) {
+  const auto dtype = final_norm_.scalar_type();
+  TORCH_CHECK(embedding.dim() == 2 && embedding.is_contiguous() && embedding.scalar_type() == dtype &&
+                  embedding.size(1) == final_norm_.size(0),
+              "DecodeStack.set_inputs: the embedding must be contiguous [vocab, hidden] in the norms' dtype");
+  for (const at::Tensor* t : {&cos, &signed_sin})
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == dtype &&
+                    t->size(1) == 1 && t->size(2) == head_dim_ && t->sizes() == cos.sizes(),
+                "DecodeStack.set_inputs: RoPE tables must be contiguous [max_positions, 1, head_dim]");
+  embedding_ = std::move(embedding), cos_ = std::move(cos), signed_sin_ = std::move(signed_sin);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecodeStack::inputs(const at::Tensor& ids,
+                                                                   const at::Tensor& positions) const {
+  TORCH_CHECK(embedding_.defined(), "DecodeStack.inputs: no tables (set_inputs)");
+  TORCH_CHECK(ids.dim() == 1 && positions.dim() == 1 && ids.size(0) == positions.size(0) &&
+                  ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  ids.is_contiguous() && positions.is_contiguous(),
+              "DecodeStack.inputs: ids and positions must be contiguous int64 [M]");
+  const int64_t M = ids.size(0), H = embedding_.size(1), D = head_dim_;
+  const int64_t row_bytes = H * embedding_.element_size(), rope_bytes = D * cos_.element_size();
+  at::Tensor h = at::empty({M, H}, embedding_.options());
+  at::Tensor cos = at::empty({M, 1, D}, cos_.options()), sin = at::empty({M, 1, D}, cos_.options());
+  const int64_t *id = ids.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
+  const auto* table = static_cast<const char*>(embedding_.data_ptr());
+  const auto *cos_table = static_cast<const char*>(cos_.data_ptr()),
+             *sin_table = static_cast<const char*>(signed_sin_.data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(id[m] >= 0 && id[m] < embedding_.size(0), "DecodeStack.inputs: token id ", id[m],
+                " is not in [0, ", embedding_.size(0), ")");
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < cos_.size(0), "DecodeStack.inputs: position ", pos[m],
+                " is not in [0, ", cos_.size(0), ")");
+    std::memcpy(static_cast<char*>(h.data_ptr()) + m * row_bytes, table + id[m] * row_bytes, row_bytes);
+    std::memcpy(static_cast<char*>(cos.data_ptr()) + m * rope_bytes, cos_table + pos[m] * rope_bytes, rope_bytes);
+    std::memcpy(static_cast<char*>(sin.data_ptr()) + m * rope_bytes, sin_table + pos[m] * rope_bytes, rope_bytes);
+  }
+  return {h, cos, sin};
 }
 
 void DecodeStack::set_head(NativeLinear head) {

@@ -74,6 +74,14 @@ class DecodeStack {
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc) const;
 
+  // The token embedding [vocab, hidden] and the RoPE tables [max_positions, 1, head_dim] (cos and
+  // signed sin, runtime/rope.py) that inputs() reads, all in the activation dtype.
+  void set_inputs(at::Tensor embedding, at::Tensor cos, at::Tensor signed_sin);
+  // A step's (h, cos, signed_sin) for forward / logits from its token ids and positions (int64
+  // [M] each): rows of those tables, copied without a dispatcher call per op.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> inputs(const at::Tensor& ids,
+                                                        const at::Tensor& positions) const;
+
   // The lm_head in a native layout: logits() runs it in the layers' parallel region.
   void set_head(NativeLinear head);
   bool has_head() const { return head_.has_value(); }
@@ -113,6 +121,7 @@ class DecodeStack {
 
   std::vector<StackLayer> layers_;
   std::optional<NativeLinear> head_;
+  at::Tensor embedding_, cos_, signed_sin_;  // set_inputs
   at::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_, max_gemv_rows_;
   double eps_, scale_;

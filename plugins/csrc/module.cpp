@@ -94,6 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("logits", &DecodeStack::logits, py::call_guard<py::gil_scoped_release>())
       .def("set_head", &DecodeStack::set_head, py::arg("head"))
+      .def("set_inputs", &DecodeStack::set_inputs, py::arg("embedding"), py::arg("cos"),
+           py::arg("signed_sin"))
+      .def("inputs", &DecodeStack::inputs)
       .def_property_readonly("has_head", &DecodeStack::has_head)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def_property_readonly("int8_activations", &DecodeStack::int8_activations)
