@@ -79,17 +79,18 @@ def _native_float_out(args, cache, monkeypatch, split: bool):
     monkeypatch.setenv("QKILN_DECODE_SPLIT", "1" if split else "0")
     out = torch.empty(args[0].shape, dtype=torch.float32)
     query, k, v, k_scale, v_scale = args[:5]
-    ops.paged_attention(query, k, v, *args[10:13], args[13], out, k_scale, v_scale, None, None, None, None)
+    ops.paged_attention(query, k, v, *args[10:13], args[13], out, k_scale, v_scale, *args[5:9])
     return out
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
 def test_long_decodes_split_by_context_match_reference(kv_dtype, head_dim, group, block_size, monkeypatch):
     """Few decodes (< 8 rows) over 1024+ tokens are served in parts of ~512 tokens and merged by
-    their log-sum-exp; shorter rows are served whole, with the same bits either way."""
+    their log-sum-exp (int4: by decode_head_int4, bf16 queries); shorter rows are served whole,
+    with the same bits either way."""
     torch.manual_seed(head_dim + group + block_size)
     specs = [(3000, 1), (1030, 1), (100, 1)]
     num_blocks = sum(-(-ctx // block_size) for ctx, _ in specs) + 4
@@ -109,7 +110,7 @@ def test_long_decodes_split_by_context_match_reference(kv_dtype, head_dim, group
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
 def test_uneven_decode_steps_split_rows_per_thread(kv_dtype, block_size, monkeypatch):
     """3 kv heads of one decode row on 2 threads: a row of 256+ tokens is split into one part per
     thread (whole blocks), a shorter one (parts under 128 tokens) is served whole."""
