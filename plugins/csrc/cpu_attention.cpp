@@ -714,7 +714,7 @@ void decode_heads_bf16(const Decode&, const c10::BFloat16*, const kv_t*, const k
                        const NextKeys<kv_t>& = {}, float* = nullptr) {}
 template <int NV, typename o_t>
 void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o_t*,
-                      std::vector<float>&) {}
+                      std::vector<float>&, float* = nullptr) {}
 template <int NP, typename Serve>
 void serve_fp8_prefix(const Decode&, const c10::Float8_e4m3fn*, const c10::Float8_e4m3fn*, const int32_t*,
                       int64_t, float, float, Serve&&) {}
