@@ -126,16 +126,14 @@ class LLMEngine:
             return []
         sampling = plan.sampling
         params = [s.seq.sampling_params for s in sampling]
+        banned = [s.banned_token_ids for s in sampling]
         # Plain greedy steps may get their tokens with the logits (the native decode stack's head)
-        plain_greedy = all(p.is_greedy and p.logprobs is None for p in params) and \
-            not any(s.banned_token_ids for s in sampling)
-        step = self.runner.run(plan, argmax=plain_greedy)
+        step = self.runner.run(plan, argmax=self.sampler.is_plain_argmax(params, banned))
         if step.argmax is not None:
             out = SamplerOutput(step.argmax)
         else:
             out = self.sampler.sample(step.logits, params,
-                                      [self.requests[s.seq_id].generator for s in sampling],
-                                      [s.banned_token_ids for s in sampling])
+                                      [self.requests[s.seq_id].generator for s in sampling], banned)
         sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
         finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
         self.stats["num_steps"] += 1

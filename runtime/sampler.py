@@ -44,6 +44,14 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
+    @staticmethod
+    def is_plain_argmax(params: Sequence[SamplingParams],
+                        banned_token_ids: Sequence[Sequence[int]] | None = None) -> bool:
+        """Whether `sample` returns ops.argmax of the logits as they are and nothing else (every row
+        greedy, no banned tokens, no logprobs): a caller holding that argmax may skip it."""
+        return all(p.is_greedy and p.logprobs is None for p in params) and \
+            not (banned_token_ids is not None and any(banned_token_ids))
+
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None] | None = None,
                banned_token_ids: Sequence[Sequence[int]] | None = None) -> SamplerOutput:

@@ -821,7 +821,7 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
 // would not divide evenly over the threads); heads_per_task_ is 1 here.
 void AttentionTasks::split_decodes(int64_t block_size) {
   const auto context = [&](const RowBlock& b) {  // a one-row block's tokens, 0 for prefill blocks
-    return b.count == 1 ? lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + b.first : 0;
+    return b.count == 1 ? causal_len(b, b.first) : 0;
   };
   const auto whole_blocks = [&](int64_t tokens) { return (tokens + block_size - 1) / block_size * block_size; };
   int64_t part = whole_blocks(kSplitTokens), min_context = 2 * part;
@@ -898,10 +898,6 @@ void AttentionTasks::run(TaskStream& tasks) const {
     QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
       scalar_t* op = out_.data_ptr<scalar_t>();
       thread_local std::vector<float> buf;
-      // The context length of row i of block b (its causal T).
-      auto row_len = [&](const RowBlock& b, int64_t i) {
-        return lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + i;
-      };
       auto row_by_row = [](const RowBlock&, int64_t, const int32_t*) { return false; };
       // attend(h, table, T, query row, out row, next, lse): one query row's heads
       // h .. h + H * group - 1; next (kv head, table, T) is the next task's first row when this
@@ -925,13 +921,13 @@ void AttentionTasks::run(TaskStream& tasks) const {
           struct { int64_t h; const int32_t* table; int64_t T; } next{0, nullptr, 0};
           if (b.count == 1 && ahead >= 0) {
             const RowBlock& nb = blocks_[ahead / per_block];
-            next = {ahead % per_block * H, a.tables + nb.seq * a.max_blocks, row_len(nb, nb.first)};
+            next = {ahead % per_block * H, a.tables + nb.seq * a.max_blocks, causal_len(nb, nb.first)};
             part_of(nb, next.table, next.T);
             if (next.T <= 0) next.table = nullptr;
           }
           for (int64_t i = b.first; i < b.first + b.count; ++i) {
             const int64_t row = starts_[b.seq] + i;
-            int64_t T = row_len(b, i);
+            int64_t T = causal_len(b, i);
             const q_t* qrow = qp + row * query_.stride(0) + h * a.group * D;
             if (b.part >= 0) {
               const int32_t* part_table = table;
@@ -1005,7 +1001,7 @@ void AttentionTasks::run(TaskStream& tasks) const {
           else
             decode_head(head, qrow, kh, vh, table, T, orow, buf);
         }, [&](const RowBlock& b, int64_t h, const int32_t* table) {  // a prefill block
-          const int64_t T_first = row_len(b, b.first), row = starts_[b.seq] + b.first;
+          const int64_t T_first = causal_len(b, b.first), row = starts_[b.seq] + b.first;
           if (!prefill_tiled_ || T_first <= 0) return false;
           // (the casts only name what the types already are: this lambda is compiled for every
           // dtype pair but runs for bf16 queries over bf16 or fp8 caches)

@@ -171,6 +171,9 @@ class AttentionTasks {
     int64_t row, parts, first;
   };
   void split_decodes(int64_t block_size);
+  int64_t causal_len(const RowBlock& b, int64_t i) const {  // the tokens row i of b attends to
+    return lens_[b.seq] - (starts_[b.seq + 1] - starts_[b.seq]) + 1 + i;
+  }
   at::Tensor query_, k_cache_, v_cache_, out_;
   at::Tensor k_scale_, v_scale_;  // fp8 caches: fp32 [Hkv]; undefined otherwise
   at::Tensor k_group_scale_, k_group_min_, v_group_scale_, v_group_min_;  // int4 caches only
