@@ -23,7 +23,8 @@ int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-
 not exact (packed_weights.py).
 Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's bf16 panels
 (packed_weights.pack_dense, csrc/cpu_gemm_bf16.cpp), plain, or pre-packed for oneDNN
-(packed_weights.onednn_pack); the last two give the same bits.
+(packed_weights.onednn_pack); the last two give the same bits. On a CPU without a fast bf16 GEMM
+(AVX2 only) the copy is held in fp32 and the GEMM runs in fp32 (pack_dense).
 """
 
 import torch
@@ -42,8 +43,13 @@ INT4_GEMV_ROWS = 8
 def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out_features: int | None = None) -> torch.Tensor:
     """bf16 rows [M, in] @ weight^T (+ bias) -> bf16 [M, out]; weight bf16 [out, in], plain or
-    oneDNN-packed (F.linear's bits either way), or int32 bf16 panels (pack_dense; out_features
-    needed, as the panels pad it; the bias is added to the rounded product)."""
+    oneDNN-packed (F.linear's bits either way), int32 bf16 panels (pack_dense; out_features
+    needed, as the panels pad it; the bias is added to the rounded product), or a bf16 weight
+    widened to fp32 (pack_dense without a fast bf16 GEMM: the products are exact either way, the
+    fp32 sum is rounded once)."""
+    if weight.dtype == torch.float32:
+        out = torch.nn.functional.linear(rows.float(), weight, None if bias is None else bias.float())
+        return out.to(torch.bfloat16)
     if weight.dtype == torch.int32:
         if out_features is None:
             raise ValueError("bf16 panels pad the output channels to 48: pass out_features")

@@ -101,7 +101,9 @@ def use_native_ops(enabled: bool) -> bool:
 
 
 def build_portable_extension():
-    """A second build without AVX-512 (AVX2 only), to test the portable kernels on any CPU."""
+    """A second build without AVX-512, to test on any CPU the kernels a CPU without it runs: the
+    AVX2 paths (int4 GEMV, vec.h's two-half vectors) where the compiler targets AVX2, plain C++
+    for the rest (and for everything on a CPU without AVX2)."""
     return _build(["-mno-avx512f"])
 
 

@@ -61,7 +61,8 @@ Native int8 on a CPU with AMX-BF16 (in a multiple of 32), opted in: amx_codes = 
 
 Both cpu layouts:
     dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
-    where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory.
+    where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory (4 where it is
+    held widened to fp32: CPUs without a fast bf16 GEMM, see pack_dense).
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.
     `dequantized` is held in qkiln's bf16 panels (`pack_dense`: int32 [ceil(out / 48), in / 2,
@@ -150,10 +151,15 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 def pack_dense(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [out, in] copy for the many-row CPU GEMM (cpu_linear.dense_linear): qkiln's own
     panels (int32, cpu_native.pack_bf16_panels; csrc/cpu_gemm_bf16*.cpp, 1.36x oneDNN at 64 rows
-    without AMX) where cpu_native.bf16_panels_available says, else oneDNN's packing (onednn_pack)."""
+    without AMX) where cpu_native.bf16_panels_available says, else oneDNN's packing (onednn_pack)
+    where oneDNN has a bf16 GEMM, else the same values widened to fp32 (exact; 4 bytes a weight):
+    on a CPU without AVX512-BF16 / AMX (an AVX2 EPYC, 2 threads, 3072 x 576) aten's bf16 GEMM ran
+    at 10-12 GMAC/s from 16 to 512 rows against 32-53 for its fp32 one."""
     if cpu_native.bf16_panels_available(weight.shape[1]):
         return cpu_native.pack_bf16_panels(weight.contiguous())
-    return onednn_pack(weight)
+    if onednn_bf16_available():
+        return onednn_pack(weight)
+    return weight.float().contiguous()
 
 
 def _check_target(target: str) -> None:

@@ -34,7 +34,7 @@
 // there, but per-token int8 activations cost SmolLM2 +3.7% perplexity on top of RTN W4 g128
 // (wiki.test 16384 tokens: 38.48 -> 39.88, simulated), too much for an implicit default.
 //
-// Without AVX512-BF16 the int4 kernel falls back to portable C++ over the same layout.
+// Without AVX512-BF16: fp32 FMAs over the same layout on AVX2 (exact products too), else plain C++.
 
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
@@ -188,6 +188,125 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
   }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QKILN_INT4_AVX2 1
+
+// AVX2 (no bf16 dot product): weights become fp32 16 + q by the same bit assembly in 32-bit lanes
+// (16.0f = 0x41800000, ulp 2^-19 in [16, 32): q << 19 ORed into the mantissa), activations are
+// the bf16-rounded x widened to fp32 (Int4Gemv::prepare), so every product is exact in fp32 as in
+// the AVX-512 kernel; only the fp32 summation order differs. A row's 32-byte chunk widens into two
+// vectors of 8 words (vpmovzxwd from memory): word j's nibble set n is then x[k0 + 16n + j] for
+// j = 0..7 and 8..15, in order. Per 16 weights: 2 shifts, 2 ANDs, 2 ORs and 2 FMAs.
+// RB = 2 output rows per pass (two passes per tile) keeps the accumulators, the widened words and
+// the activations in the 16 ymm registers; the second pass reads the tile from L1.
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int N>
+inline __m256 nibbles_to_f32(__m256i words) {  // nibble set N of 8 zero-extended words -> 16 + q
+  const __m256i v = _mm256_slli_epi32(words, 19 - 4 * N);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xF << 19)),
+                                             _mm256_set1_epi32(0x41800000)));
+}
+
+template <int MB>
+struct Int4AccAvx2 {
+  static constexpr int RB = 2;
+  static constexpr int NACC = MB == 1 ? 2 : 1;  // MB = 1: two chains per row hide the FMA latency
+  __m256 group[MB][RB][NACC];  // this group's dot(16 + q, x), unscaled
+  __m256 total[MB][RB];        // sum over finished groups of s * group
+
+  template <int N>
+  inline void nibble_set(const __m256i lo[RB], const __m256i hi[RB], const float* x, int64_t K_p) {
+    for (int r = 0; r < RB; ++r) {
+      const __m256 wl = nibbles_to_f32<N>(lo[r]), wh = nibbles_to_f32<N>(hi[r]);
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + m * K_p + 16 * N;
+        group[m][r][0] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xm), group[m][r][0]);
+        group[m][r][NACC - 1] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xm + 8), group[m][r][NACC - 1]);
+      }
+    }
+  }
+
+  inline void flush(const float* sg) {  // group end: scale this group's dot once
+    for (int r = 0; r < RB; ++r) {
+      const __m256 sv = _mm256_set1_ps(sg[r]);
+      for (int m = 0; m < MB; ++m) {
+        __m256 sum = group[m][r][0];
+        for (int a = 1; a < NACC; ++a) sum = _mm256_add_ps(sum, group[m][r][a]);
+        total[m][r] = _mm256_fmadd_ps(sum, sv, total[m][r]);
+        for (int a = 0; a < NACC; ++a) group[m][r][a] = _mm256_setzero_ps();
+      }
+    }
+  }
+};
+
+// Rows r0, r0 + 1 of one tile x MB activation rows (fp32 [MB, K_p]); see int4_tile (AVX-512).
+template <int MB>
+void int4_rows_avx2(const uint8_t* w, const float* s, const float* x, int64_t K_p, int64_t K,
+                    int64_t G, int r0, float dots[kMaxMB][kRows]) {
+  using Acc = Int4AccAvx2<MB>;
+  Acc acc;
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < Acc::RB; ++r) {
+      acc.total[m][r] = _mm256_setzero_ps();
+      for (int a = 0; a < Acc::NACC; ++a) acc.group[m][r][a] = _mm256_setzero_ps();
+    }
+  s += r0;
+  int64_t group_end = std::min(G, K);
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk, w += kRows * 32) {
+    if (r0 == 0) {  // the first pass streams the tile from memory (the AVX-512 kernel's prefetch)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
+    }
+    __m256i lo[Acc::RB], hi[Acc::RB];
+    for (int r = 0; r < Acc::RB; ++r) {
+      const uint8_t* row = w + (r0 + r) * 32;
+      lo[r] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      hi[r] = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+    }
+    acc.template nibble_set<0>(lo, hi, x + k0, K_p);
+    acc.template nibble_set<1>(lo, hi, x + k0, K_p);
+    if (k0 + 32 == group_end) {
+      acc.flush(s);
+      s += kRows;
+      group_end = std::min(group_end + G, K);
+    }
+    if (k0 + 32 == K) break;  // K % 64 == 32: the chunk's second half is padding
+    acc.template nibble_set<2>(lo, hi, x + k0, K_p);
+    acc.template nibble_set<3>(lo, hi, x + k0, K_p);
+    if (k0 + 64 == group_end) {
+      acc.flush(s);
+      s += kRows;
+      group_end = std::min(group_end + G, K);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < Acc::RB; ++r) dots[m][r0 + r] = hsum(acc.total[m][r]);
+}
+
+template <int MB>
+void int4_tile_avx2(const uint8_t* w, const float* s, const float* x, int64_t K_p, int64_t K,
+                    int64_t G, float dots[kMaxMB][kRows]) {
+  for (int r0 = 0; r0 < kRows; r0 += Int4AccAvx2<MB>::RB)
+    int4_rows_avx2<MB>(w, s, x, K_p, K, G, r0, dots);
+}
+
+void int4_tile_rows(int MB, const uint8_t* w, const float* s, const float* x, int64_t K_p,
+                    int64_t K, int64_t G, float dots[kMaxMB][kRows]) {
+  switch (MB) {
+    case 1: int4_tile_avx2<1>(w, s, x, K_p, K, G, dots); break;
+    case 2: int4_tile_avx2<2>(w, s, x, K_p, K, G, dots); break;
+    case 3: int4_tile_avx2<3>(w, s, x, K_p, K, G, dots); break;
+    default: int4_tile_avx2<4>(w, s, x, K_p, K, G, dots); break;
+  }
+}
+
 #else  // portable fallback over the same layout
 
 void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x, int64_t K_p,
@@ -250,7 +369,11 @@ void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const
 
 void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
+#ifdef QKILN_INT4_AVX2
+  const float* xb = acts.wide.data();
+#else
   const uint16_t* xb = acts.bf16.data();
+#endif
   const float* xsum = acts.f32.data();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();
@@ -273,6 +396,11 @@ void Int4Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
   acts.bf16.resize(x.size(0) * K_p);
   acts.f32.resize(x.size(0) * num_groups);
   prepare_bf16_rows(x.contiguous(), K_p, G, acts.bf16.data(), acts.f32.data());
+#ifdef QKILN_INT4_AVX2
+  acts.wide.resize(acts.bf16.size());  // the bf16-rounded rows widened (exact) for the fp32 FMAs
+  for (size_t i = 0; i < acts.bf16.size(); ++i)
+    acts.wide[i] = static_cast<float>(c10::BFloat16(acts.bf16[i], c10::BFloat16::from_bits()));
+#endif
 }
 
 Int4Gemv::Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
@@ -306,10 +434,12 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
   return gemv_all_tiles(gemv, x);
 }
 
-// Which int4 kernel this build compiled: "avx512bf16" or "portable".
+// Which int4 kernel this build compiled: "avx512bf16", "avx2" or "portable".
 std::string int4_kernel_isa() {
 #ifdef QKILN_INT4_AVX512
   return "avx512bf16";
+#elif defined(QKILN_INT4_AVX2)
+  return "avx2";
 #else
   return "portable";
 #endif

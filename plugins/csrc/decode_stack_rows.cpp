@@ -102,10 +102,11 @@ void NativeLinear::add_dense(at::Tensor weight) {
   if (weight.scalar_type() == at::kInt) {  // qkiln's bf16 panels (cpu_gemm_bf16.cpp)
     TORCH_CHECK(Bf16Gemm(weight, out_features_).K == K,
                 "NativeLinear.add_dense: the panels' in_features do not match");
-  } else {
-    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 &&
-                    weight.size(0) == out_features_ && weight.size(1) == K,
-                "NativeLinear.add_dense: needs bf16 panels or the bf16 weight [out_features, in_features]");
+  } else {  // bf16 (plain or oneDNN-packed), or widened to fp32 (packed_weights.pack_dense)
+    TORCH_CHECK((weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat) &&
+                    weight.dim() == 2 && weight.size(0) == out_features_ && weight.size(1) == K,
+                "NativeLinear.add_dense: needs bf16 panels or the bf16 / fp32 weight "
+                "[out_features, in_features]");
   }
   dense_ = std::move(weight);
 }
@@ -124,8 +125,9 @@ void NativeLinear::add_amx_codes(c10::optional<at::Tensor> tables) {
 namespace {
 
 // bf16 rows [M, in] @ weight^T, the call cpu_linear.dense_linear makes for a oneDNN-packed
-// (MkldnnCPU) or plain weight: oneDNN's linear or at::linear.
+// (MkldnnCPU), plain or fp32-widened weight: oneDNN's linear or at::linear.
 at::Tensor onednn_gemm(const at::Tensor& rows, const at::Tensor& weight) {
+  if (weight.scalar_type() == at::kFloat) return at::linear(rows.to(at::kFloat), weight).to(at::kBFloat16);
   if (!weight.is_mkldnn()) return at::linear(rows, weight);
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

@@ -1,5 +1,5 @@
 // The 16-float vector abstraction the attention and elementwise kernels are written in: AVX-512
-// when the build has it, else plain structs over the same interface (portable builds, tests).
+// when the build has it, else two AVX2 halves, else plain structs over the same interface.
 #pragma once
 
 #include <torch/extension.h>
@@ -151,6 +151,177 @@ inline Vf vexp(Vf v) {
   _mm512_store_ps(x, v);
   for (float& e : x) e = std::exp(e);
   return _mm512_load_ps(x);
+}
+bool exp_is_torchs() { return sleef_exp() != nullptr; }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+// AVX2 (CPUs without AVX-512, or VMs that hide it): a vector is two 8-float halves. Same results
+// as the AVX-512 functions above, bit for bit, wherever the lane order of a reduction matches
+// (reduce_add / reduce_max fold the halves as _mm512_reduce_* do; sum16's order differs).
+// Partial vectors (n < 16) go through a zeroed 16-element buffer: tails only.
+struct Vf { __m256 lo, hi; };
+template <typename T, typename F> inline Vf load_partial(const T* p, int64_t n, F full) {
+  alignas(32) T tmp[kW] = {};
+  std::memcpy(tmp, p, std::max<int64_t>(0, std::min<int64_t>(n, kW)) * sizeof(T));
+  return full(tmp);
+}
+template <typename T, typename F> inline void store_partial(T* p, Vf v, int64_t n, F full) {
+  alignas(32) T tmp[kW];
+  full(tmp, v);
+  std::memcpy(p, tmp, std::max<int64_t>(0, std::min<int64_t>(n, kW)) * sizeof(T));
+}
+inline __m256 widen_bf16(__m128i words) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+inline Vf load(const float* p, int64_t n = kW) {
+  if (n >= kW) return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(n, 0))), iota);
+  const __m256i hi = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(n - 8, 0))), iota);
+  return {_mm256_maskload_ps(p, lo), _mm256_maskload_ps(p + 8, hi)};
+}
+inline Vf load(const c10::BFloat16* p, int64_t n = kW) {
+  if (n < kW) return load_partial(p, n, [](const c10::BFloat16* t) { return load(t); });
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {widen_bf16(_mm256_castsi256_si128(words)), widen_bf16(_mm256_extracti128_si256(words, 1))};
+}
+inline Vf load(const c10::Half* p, int64_t n = kW) {
+  if (n < kW) return load_partial(p, n, [](const c10::Half* t) { return load(t); });
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(words)), _mm256_cvtph_ps(_mm256_extracti128_si256(words, 1))};
+}
+inline void store(float* p, Vf v, int64_t n = kW) {
+  if (n >= kW) {
+    _mm256_storeu_ps(p, v.lo);
+    _mm256_storeu_ps(p + 8, v.hi);
+    return;
+  }
+  store_partial(p, v, n, [](float* t, Vf w) { store(t, w); });
+}
+// c10::BFloat16's rounding, as bf16_rounded_high above.
+inline __m256i bf16_rounded_high(__m256 v) {
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+// Two vectors of 32-bit lanes holding values < 2^16 -> 16 words in lane order.
+inline __m256i pack_words(__m256i lo, __m256i hi) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+}
+inline void store(c10::BFloat16* p, Vf v, int64_t n = kW) {
+  if (n < kW) return store_partial(p, v, n, [](c10::BFloat16* t, Vf w) { store(t, w); });
+  const __m256i words = pack_words(_mm256_srli_epi32(bf16_rounded_high(v.lo), 16),
+                                   _mm256_srli_epi32(bf16_rounded_high(v.hi), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), words);
+}
+inline void store(c10::Half* p, Vf v, int64_t n = kW) {
+  if (n < kW) return store_partial(p, v, n, [](c10::Half* t, Vf w) { store(t, w); });
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v.lo, kRound));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(v.hi, kRound));
+}
+// 8 fp8 e4m3fn bytes -> fp32 through fp16 bits, as fp8_as_fp16_div256 above.
+inline __m256 widen_fp8(__m128i bytes8) {
+  const __m128i words = _mm_cvtepu8_epi16(bytes8);
+  const __m128i magnitude = _mm_and_si128(words, _mm_set1_epi16(0x7F));
+  const __m128i bits = _mm_or_si128(_mm_slli_epi16(magnitude, 7),
+                                    _mm_slli_epi16(_mm_and_si128(words, _mm_set1_epi16(0x80)), 8));
+  const __m128i nan = _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F));
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_blendv_epi8(bits, _mm_set1_epi16(0x7E00), nan)),
+                       _mm256_set1_ps(256.f));
+}
+inline Vf load(const c10::Float8_e4m3fn* p, int64_t n = kW) {
+  if (n < kW) return load_partial(p, n, [](const c10::Float8_e4m3fn* t) { return load(t); });
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {widen_fp8(bytes), widen_fp8(_mm_srli_si128(bytes, 8))};
+}
+// fp32 -> e4m3fn codes (32-bit lanes) as store(Float8_e4m3fn*) above rounds them.
+inline __m256i fp8_codes(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(magnitude, _mm256_add_epi32(_mm256_set1_epi32(0x7FFFF), odd));
+  __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
+  const __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(magnitude), _mm256_set1_ps(512.f));  // exact
+  const __m256i subnormal = _mm256_cvtps_epi32(scaled);  // MXCSR's default: nearest even
+  code = _mm256_blendv_epi8(code, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), magnitude));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_or_si256(code, sign);
+}
+inline void store(c10::Float8_e4m3fn* p, Vf v, int64_t n = kW) {
+  if (n < kW) return store_partial(p, v, n, [](c10::Float8_e4m3fn* t, Vf w) { store(t, w); });
+  const __m256i words = pack_words(fp8_codes(v.lo), fp8_codes(v.hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+}
+template <typename F> inline Vf map2(Vf a, Vf b, F f) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
+inline Vf clamp_abs(Vf v, float limit) {  // NaN kept, as the AVX-512 clamp_abs
+  const __m256 lo = _mm256_set1_ps(-limit), hi = _mm256_set1_ps(limit);
+  return {_mm256_min_ps(hi, _mm256_max_ps(lo, v.lo)), _mm256_min_ps(hi, _mm256_max_ps(lo, v.hi))};
+}
+inline Vf set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vf add(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_add_ps(p, q); }); }
+inline Vf sub(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_sub_ps(p, q); }); }
+inline Vf mul(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_mul_ps(p, q); }); }
+inline Vf div(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_div_ps(p, q); }); }
+inline Vf vmax(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_max_ps(p, q); }); }
+inline Vf fmadd(Vf a, Vf b, Vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float reduce_add(Vf v) {  // _mm512_reduce_add_ps's order: halves, quarters, pairs, lanes
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(v.lo, v.hi)),
+                        _mm256_extractf128_ps(_mm256_add_ps(v.lo, v.hi), 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline float reduce_max(Vf v) {
+  const __m256 m = _mm256_max_ps(v.lo, v.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+template <typename T> inline Vf round_to(Vf v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i keep = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    return {_mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_high(v.lo), keep)),
+            _mm256_castsi256_ps(_mm256_and_si256(bf16_rounded_high(v.hi), keep))};
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_cvtph_ps(_mm256_cvtps_ph(v.lo, kRound)), _mm256_cvtph_ps(_mm256_cvtps_ph(v.hi, kRound))};
+  } else {
+    return v;
+  }
+}
+// Eight 8-float vectors -> lane i = sum of t[i]'s lanes (a horizontal-add tree).
+inline __m256 sum8(const __m256* t) {
+  const __m256 e = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  const __m256 f = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(e, f, 0x20), _mm256_permute2f128_ps(e, f, 0x31));
+}
+inline Vf sum16(const Vf* v) {
+  __m256 t[kW];
+  for (int i = 0; i < kW; ++i) t[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  return {sum8(t), sum8(t + 8)};
+}
+// torch's AVX2 Vectorized<float>::exp is Sleef_expf8_u10 (see the AVX-512 vexp).
+using ExpFn = __m256 (*)(__m256);
+ExpFn sleef_exp() {
+  static const ExpFn fn = [] {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    return lib ? reinterpret_cast<ExpFn>(dlsym(lib, "Sleef_expf8_u10")) : nullptr;
+  }();
+  return fn;
+}
+inline Vf vexp(Vf v) {
+  static const ExpFn fn = sleef_exp();
+  if (fn) return {fn(v.lo), fn(v.hi)};
+  alignas(32) float x[kW];
+  _mm256_store_ps(x, v.lo);
+  _mm256_store_ps(x + 8, v.hi);
+  for (float& e : x) e = std::exp(e);
+  return {_mm256_load_ps(x), _mm256_load_ps(x + 8)};
 }
 bool exp_is_torchs() { return sleef_exp() != nullptr; }
 

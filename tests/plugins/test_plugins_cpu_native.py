@@ -119,15 +119,20 @@ def test_disabled_by_environment(native_ext, monkeypatch, capsys):
 
 
 def test_portable_build_matches_reference(native_ext):
-    """The C++ fallback for CPUs without AVX512-BF16 (built without AVX-512; cached after once)."""
+    """The kernels for CPUs without AVX512-BF16 (a build without AVX-512, cached after once): the
+    AVX2 int4 kernel where the compiler targets AVX2, else plain C++; every row count of its
+    microkernels, a K with a half chunk (608) and symmetric / asymmetric groups."""
     portable = cpu_native.build_portable_extension()
-    assert portable.int4_kernel_isa() == "portable"
-    qweight, scales, zeros = canonical_int4(37, 576, 128, is_symmetric=False)
-    packed, tiled, zero_term = cpu_native.pack_w4a16(qweight.int(), scales, zeros, 128)
-    x = torch.randn(3, 576)
-    expected = reference_w4a16_linear(x.to(torch.bfloat16).float(), qweight, scales, zeros, 128)
-    actual = portable.w4a16_gemm(x, packed, tiled, zero_term, None, 128, 37)
-    assert rel_error(actual, expected) < EXACT_TOLERANCE
+    assert portable.int4_kernel_isa() in ("avx2", "portable")
+    for out, K, group, symmetric in [(37, 576, 128, False), (40, 608, 32, True), (9, 1536, 64, False)]:
+        qweight, scales, zeros = canonical_int4(out, K, group, is_symmetric=symmetric)
+        packed, tiled, zero_term = cpu_native.pack_w4a16(unsigned(qweight, zeros), scales, zeros,
+                                                         group)
+        for rows in (1, 2, 3, 4, 7):
+            x = torch.randn(rows, K)
+            expected = reference_w4a16_linear(x.to(torch.bfloat16).float(), qweight, scales, zeros, group)
+            actual = portable.w4a16_gemm(x, packed, tiled, zero_term, None, group, out)
+            assert rel_error(actual, expected) < EXACT_TOLERANCE, (out, K, group, rows)
     assert portable.int8_kernel_isa() == "fallback"
     q8, s8, b8 = torch.randint(-128, 128, (37, 100), dtype=torch.int8), torch.rand(37), torch.zeros(37)
     for rows, dtype in [(2, torch.float32), (5, torch.bfloat16), (1, torch.float16)]:

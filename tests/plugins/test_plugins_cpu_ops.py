@@ -265,8 +265,9 @@ def test_paged_attention_front_door_uses_the_native_decode(ext, kv_dtype):
 
 
 def test_portable_build_ops_match_the_references(ext):
-    """The plain-C++ vector fallback (a build without AVX-512; cached after once) gives the same
-    small-op results and decode attention as the references."""
+    """The vector fallback (a build without AVX-512, cached after once: vec.h's AVX2 halves where
+    the compiler targets AVX2, else plain C++) gives the same small-op results and decode
+    attention as the references."""
     portable = cpu_native.build_portable_extension()
     x, w = torch.randn(5, 72).to(torch.bfloat16), torch.randn(72).to(torch.bfloat16)
     assert rel_error(portable.rms_norm(x, w, 1e-6), reference_rms_norm(x, w, 1e-6)) < 1e-2
@@ -294,7 +295,7 @@ def _quant_params(cache):
 
 
 def test_portable_build_serves_quantized_caches(ext):
-    """fp8 and int4 caches through the plain-C++ build: attention against the reference, writes
+    """fp8 and int4 caches through the build without AVX-512: attention against the reference, writes
     bit for bit (the fp8 edge values; int4 on the same values with NaN and inf made finite)."""
     portable = cpu_native.build_portable_extension()
     cache = make_cache("fp8", 40, 2, 32, block_size=5)
