@@ -99,7 +99,7 @@ constexpr int64_t kGemvTileRows = 4;
 struct GemvActs {
   std::vector<uint16_t> bf16;
   std::vector<float> f32;
-  std::vector<float> wide;  // int4 on AVX2 (no bf16 dot product): the bf16 rows widened [M, K_p]
+  std::vector<float> wide;  // int4 on AVX2: the bf16 rows widened [M, K_p], the kernel's order per 16
 };
 
 // One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
