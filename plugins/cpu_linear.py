@@ -1,6 +1,6 @@
 """CPU quantized linears over the "cpu" layouts of packed_weights.py.
 
-Few rows (decode, <= SMALL_M; <= INT4_GEMV_ROWS for int4 with a dense copy): qkiln's own kernels
+Few rows (decode, <= SMALL_M; <= int4_gemv_rows for int4 with a dense copy): qkiln's own kernels
 (cpu_native.py, csrc/cpu_gemv_int*.cpp) when the weight was packed for them, which the dtype of
 `scales` says (fp32: native; bf16: torch's). The native int4 kernel is exact W4A16 (bf16
 activations, fp32 products and sums) and streams the nibbles once for up to 4 rows; the native int8
@@ -40,6 +40,15 @@ SMALL_M = 16
 INT4_GEMV_ROWS = 8
 
 
+def int4_gemv_rows(dequantized: torch.Tensor | None) -> int:
+    """The most rows the int4 GEMV serves before the weight's dense copy does: INT4_GEMV_ROWS for a
+    bf16 copy, SMALL_M for one held in fp32 (packed_weights.pack_dense, no fast bf16 GEMM): on
+    the AVX2 host measured, the GEMV beat aten's fp32 GEMM at 8 and 16 rows (gate_up 3072 x 576:
+    500 vs 901 us at 8, 967 vs 1463 at 16; 2 threads)."""
+    fp32_copy = dequantized is not None and dequantized.dtype == torch.float32
+    return SMALL_M if fp32_copy else INT4_GEMV_ROWS
+
+
 def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out_features: int | None = None) -> torch.Tensor:
     """bf16 rows [M, in] @ weight^T (+ bias) -> bf16 [M, out]; weight bf16 [out, in], plain or
@@ -75,7 +84,7 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
         out = cpu_native.w4a16_amx_gemm(rows.to(torch.bfloat16), packed, amx_tables, group_size,
                                         out_features)
         return _finish(out, x, bias, out_features)
-    if dequantized is not None and rows.shape[0] > INT4_GEMV_ROWS:
+    if dequantized is not None and rows.shape[0] > int4_gemv_rows(dequantized):
         return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
                        x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):

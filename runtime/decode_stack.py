@@ -12,7 +12,7 @@ dependent phases) instead of a fork/join per kernel.
 
 `build` says once, at engine start, whether a model qualifies (None otherwise, and the Python
 path serves every step); `applies` says per step whether the step is decodes only. Up to SMALL_M
-rows (INT4_GEMV_ROWS for int4 weights with a dense copy) run the GEMV kernels; more run the Python
+rows (cpu_linear.int4_gemv_rows for int4 weights with a dense copy) run the GEMV kernels; more run the Python
 path's GEMM for them, each thread taking its share of the rows for the row-wise ops: with int8
 activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp), else (exact) the
 bf16 GEMM on the dequantized weights (qkiln's panels, csrc/cpu_gemm_bf16.cpp). When this form was
@@ -33,7 +33,7 @@ import torch
 
 from qkiln.plugins import KVCache, cpu_native
 from qkiln.plugins.cpu_attention import native_serves
-from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, SMALL_M
+from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, SMALL_M, int4_gemv_rows
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
 from .model import CausalLM
@@ -111,7 +111,7 @@ class NativeDecodeStack:
         if any(int4_dense) and not all(int4_dense):
             return None
         norm = model.model.norm
-        max_gemv_rows = INT4_GEMV_ROWS if all(int4_dense) else SMALL_M
+        max_gemv_rows = min(_gemv_rows(w) for w in weights)
         stack = ext.DecodeStack(layers, norm.weight.detach(), config.num_attention_heads,
                                 config.num_key_value_heads, config.head_dim, norm.eps, max_gemv_rows)
         stack.set_inputs(embed.detach(), *model.rope.tables(embed.device, embed.dtype))
@@ -150,4 +150,6 @@ class NativeDecodeStack:
 
 def _gemv_rows(weight) -> int:
     """The most rows the Python path (cpu_linear.py) computes this native weight with the GEMV."""
-    return INT4_GEMV_ROWS if isinstance(weight, W4A16Weight) and weight.many_rows_form else SMALL_M
+    if isinstance(weight, W4A16Weight) and weight.many_rows_form:
+        return INT4_GEMV_ROWS if weight.amx_tables is not None else int4_gemv_rows(weight.dequantized)
+    return SMALL_M

@@ -7,7 +7,7 @@ from plugins_testlib import canonical_int4, rel_error
 from qkiln.errors import RecipeError
 from qkiln.plugins import (cpu_native, fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16,
                            prepare_w8a16, w4a16_linear, w8a16_linear)
-from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, dense_linear
+from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, SMALL_M, dense_linear, int4_gemv_rows
 from qkiln.plugins.packed_weights import onednn_pack
 from qkiln.plugins.reference import (dequantize_grouped, reference_fp8_w8a8_linear,
                                      reference_w4a16_linear, reference_w8a16_linear)
@@ -35,9 +35,10 @@ def test_cpu_w4a16_matches_reference(group_size, in_features, is_symmetric):
 
 
 def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
-    """Up to INT4_GEMV_ROWS rows the int4 kernel serves a weight even when it has a many-row form;
-    a row more and the form's GEMM does (cpu_linear.py: the measured crossover): the dense copy's
-    bf16 GEMM, or on an AMX CPU the AMX int4 GEMM, which gives the same bits."""
+    """Up to int4_gemv_rows rows the int4 kernel serves a weight even when it has a many-row form;
+    a row more and the form's GEMM does (cpu_linear.py: the measured crossovers): the dense copy's
+    bf16 GEMM (8 rows; 16 where the copy is held in fp32, without a fast bf16 GEMM), or on an AMX
+    CPU the AMX int4 GEMM (8 rows), which gives the same bits."""
     qweight, scales, zeros = canonical_int4(96, 576, 64, True)
     monkeypatch.setenv("QKILN_AMX_CODES", "1")  # on an AMX CPU: the codes, not a copy
     many_rows = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
@@ -45,12 +46,14 @@ def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
     monkeypatch.setenv("QKILN_AMX_CODES", "0")
     with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
     assert with_copy.dequantized is not None and many_rows.many_rows_form
-    for rows in (INT4_GEMV_ROWS, INT4_GEMV_ROWS + 1):
+    limit = int4_gemv_rows(with_copy.dequantized)
+    assert limit == (SMALL_M if with_copy.dequantized.dtype == torch.float32 else INT4_GEMV_ROWS)
+    for rows in (limit, limit + 1):
         x = torch.randn(rows, 576, dtype=torch.bfloat16)
         kernel = w4a16_linear(x, packed_only)
         dense = dense_linear(x, with_copy.dequantized, out_features=96)
         assert not torch.equal(kernel, dense)  # the two paths are told apart by their bits
-        expected = kernel if rows <= INT4_GEMV_ROWS else dense
+        expected = kernel if rows <= limit else dense
         assert torch.equal(w4a16_linear(x, with_copy), expected)
         assert torch.equal(w4a16_linear(x, many_rows), expected)
 

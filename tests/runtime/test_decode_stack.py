@@ -128,8 +128,9 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
     """The stack also serves decode steps of more than 16 rows: with int8 activations loaded through
     the same int8-activation GEMM as the Python path, else (exact) through the same bf16 GEMM on the
     dequantized weights; each thread takes its share of the rows for the row-wise ops (3 threads:
-    shares of 7 and 6 of 20 rows). Exact int4 switches to that GEMM above INT4_GEMV_ROWS (8) rows, int8
-    above 16: 12 rows take the dense form for w4a16 and the GEMV form for w8a16, as in Python."""
+    shares of 7 and 6 of 20 rows). Exact int4 switches to that GEMM above cpu_linear.int4_gemv_rows
+    (8; 16 where the copy is held in fp32), int8 above 16: 12 rows take the dense form for w4a16
+    (the GEMV form with fp32 copies) and the GEMV form for w8a16, as in Python."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(rows)]
@@ -271,3 +272,28 @@ def test_a_failing_step_raises_and_the_stack_keeps_working(artifacts, monkeypatc
         stack.forward(h.clone(), cos, sin, past_the_cache, tables, lens, starts)
     out = stack.forward(h.clone(), cos, sin, slots, tables, lens, starts)
     assert out.shape == (rows, hidden) and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("rows", [12, 20])
+def test_fp32_dense_copies_serve_many_rows_alike(artifacts, monkeypatch, rows):
+    """Where the CPU has no fast bf16 GEMM (AVX2 only), the many-row copies are held in fp32
+    (packed_weights.pack_dense), forced here on any CPU: the stack and the Python path give the
+    same bits at 12 rows (still the int4 GEMV, which serves up to 16 rows there) and at 20 (the
+    fp32 GEMM, cpu_linear.dense_linear and NativeLinear::dense alike)."""
+    from qkiln.plugins import packed_weights
+
+    monkeypatch.setattr(packed_weights, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(cpu_native, "bf16_panels_available", lambda in_features: False)
+    _, paths = artifacts
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(rows)]
+    fast = _engine(paths["w4a16-rtn"], monkeypatch, stack=True)
+    slow = _engine(paths["w4a16-rtn"], monkeypatch, stack=False)
+    copies = [m.packed.dequantized for m in fast.runner.model.modules() if hasattr(m, "packed")]
+    assert copies and all(c is not None and c.dtype == torch.float32 for c in copies)
+    assert fast.runner.decode_stack.stack.max_gemv_rows == 16
+    tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 6)
+    tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 6)
+    assert tokens_fast == tokens_slow
+    assert any(served and s == rows for _, s, served in steps)
+    assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
