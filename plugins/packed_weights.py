@@ -60,9 +60,9 @@ Native int8 on a CPU with AMX-BF16 (in a multiple of 32), opted in: amx_codes = 
     kernel reads the int8 codes for many rows instead of their dense bf16 copy (half the bytes).
 
 Both cpu layouts:
-    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel for > INT4_GEMV_ROWS rows,
-    where a bf16 GEMM is faster (DESIGN.md); costs 2 bytes per weight of memory (4 where it is
-    held widened to fp32: CPUs without a fast bf16 GEMM, see pack_dense).
+    dequantized (optional) bf16 [out, in]: used instead of the int4 kernel above
+    cpu_linear.int4_gemv_rows rows, where a GEMM is faster (DESIGN.md); costs 2 bytes per weight
+    of memory (4 where it is held widened to fp32: CPUs without a fast bf16 GEMM, see pack_dense).
     fp8:   weight bf16 [out, in] already multiplied by its scale, weight_scale None: CPU fp8 GEMMs
            are 40-50x slower than bf16, so fp8 is only a storage format there.
     `dequantized` is held in qkiln's bf16 panels (`pack_dense`: int32 [ceil(out / 48), in / 2,
