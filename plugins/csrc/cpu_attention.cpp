@@ -160,6 +160,18 @@ void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const 
     }
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // vec.h's AVX2 Vf, the same math
+  if (group % kW == 0) {
+    for (int64_t j = 0; j < D; j += kW) {
+      const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j / 2)));
+      const __m128i codes = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi16(15)),  // [lo, hi] byte pairs
+                                         _mm_slli_epi16(_mm_srli_epi16(words, 4), 8));
+      const Vf x{_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)),
+                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)))};
+      store(out + j, add(mul(x, set1(scale[j / group])), set1(minimum[j / group])));
+    }
+    return;
+  }
 #endif
   for (int64_t j = 0; j < D; ++j) {
     const int code = j % 2 ? packed[j / 2] >> 4 : packed[j / 2] & 15;
