@@ -40,12 +40,12 @@ SMALL_M = 16
 INT4_GEMV_ROWS = 8
 
 
-def int4_gemv_rows(dequantized: torch.Tensor | None) -> int:
-    """The most rows the int4 GEMV serves before the weight's dense copy does: INT4_GEMV_ROWS for a
-    bf16 copy, SMALL_M for one held in fp32 (packed_weights.pack_dense, no fast bf16 GEMM): on
-    the AVX2 host measured, the GEMV beat aten's fp32 GEMM at 8 and 16 rows (gate_up 3072 x 576:
-    500 vs 901 us at 8, 967 vs 1463 at 16; 2 threads)."""
-    fp32_copy = dequantized is not None and dequantized.dtype == torch.float32
+def int4_gemv_rows(dequantized: torch.Tensor | None, amx_tables: torch.Tensor | None = None) -> int:
+    """The most rows the int4 GEMV serves before the weight's many-row form does: INT4_GEMV_ROWS for
+    the AMX tables or a bf16 copy, SMALL_M for a copy held in fp32 (packed_weights.pack_dense, no
+    fast bf16 GEMM): on the AVX2 host measured, the GEMV beat aten's fp32 GEMM at 8 and 16 rows
+    (gate_up 3072 x 576: 500 vs 901 us at 8, 967 vs 1463 at 16; 2 threads)."""
+    fp32_copy = amx_tables is None and dequantized is not None and dequantized.dtype == torch.float32
     return SMALL_M if fp32_copy else INT4_GEMV_ROWS
 
 
@@ -80,11 +80,12 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
     """x [..., in] -> [..., out]; native layout (fp32 scales, `zeros` = zero term) or tinygemm's
     (`scales` = scale_and_zero, `zeros` unused); see packed_weights.py."""
     rows = x.reshape(-1, in_features)
-    if amx_tables is not None and rows.shape[0] > INT4_GEMV_ROWS:
+    gemv_rows = int4_gemv_rows(dequantized, amx_tables)
+    if amx_tables is not None and rows.shape[0] > gemv_rows:
         out = cpu_native.w4a16_amx_gemm(rows.to(torch.bfloat16), packed, amx_tables, group_size,
                                         out_features)
         return _finish(out, x, bias, out_features)
-    if dequantized is not None and rows.shape[0] > int4_gemv_rows(dequantized):
+    if dequantized is not None and rows.shape[0] > gemv_rows:
         return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
                        x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):

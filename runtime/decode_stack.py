@@ -33,7 +33,7 @@ import torch
 
 from qkiln.plugins import KVCache, cpu_native
 from qkiln.plugins.cpu_attention import native_serves
-from qkiln.plugins.cpu_linear import INT4_GEMV_ROWS, SMALL_M, int4_gemv_rows
+from qkiln.plugins.cpu_linear import SMALL_M, int4_gemv_rows
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
 from .model import CausalLM
@@ -151,5 +151,5 @@ class NativeDecodeStack:
 def _gemv_rows(weight) -> int:
     """The most rows the Python path (cpu_linear.py) computes this native weight with the GEMV."""
     if isinstance(weight, W4A16Weight) and weight.many_rows_form:
-        return INT4_GEMV_ROWS if weight.amx_tables is not None else int4_gemv_rows(weight.dequantized)
+        return int4_gemv_rows(weight.dequantized, weight.amx_tables)
     return SMALL_M

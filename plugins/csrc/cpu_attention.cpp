@@ -149,26 +149,13 @@ void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const 
     store(scale + g, load(scale_h + g, D / group - g), D / group - g);
     store(minimum + g, load(min_h + g, D / group - g), D / group - g);
   }
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef QKILN_VEC_SIMD
   if (group % kW == 0) {  // each 16-element chunk lies in one group
     for (int64_t j = 0; j < D; j += kW) {
       const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j / 2)));
       const __m128i codes = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi16(15)),  // [lo, hi] byte pairs
                                          _mm_slli_epi16(_mm_srli_epi16(words, 4), 8));
-      const Vf x = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes));
-      store(out + j, add(mul(x, set1(scale[j / group])), set1(minimum[j / group])));
-    }
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // vec.h's AVX2 Vf, the same math
-  if (group % kW == 0) {
-    for (int64_t j = 0; j < D; j += kW) {
-      const __m128i words = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + j / 2)));
-      const __m128i codes = _mm_or_si128(_mm_and_si128(words, _mm_set1_epi16(15)),  // [lo, hi] byte pairs
-                                         _mm_slli_epi16(_mm_srli_epi16(words, 4), 8));
-      const Vf x{_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)),
-                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)))};
-      store(out + j, add(mul(x, set1(scale[j / group])), set1(minimum[j / group])));
+      store(out + j, add(mul(widen_u8(codes), set1(scale[j / group])), set1(minimum[j / group])));
     }
     return;
   }

@@ -77,14 +77,16 @@ void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, uint16_t* xb
   });
 }
 
-#ifdef QKILN_INT4_AVX512
-
+#if defined(__AVX2__)  // both SIMD kernels (an AVX-512 build has AVX2)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
+
+#ifdef QKILN_INT4_AVX512
 
 // Nibble set N of 32 words (two output rows' chunks) -> 32 bf16 values 16 + q (see the header).
 template <int N>
@@ -206,13 +208,6 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
 // (MB <= 2), else 2 (two passes per tile, the second reading the tile from L1).
 
 constexpr int kWideOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 template <int N>
 inline __m256i nibbles_to_bf16(__m256i words) {  // nibble set N of 16 words -> bf16 bits of 16 + q

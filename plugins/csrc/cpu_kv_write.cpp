@@ -30,24 +30,12 @@ void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, 
   constexpr float kEps = std::numeric_limits<float>::epsilon();
   for (int64_t g0 = 0; g0 < D; g0 += group) {
     float lo = static_cast<float>(x[g0]), hi = lo;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef QKILN_VEC_SIMD
     if (group % kW == 0) {
       Vf vlo = load(x + g0), vhi = vlo;
       for (int64_t j = g0 + kW; j < g0 + group; j += kW)
-        vlo = _mm512_min_ps(vlo, load(x + j)), vhi = _mm512_max_ps(vhi, load(x + j));
-      lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
-    } else
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)  // vec.h's AVX2 Vf, same operand order
-    if (group % kW == 0) {
-      Vf vlo = load(x + g0), vhi = vlo;
-      for (int64_t j = g0 + kW; j < g0 + group; j += kW) {
-        const Vf v = load(x + j);
-        vlo = {_mm256_min_ps(vlo.lo, v.lo), _mm256_min_ps(vlo.hi, v.hi)};
-        vhi = vmax(vhi, v);
-      }
-      alignas(32) float lows[kW], highs[kW];
-      store(lows, vlo), store(highs, vhi);
-      lo = *std::min_element(lows, lows + kW), hi = *std::max_element(highs, highs + kW);
+        vlo = vmin(vlo, load(x + j)), vhi = vmax(vhi, load(x + j));
+      lo = reduce_min(vlo), hi = reduce_max(vhi);
     } else
 #endif
     for (int64_t j = g0 + 1; j < g0 + group; ++j) {
@@ -58,29 +46,12 @@ void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, 
     const c10::Half sc = fp16_toward(std::max((hi - static_cast<float>(mn)) / 15.f, kEps), true);
     minimum[g0 / group] = mn, scale[g0 / group] = sc;
     const float m = static_cast<float>(mn), s = static_cast<float>(sc);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef QKILN_VEC_SIMD
     if (group % kW == 0) {
       for (int64_t j = g0; j < g0 + group; j += kW) {
-        Vf q = _mm512_roundscale_ps(div(sub(load(x + j), set1(m)), set1(s)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        q = _mm512_min_ps(_mm512_max_ps(q, set1(0.f)), set1(15.f));  // NaN -> 0 (maxps: 2nd operand)
-        const __m128i pairs = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(q));  // 8 words: even | odd << 8
-        const __m128i merged = _mm_and_si128(_mm_or_si128(pairs, _mm_srli_epi16(pairs, 4)), _mm_set1_epi16(0xFF));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), _mm_packus_epi16(merged, merged));
-      }
-      continue;
-    }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    if (group % kW == 0) {
-      constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-      const __m256 zero = _mm256_setzero_ps(), fifteen = _mm256_set1_ps(15.f);
-      for (int64_t j = g0; j < g0 + group; j += kW) {
-        Vf q = div(sub(load(x + j), set1(m)), set1(s));
-        for (__m256* h : {&q.lo, &q.hi})  // NaN -> 0 (maxps: 2nd operand), as the AVX-512 path
-          *h = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(*h, kRound), zero), fifteen);
-        const __m256i words = pack_words(_mm256_cvttps_epi32(q.lo), _mm256_cvttps_epi32(q.hi));
-        const __m128i pairs = _mm_packus_epi16(_mm256_castsi256_si128(words),  // 8 words: even | odd << 8
-                                               _mm256_extracti128_si256(words, 1));
+        Vf q = round_even(div(sub(load(x + j), set1(m)), set1(s)));
+        q = vmin(vmax(q, set1(0.f)), set1(15.f));  // NaN -> 0 (maxps: 2nd operand)
+        const __m128i pairs = to_u8(q);  // 8 words: even | odd << 8
         const __m128i merged = _mm_and_si128(_mm_or_si128(pairs, _mm_srli_epi16(pairs, 4)), _mm_set1_epi16(0xFF));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), _mm_packus_epi16(merged, merged));
       }

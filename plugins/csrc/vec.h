@@ -100,9 +100,17 @@ inline Vf sub(Vf a, Vf b) { return _mm512_sub_ps(a, b); }
 inline Vf mul(Vf a, Vf b) { return _mm512_mul_ps(a, b); }
 inline Vf div(Vf a, Vf b) { return _mm512_div_ps(a, b); }
 inline Vf vmax(Vf a, Vf b) { return _mm512_max_ps(a, b); }
+inline Vf vmin(Vf a, Vf b) { return _mm512_min_ps(a, b); }
 inline Vf fmadd(Vf a, Vf b, Vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(Vf v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(Vf v) { return _mm512_reduce_max_ps(v); }
+inline float reduce_min(Vf v) { return _mm512_reduce_min_ps(v); }
+// The SIMD branches only (QKILN_VEC_SIMD): round half to even; 16 bytes widened to floats; values
+// in [0, 256) truncated to 16 bytes.
+#define QKILN_VEC_SIMD 1
+inline Vf round_even(Vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vf widen_u8(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+inline __m128i to_u8(Vf v) { return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v)); }
 // Round to T and back (identity for float).
 template <typename T> inline Vf round_to(Vf v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {  // kept in 32-bit lanes: packing to 16 bits and
@@ -269,6 +277,7 @@ inline Vf sub(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _m
 inline Vf mul(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_mul_ps(p, q); }); }
 inline Vf div(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_div_ps(p, q); }); }
 inline Vf vmax(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_max_ps(p, q); }); }
+inline Vf vmin(Vf a, Vf b) { return map2(a, b, [](__m256 p, __m256 q) { return _mm256_min_ps(p, q); }); }
 inline Vf fmadd(Vf a, Vf b, Vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline float reduce_add(Vf v) {  // _mm512_reduce_add_ps's order: halves, quarters, pairs, lanes
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(v.lo, v.hi)),
@@ -281,6 +290,25 @@ inline float reduce_max(Vf v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+inline float reduce_min(Vf v) {
+  const __m256 m = _mm256_min_ps(v.lo, v.hi);
+  __m128 s = _mm_min_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_min_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_min_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+#define QKILN_VEC_SIMD 1  // round_even, widen_u8, to_u8: as the AVX-512 ones
+inline Vf round_even(Vf v) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, kRound), _mm256_round_ps(v.hi, kRound)};
+}
+inline Vf widen_u8(__m128i bytes) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+inline __m128i to_u8(Vf v) {
+  const __m256i words = pack_words(_mm256_cvttps_epi32(v.lo), _mm256_cvttps_epi32(v.hi));
+  return _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
 }
 template <typename T> inline Vf round_to(Vf v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -357,9 +385,11 @@ inline Vf sub(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p - 
 inline Vf mul(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p * q; }); }
 inline Vf div(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return p / q; }); }
 inline Vf vmax(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return std::max(p, q); }); }
+inline Vf vmin(Vf a, Vf b) { return map2(a, b, [](float p, float q) { return std::min(p, q); }); }
 inline Vf fmadd(Vf a, Vf b, Vf c) { return add(mul(a, b), c); }
 inline float reduce_add(Vf v) { float s = 0.f; for (float e : v.x) s += e; return s; }
 inline float reduce_max(Vf v) { float s = v.x[0]; for (float e : v.x) s = std::max(s, e); return s; }
+inline float reduce_min(Vf v) { float s = v.x[0]; for (float e : v.x) s = std::min(s, e); return s; }
 template <typename T> inline Vf round_to(Vf v) {
   for (float& e : v.x) e = static_cast<float>(static_cast<T>(e));
   return v;
