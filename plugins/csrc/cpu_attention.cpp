@@ -23,7 +23,9 @@
 // goes to prefill_block_bf16 (cpu_attention_prefill.cpp) instead, which reads each 16-token tile
 // once for all its rows: same-process A/B (5 alternating rounds), SmolLM2 heads, 30 layers:
 // 8 prompts x 128 tokens 1.639 -> 1.250 ms a layer, one 1024-token prompt 15.94 -> 12.27. Over an
-// fp8 cache a prefill block converts its prefix to bf16 rows first (serve_fp8_prefix). On an AMX CPU
+// fp8 cache a prefill block converts its prefix to bf16 rows first (serve_fp8_prefix). Over an int4
+// cache without AVX512-BF16 a block goes to prefill_block_tiled (one dequantize of each tile for
+// all its rows). On an AMX CPU
 // the sequences with kAmxMinRows+ rows over a bf16, fp8 or int4 cache skip all of this:
 // paged_attention hands them to AmxPrefill (cpu_attention_prefill_amx.cpp), 1.8-3x faster from
 // 1024-token prompts up (6x over int4). A step of few long decodes splits each row's context
@@ -172,14 +174,17 @@ namespace {
 
 // Int4Rows: an int4 cache's rows dequantized into fp32 once per tile, for every query head of the
 // group (the bytes and the per-(slot, head, group) fp16 scale / min through the block table).
+// The tile's values live in one buffer per thread, not in the struct: every decode row makes a new
+// Int4Rows, and an 8 KB member was zeroed and copied each time. So a fill overwrites the thread's
+// last tile (the kernels use one tile at a time).
 struct Int4Rows {
   const uint8_t *k_head, *v_head;  // the head's bytes of slot 0
   const c10::Half *k_scale, *k_min, *v_scale, *v_min;  // the head's groups of slot 0
   const int32_t* table;
   int64_t block_size, head_dim, group, num_kv_heads;
-  float values[kW * kMaxInt4HeadDim];
   const float* rows[kW];
   void fill(int64_t t0, int64_t n, bool value) {
+    thread_local float values[kW * kMaxInt4HeadDim];
     const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
     int64_t slots[kW];
     tile_slots(table, block_size, t0, n, 1, slots);
@@ -254,6 +259,92 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
   softmax_rows_lse(scores, G, T, inv_sum, lse);
   values_tiled<NV>(rows, T, G, scores, acc);
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
+}
+
+// A prefill block (R consecutive query rows of one sequence; row r sees T_first + r tokens) for one
+// kv head over an int4 cache, D = 16 * NV, in the portable vectors: each 16-token tile of K and
+// then of V is dequantized once (Int4Rows) and served to all R x group query rows, with an online
+// softmax (running max and sum per query row, the accumulators rescaled as the max moves). Row by
+// row, decode_head_tiled dequantized the whole prefix again for every row. Serves the int4 prefill
+// blocks where AVX512-BF16 is absent. Same-process A/B (QKILN_TILED_PREFILL, 5 alternating
+// rounds, w4a16-rtn+kv-int4, one 512-token prompt, AVX2 EPYC host): prefill 1769 -> 1375 ms.
+// Over a bf16 cache the same kernel (CacheRows) measured 0.96x of row by row (7 rounds), so the
+// float caches stay row by row there: a bf16 tile costs little to read again.
+// q / out: the block's first row at the kv head's first query head; rows q_stride / out_stride
+// apart.
+template <int NV, typename Rows, typename q_t, typename o_t>
+void prefill_block_tiled(const Decode& a, const q_t* q, int64_t q_stride, Rows& rows, int64_t T_first,
+                         int64_t R, o_t* out, int64_t out_stride) {
+  constexpr int64_t D = NV * kW;
+  const int64_t G = a.group, RG = R * G, T_max = T_first + R - 1;
+  thread_local std::vector<float> buf;
+  // [RG, D] scaled queries, [RG, D] accumulators, [RG, kW] the tile's p, [RG] max, sum, rescale
+  buf.resize(RG * (2 * D + kW + 3));
+  float *qf = buf.data(), *acc = qf + RG * D, *p = acc + RG * D, *run_max = p + RG * kW;
+  float *run_sum = run_max + RG, *rescale = run_sum + RG;
+  for (int64_t rg = 0; rg < RG; ++rg) {
+    const q_t* qrow = q + rg / G * q_stride + rg % G * D;
+    for (int64_t d = 0; d < D; d += kW) {
+      store(qf + rg * D + d, mul(load(qrow + d), set1(a.scale)));
+      store(acc + rg * D + d, set1(0.f));
+    }
+    run_max[rg] = -std::numeric_limits<float>::infinity(), run_sum[rg] = 0.f;
+  }
+  for (int64_t t0 = 0; t0 < T_max; t0 += kW) {
+    const int64_t n = std::min<int64_t>(kW, T_max - t0);
+    // the tile's tokens query row rg sees (its row r sees T_first + r in all)
+    auto valid = [&](int64_t rg) { return std::min(n, T_first + rg / G - t0); };
+    rows.fill(t0, n, false);
+    for (int64_t rg = 0; rg < RG; ++rg) {
+      const int64_t seen = valid(rg);
+      if (seen <= 0) continue;
+      Vf qv[NV], dots[kW];
+      for (int j = 0; j < NV; ++j) qv[j] = load(qf + rg * D + j * kW);
+      for (int i = 0; i < kW; ++i) {
+        if (i >= seen) { dots[i] = set1(0.f); continue; }
+        const auto* row = rows.rows[i];
+        Vf d = mul(qv[0], load(row));
+        for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
+        dots[i] = d;
+      }
+      float* pr = p + rg * kW;
+      store(pr, sum16(dots));
+      float top = run_max[rg];
+      for (int64_t i = 0; i < seen; ++i) top = std::max(top, pr[i]);
+      rescale[rg] = std::exp(run_max[rg] - top);  // 0 on the first tile (max -inf)
+      run_max[rg] = top;
+      const Vf e = vexp(sub(load(pr, seen), set1(top)));
+      store(pr, e, seen);
+      for (int64_t i = seen; i < kW; ++i) pr[i] = 0.f;
+      run_sum[rg] = run_sum[rg] * rescale[rg] + reduce_add(load(pr, seen));
+    }
+    rows.fill(t0, n, true);
+    for (int64_t rg = 0; rg < RG; ++rg) {
+      const int64_t seen = valid(rg);
+      if (seen <= 0) continue;
+      Vf even[NV], odd[NV];  // two chains halve the FMA latency chain
+      const Vf r = set1(rescale[rg]);
+      for (int j = 0; j < NV; ++j) even[j] = mul(load(acc + rg * D + j * kW), r), odd[j] = set1(0.f);
+      const float* pr = p + rg * kW;
+      int64_t i = 0;
+      for (; i + 1 < seen; i += 2) {
+        const auto *r0 = rows.rows[i], *r1 = rows.rows[i + 1];
+        const Vf p0 = set1(pr[i]), p1 = set1(pr[i + 1]);
+        for (int j = 0; j < NV; ++j) {
+          even[j] = fmadd(p0, load(r0 + j * kW), even[j]);
+          odd[j] = fmadd(p1, load(r1 + j * kW), odd[j]);
+        }
+      }
+      if (i < seen)
+        for (int j = 0; j < NV; ++j) even[j] = fmadd(set1(pr[i]), load(rows.rows[i] + j * kW), even[j]);
+      for (int j = 0; j < NV; ++j) store(acc + rg * D + j * kW, add(even[j], odd[j]));
+    }
+  }
+  for (int64_t rg = 0; rg < RG; ++rg) {
+    o_t* orow = out + rg / G * out_stride + rg % G * D;
+    const Vf s = set1(a.out_scale / run_sum[rg]);
+    for (int64_t d = 0; d < D; d += kW) store(orow + d, mul(load(acc + rg * D + d), s));
+  }
 }
 
 // The K rows the same thread reads next (the next task's), fetched into L2 during this task's
@@ -897,7 +988,6 @@ void AttentionTasks::run(TaskStream& tasks) const {
     QKILN_DISPATCH(out_.scalar_type(), "qkiln_attn_o", [&] {
       scalar_t* op = out_.data_ptr<scalar_t>();
       thread_local std::vector<float> buf;
-      auto row_by_row = [](const RowBlock&, int64_t, const int32_t*) { return false; };
       // attend(h, table, T, query row, out row, next, lse): one query row's heads
       // h .. h + H * group - 1; next (kv head, table, T) is the next task's first row when this
       // is a one-row block (decodes), else table nullptr. A part of a split row attends to its
@@ -950,11 +1040,13 @@ void AttentionTasks::run(TaskStream& tasks) const {
         const uint8_t *k = k_cache_.data_ptr<uint8_t>(), *v = v_cache_.data_ptr<uint8_t>();
         const c10::Half *ks = k_group_scale_.data_ptr<c10::Half>(), *km = k_group_min_.data_ptr<c10::Half>(),
                         *vs = v_group_scale_.data_ptr<c10::Half>(), *vm = v_group_min_.data_ptr<c10::Half>();
-        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow, auto, float* lse) {
-          thread_local Int4Rows rows;
+        auto head_rows = [&](int64_t h, const int32_t* table) {
           const int64_t g = h * groups;  // the head's first group in a slot
-          rows = {k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
-                  D / groups, Hkv};
+          return Int4Rows{k + h * D / 2, v + h * D / 2, ks + g, km + g, vs + g, vm + g, table, a.block_size, D,
+                          D / groups, Hkv, {}};
+        };
+        each_row([&](int64_t h, const int32_t* table, int64_t T, const q_t* qrow, auto* orow, auto, float* lse) {
+          Int4Rows rows = head_rows(h, table);
           if (kBf16Heads && std::is_same_v<q_t, c10::BFloat16> && rows.group % 4 == 0 &&
               groups <= kW) {  // K read as codes
             const auto* qb = reinterpret_cast<const c10::BFloat16*>(qrow);
@@ -966,7 +1058,21 @@ void AttentionTasks::run(TaskStream& tasks) const {
           if (D == 32) decode_head_tiled<2>(a, qrow, rows, T, orow, buf, lse);
           else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf, lse);
           else decode_head_tiled<8>(a, qrow, rows, T, orow, buf, lse);
-        }, row_by_row);
+        }, [&](const RowBlock& b, int64_t h, const int32_t* table) {  // a prefill block
+          // Without AVX512-BF16: prefill_block_tiled; with it, decode_head_int4 row by row (the
+          // path measured on those hosts). QKILN_TILED_PREFILL=0: row by row here too (read per
+          // call, for comparisons).
+          const int64_t T_first = causal_len(b, b.first), row = starts_[b.seq] + b.first;
+          if (kBf16Heads || T_first <= 0 || switched_off("QKILN_TILED_PREFILL")) return false;
+          Int4Rows rows = head_rows(h, table);
+          const int64_t q_stride = query_.stride(0), out_stride = Hq * D;
+          const q_t* qh = qp + row * q_stride + h * a.group * D;
+          auto* oh = op + (row * Hq + h * a.group) * D;
+          if (D == 32) prefill_block_tiled<2>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);
+          else if (D == 64) prefill_block_tiled<4>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);
+          else prefill_block_tiled<8>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);
+          return true;
+        });
         return;
       }
       QKILN_DISPATCH_KV(k_cache_.scalar_type(), "qkiln_attn_kv", [&] {

@@ -45,7 +45,7 @@ struct KVParams;  // qkiln_cpu.h
 namespace attention_detail {
 
 // Whether the environment sets `var` to "0": the kernels' comparison switches (QKILN_AMX_PREFILL,
-// QKILN_DECODE_SPLIT), read per call so one process can time both sides.
+// QKILN_DECODE_SPLIT, QKILN_TILED_PREFILL), read per call so one process can time both sides.
 inline bool switched_off(const char* var) {
   const char* value = std::getenv(var);
   return value && std::strcmp(value, "0") == 0;

@@ -68,6 +68,25 @@ def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, s
     assert actual.dtype == torch.bfloat16 and rel_error(actual, expected) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8", "int4"])
+def test_prefill_blocks_match_reference(kv_dtype, query_dtype, head_dim, group, block_size):
+    """Prefill chunks of every cache dtype and head size, whichever kernel the CPU takes for their
+    8-row blocks (over int4 without AVX512-BF16: prefill_block_tiled, each K / V tile dequantized
+    once for all of a block's rows, online softmax): chunks after cached context, rows ending
+    mid-tile, tiles across cache blocks of 5 slots, a decode in the step."""
+    cache = make_cache(kv_dtype, 80, 2, head_dim, block_size=block_size,
+                       with_channel_scale=kv_dtype in ("fp8", "int4"))
+    batch = PagedBatch(LONG_CHUNKS + [(21, 13)], cache, num_heads=2 * group)
+    args = batch.attention_args(cache, query_dtype)
+    expected = reference_paged_attention(*args)
+    actual = paged_attention(args[0], cache, *args[10:])
+    assert rel_error(actual, expected) < TOLERANCE[query_dtype]
+
+
 def _native_float_out(args, cache, monkeypatch, split: bool):
     """The native op into an fp32 output (the registered op returns the query's dtype, whose
     rounding would hide the parts' different summation order)."""
