@@ -197,6 +197,22 @@ struct Int4Rows {
   }
 };
 
+// The scores of one (scaled) query row qf [D] against rows.rows[0 .. n) of a 16-token K tile,
+// D = 16 * NV; lanes past n hold 0.
+template <int NV, typename Rows>
+inline Vf tile_scores(const Rows& rows, const float* qf, int64_t n) {
+  Vf qv[NV], dots[kW];
+  for (int j = 0; j < NV; ++j) qv[j] = load(qf + j * kW);
+  for (int i = 0; i < kW; ++i) {
+    if (i >= n) { dots[i] = set1(0.f); continue; }
+    const auto* row = rows.rows[i];
+    Vf d = mul(qv[0], load(row));
+    for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
+    dots[i] = d;
+  }
+  return sum16(dots);
+}
+
 // acc[0 .. D) = acc * rescale + sum_{i < n} p[i] * rows.rows[i] for D = 16 * NV: one query row's
 // share of a 16-token V tile (values_tiled, prefill_block_tiled).
 template <int NV, typename Rows>
@@ -248,16 +264,7 @@ void decode_head_tiled(const Decode& a, const q_t* q, Rows& rows, int64_t T, o_t
     const int64_t n = std::min<int64_t>(kW, T - t0);
     rows.fill(t0, n, false);
     for (int64_t g = 0; g < G; ++g) {
-      Vf qv[NV], dots[kW];
-      for (int j = 0; j < NV; ++j) qv[j] = load(qf + g * D + j * kW);
-      for (int i = 0; i < kW; ++i) {
-        if (i >= n) { dots[i] = set1(0.f); continue; }
-        const auto* row = rows.rows[i];
-        Vf d = mul(qv[0], load(row));
-        for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
-        dots[i] = d;
-      }
-      store(scores + g * T + t0, sum16(dots), n);
+      store(scores + g * T + t0, tile_scores<NV>(rows, qf + g * D, n), n);
     }
   }
   softmax_rows_lse(scores, G, T, inv_sum, lse);
@@ -303,17 +310,8 @@ void prefill_block_tiled(const Decode& a, const q_t* q, int64_t q_stride, Rows& 
     for (int64_t rg = 0; rg < RG; ++rg) {
       const int64_t seen = valid(rg);
       if (seen <= 0) continue;
-      Vf qv[NV], dots[kW];
-      for (int j = 0; j < NV; ++j) qv[j] = load(qf + rg * D + j * kW);
-      for (int i = 0; i < kW; ++i) {
-        if (i >= seen) { dots[i] = set1(0.f); continue; }
-        const auto* row = rows.rows[i];
-        Vf d = mul(qv[0], load(row));
-        for (int j = 1; j < NV; ++j) d = fmadd(qv[j], load(row + j * kW), d);
-        dots[i] = d;
-      }
       float* pr = p + rg * kW;
-      store(pr, sum16(dots));
+      store(pr, tile_scores<NV>(rows, qf + rg * D, seen));
       float top = run_max[rg];
       for (int64_t i = 0; i < seen; ++i) top = std::max(top, pr[i]);
       rescale[rg] = std::exp(run_max[rg] - top);  // 0 on the first tile (max -inf)
