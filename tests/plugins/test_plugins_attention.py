@@ -78,8 +78,7 @@ def test_prefill_blocks_match_reference(kv_dtype, query_dtype, head_dim, group, 
     8-row blocks (over int4 without AVX512-BF16: prefill_block_tiled, each K / V tile dequantized
     once for all of a block's rows, online softmax): chunks after cached context, rows ending
     mid-tile, tiles across cache blocks of 5 slots, a decode in the step."""
-    cache = make_cache(kv_dtype, 80, 2, head_dim, block_size=block_size,
-                       with_channel_scale=kv_dtype in ("fp8", "int4"))
+    cache = make_cache(kv_dtype, 80, 2, head_dim, block_size=block_size)  # (no key smoothing: native)
     batch = PagedBatch(LONG_CHUNKS + [(21, 13)], cache, num_heads=2 * group)
     args = batch.attention_args(cache, query_dtype)
     expected = reference_paged_attention(*args)
