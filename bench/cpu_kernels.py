@@ -6,7 +6,8 @@
 Two measurements, both on random weights in the shapes of SmolLM2-135M (hidden 576, MLP 1536,
 fused qkv 960, fused gate_up 3072, tied lm_head 49152 x 576), group 128 asymmetric int4:
 - per shape and row count, one weight that stays in cache: median time per call of the native
-  int4 kernel, torch's tinygemm (`_weight_int4pack_mm_for_cpu`), a bf16 matmul on the
+  int4 kernel (exact; `native_a8`: the same layout with int8 activations, csrc/cpu_gemv_int4_a8.cpp,
+  opt-in), torch's tinygemm (`_weight_int4pack_mm_for_cpu`), a bf16 matmul on the
   dequantized weight (`bf16`: the runtime's many-row path, qkiln's bf16 panels where that kernel
   built; `bf16_onednn`: the same weight oneDNN-packed), and for int8 the native kernel and
   `_weight_int8pack_mm`;
@@ -61,6 +62,8 @@ def _int4_calls(native, tinygemm, dense, onednn, x):
         calls["bf16_onednn"] = lambda: dense_linear(x, onednn)
     if cpu_native.is_native_w4a16(native.scales):
         calls["native"] = lambda: cpu_native.w4a16_gemm(
+            x, native.packed, native.scales, native.zeros, None, GROUP_SIZE, native.out_features)
+        calls["native_a8"] = lambda: cpu_native.w4a8_gemv(
             x, native.packed, native.scales, native.zeros, None, GROUP_SIZE, native.out_features)
     return calls
 
@@ -136,7 +139,7 @@ def run_cpu_kernels(json_path=None, num_threads: int | None = 2, repeats: int = 
         log("native extension unavailable: only torch's kernels are measured")
     per_shape = _per_shape(tuple(rows), repeats)
     step = _decode_step(num_layers, max(3, repeats // 3), step_rows)
-    kernels = ["native", "tinygemm", "bf16", "bf16_onednn", "native_int8", "int8pack"]
+    kernels = ["native", "native_a8", "tinygemm", "bf16", "bf16_onednn", "native_int8", "int8pack"]
     table = [[key, *(fmt(stats.get(k), 1, 1e6) for k in kernels)]
              for key, stats in per_shape.items()]
     print_table(f"CPU GEMM time per call (us), {threads} threads, int4 group {GROUP_SIZE}",

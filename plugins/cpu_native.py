@@ -25,8 +25,8 @@ import torch
 from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp",
-            "cpu_gemm_bf16_amx.cpp", "cpu_gemm_codes_amx.cpp", "cpu_attention.cpp",
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp",
+            "cpu_gemm_bf16.cpp", "cpu_gemm_bf16_amx.cpp", "cpu_gemm_codes_amx.cpp", "cpu_attention.cpp",
             "cpu_attention_prefill.cpp", "cpu_attention_prefill_amx.cpp", "cpu_kv_write.cpp",
             "cpu_small_ops.cpp", "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
@@ -142,6 +142,13 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
     """x [M, in] -> [M, out] in x's dtype, through the native int4 kernel."""
     return native_extension().w4a16_gemm(x2d.contiguous(), packed, scales, c, bias, group_size,
                                          out_features)
+
+
+def w4a8_gemv(x2d, packed, scales, c, bias, group_size: int, out_features: int):
+    """x [M, in] -> [M, out] in x's dtype: the native int4 layout (pack_w4a16) with activations
+    rounded to int8 per 32 channels (csrc/cpu_gemv_int4_a8.cpp; opt-in, not exact)."""
+    return native_extension().w4a8_gemv(x2d.contiguous(), packed, scales, c, bias, group_size,
+                                        out_features)
 
 
 AMX_CODES_BLOCK = 32  # output channels per task of the AMX codes GEMMs (kBlock); tables pad to it

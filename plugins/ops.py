@@ -19,6 +19,9 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
     qkiln::fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor
     qkiln::w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size,
         int out_features, Tensor? bias) -> Tensor      (CPU only: opt-in int8 activations)
+    qkiln::w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size,
+        int out_features, Tensor? bias) -> Tensor      (CPU only: the same, few rows, int4 weights
+                                                        in w4a16_linear's native layout)
     qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
     qkiln::silu_and_mul(Tensor gate_up) -> Tensor
@@ -66,6 +69,8 @@ _LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, 
             "bool amx_codes=False) -> Tensor")
 _LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
 _LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, "
+            "int out_features, Tensor? bias) -> Tensor")
+_LIB.define("w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, "
             "int out_features, Tensor? bias) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
@@ -188,6 +193,14 @@ def _(x, packed, scales, zero_scales, group_size, out_features, bias):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+_register("w4a8_gemv", cpu_linear.cpu_w4a8_gemv, _no_kernel("w4a8_gemv"), _no_kernel("w4a8_gemv"))
+
+
+@torch.library.register_fake("qkiln::w4a8_gemv")
+def _(x, packed, scales, zeros, group_size, out_features, bias):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def _triton_small_op(name: str):
     def run(*args):
         from qkiln.plugins import triton_small_ops
@@ -261,6 +274,9 @@ def w4a8_linear(x: Tensor, weight: W4A8Weight, bias: Tensor | None = None) -> Te
 def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> Tensor:
     if (a8 := _int8_act(x, weight)) is not None:
         return w4a8_linear(x, a8, bias)
+    if weight.int8_activations:  # the rows the panels do not serve: the GEMV layout, same rounding
+        return torch.ops.qkiln.w4a8_gemv(x, weight.packed, weight.scales, weight.zeros,
+                                         weight.group_size, weight.out_features, bias)
     return torch.ops.qkiln.w4a16_linear(x, weight.packed, weight.scales, weight.zeros,
                                         weight.group_size, weight.in_features,
                                         weight.out_features, bias, weight.dequantized,

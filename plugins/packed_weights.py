@@ -44,12 +44,17 @@ extension, e.g. QKILN_NATIVE_CPU=0 or no compiler):
     and out_p pads `out` to a multiple of 16 with zero rows (q = 8, scale = 0, zero = 0).
     w8a16: weight int8 [out, in], scales bf16 [out] (`_weight_int8pack_mm`).
 
-Target "cpu", int8 activations (opt-in, `int8_activations=True`; many rows only, not exact):
-    int8_act = W4A8Weight for csrc/cpu_gemm_w4a8.cpp: unsigned codes (int4 0..15, symmetric as
-    q + 8; int8 weights as w + 128, one group) in uint8 [out_p / 48, in / 4, 48, 4], scales and
-    scale * zero point fp32 [num_groups, out_p], out_p a multiple of 48. Replaces `dequantized`
-    (1 byte per weight instead of 2). Needs `in` and group_size multiples of 32 and the native
-    extension; otherwise the weight is prepared as without the option.
+Target "cpu", int8 activations (opt-in, `int8_activations=True`; not exact):
+    int8_act = W4A8Weight for csrc/cpu_gemm_w4a8.cpp (many rows): unsigned codes (int4 0..15,
+    symmetric as q + 8; int8 weights as w + 128, one group) in uint8 [out_p / 48, in / 4, 48, 4],
+    scales and scale * zero point fp32 [num_groups, out_p], out_p a multiple of 48. Replaces
+    `dequantized` (1 byte per weight instead of 2). Built only where that GEMM has its
+    AVX512-VNNI kernel (int8_act_panels_fast).
+    int4 weights round at every step (int8_activations): rows the panels do not serve go through
+    csrc/cpu_gemv_int4_a8.cpp, which reads the native GEMV layout `packed` (no copy at all on a
+    CPU without VNNI). int8 weights round only where they have panels, and only above SMALL_M.
+    Needs `in` and group_size multiples of 32 and the native extension; otherwise the weight is
+    prepared as without the option.
 
 Native int4 on a CPU with AMX-BF16 (in and group_size multiples of 32), opted in (QKILN_AMX_CODES=1):
     amx_tables bf16 [out rounded up to 32, num_groups, 16] (cpu_native.w4_amx_tables): the 16
@@ -105,8 +110,11 @@ class W4A16Weight:
     out_features: int
     target: str
     dequantized: torch.Tensor | None = None
-    int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
+    int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in (where int8_act_panels_fast)
     amx_tables: torch.Tensor | None = None  # cpu native, many rows on AMX (replaces dequantized)
+    # cpu native, opt-in: every step rounds activations to int8 (rows above SMALL_M through
+    # int8_act where it exists, all others through csrc/cpu_gemv_int4_a8.cpp on `packed`)
+    int8_activations: bool = False
 
     @property
     def many_rows_form(self) -> bool:
@@ -184,10 +192,20 @@ def int8_activations_fit(in_features: int, group_size: int) -> bool:
     return in_features % INT8_BLOCK == 0 and group_size % INT8_BLOCK == 0
 
 
+def int8_act_panels_fast() -> bool:
+    """Whether the many-row int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp) has its AVX512-VNNI
+    kernel here. Its plain C++ form is for tests only (3072 x 576 at 64 rows: ~150 ms against ~2.4
+    exact on an AVX2 host), so elsewhere weights get no panels: int4 ones round their activations
+    through the GEMV kernel at every row count, int8 ones stay exact."""
+    ext = cpu_native.native_extension()
+    return ext is not None and ext.w4a8_kernel_isa() != "portable"
+
+
 def _int8_act_weight(codes, scales, zero_point, group_size: int) -> W4A8Weight | None:
-    """W4A8Weight of unsigned codes [out, in], or None where the int8-activation kernel can't run."""
+    """W4A8Weight of unsigned codes [out, in], or None where the int8-activation GEMM can't run
+    or would be slow (int8_act_panels_fast)."""
     out_features, in_features = codes.shape
-    if not int8_activations_fit(in_features, group_size) or cpu_native.native_extension() is None:
+    if not int8_activations_fit(in_features, group_size) or not int8_act_panels_fast():
         return None
     packed, s, zs = cpu_native.pack_w4a8(codes, scales, zero_point)
     return W4A8Weight(packed, s, zs, group_size, out_features)
@@ -201,7 +219,9 @@ def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
 
     dtype: the activation dtype the cuda kernel will see (scales/zeros are stored in it).
     use_native: False keeps torch's tinygemm on target cpu (benchmarks and A/B checks).
-    int8_activations (cpu): many rows through the int8-activation GEMM instead of `dequantized`.
+    int8_activations (cpu, native layout, `in` and group_size multiples of 32): every step rounds
+    activations to int8 (W4A16Weight.int8_activations), many rows through the int8-activation
+    GEMM where it is fast (int8_act), else through the GEMV; no `dequantized` copy then.
     """
     _check_target(target)
     out_features, in_features = qweight.shape
@@ -211,13 +231,14 @@ def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
     q, zero_point = _unsigned_int4(qweight, zeros)
     if target == "cuda":
         return _prepare_w4a16_cuda(q, scales, zero_point, group_size, dtype)
-    int8_act = None
-    if int8_activations:
+    rounds = int8_activations and use_native and int8_activations_fit(in_features, group_size) \
+        and cpu_native.native_extension() is not None
+    weight = _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized and not rounds,
+                                use_native)
+    if rounds and cpu_native.is_native_w4a16(weight.scales):
         zp = torch.full_like(scales, 8.0, dtype=torch.float32) if zero_point is None else zero_point
-        int8_act = _int8_act_weight(q, scales, zp, group_size)
-    weight = _prepare_w4a16_cpu(q, scales, zero_point, group_size,
-                                keep_dequantized and int8_act is None, use_native)
-    weight.int8_act = int8_act
+        weight.int8_act = _int8_act_weight(q, scales, zp, group_size)
+        weight.int8_activations = True
     return weight
 
 
@@ -298,7 +319,8 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
     many-row GEMM, which otherwise converts the whole weight on every call (a 49152 x 576 head:
     ~35 ms per 64-row step, more than the GEMM itself).
     int8_activations (cpu): many rows through the int8-activation GEMM (codes w + 128, zero point
-    128, one group) instead of `dequantized`.
+    128, one group) instead of `dequantized`, where that GEMM is fast (int8_act_panels_fast);
+    few rows stay exact (the GEMV streams one byte a weight either way).
     """
     _check_target(target)
     if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):

@@ -14,7 +14,8 @@ dependent phases) instead of a fork/join per kernel.
 path serves every step); `applies` says per step whether the step is decodes only. Up to SMALL_M
 rows (cpu_linear.int4_gemv_rows for int4 weights with a dense copy) run the GEMV kernels; more run the Python
 path's GEMM for them, each thread taking its share of the rows for the row-wise ops: with int8
-activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp), else (exact) the
+activations loaded (opt-in) the int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp; on a CPU without
+AVX512-VNNI int4 weights have none and the GEMV form serves steps of any size), else (exact) the
 bf16 GEMM on the dequantized weights (qkiln's panels, csrc/cpu_gemm_bf16.cpp). When this form was
 measured against the Python layer loop (offline 64 x 128/128, same-process A/B, 5 rounds; the bf16
 GEMM was oneDNN's then): decode step 74.2 -> 63.2 ms (537.9 -> 584.5 tok/s) with int8 activations,
@@ -56,6 +57,8 @@ def _native_linear(module, ext):
         linear = ext.NativeLinear(8, w.weight, w.scales, None, bias, 0, *w.weight.shape[::-1])
     else:
         return None
+    if isinstance(w, W4A16Weight) and w.int8_activations:
+        linear.use_int8_activations()
     if w.int8_act is not None:
         a = w.int8_act
         linear.add_int8_activations(a.packed, a.scales, a.zero_scales, a.group_size)
@@ -74,8 +77,9 @@ def _stack_serves(cache: KVCache) -> bool:
 
 
 class NativeDecodeStack:
-    def __init__(self, model: CausalLM, stack):
-        self.model, self.stack = model, stack
+    def __init__(self, model: CausalLM, stack, head_rows: int = 0):
+        # head_rows: the most rows `logits` serves (the head's GEMV limit; 0 without a head)
+        self.model, self.stack, self.head_rows = model, stack, head_rows
 
     @classmethod
     def build(cls, model: CausalLM, caches: list[KVCache]) -> "NativeDecodeStack | None":
@@ -116,15 +120,21 @@ class NativeDecodeStack:
                                 config.num_key_value_heads, config.head_dim, norm.eps, max_gemv_rows)
         stack.set_inputs(embed.detach(), *model.rope.tables(embed.device, embed.dtype))
         head = _native_linear(model.lm_head, ext) if model.lm_head is not None else None
-        if head is not None and _gemv_rows(model.lm_head.packed) >= max_gemv_rows:
+        # The head's own GEMV limit may be below the layers' (an exact int8 head beside int4
+        # layers that round activations at any row count): logits then serves only that many.
+        head_rows = min(_gemv_rows(model.lm_head.packed), max_gemv_rows) if head is not None else 0
+        if head_rows >= min(max_gemv_rows, SMALL_M):
             stack.set_head(head)
-        return cls(model, stack)
+        else:
+            head_rows = 0
+        return cls(model, stack, head_rows)
 
     def applies(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """Decodes only (one row per sequence), few enough rows for the GEMV kernels or, for more,
         the layouts the Python path computes them with (int8 activations or dense weights), ops on."""
         return num_tokens == metadata.seq_lens.shape[0] and \
-            (num_tokens <= SMALL_M or self.stack.int8_activations or self.stack.dense_rows) and \
+            (num_tokens <= self.stack.max_gemv_rows or self.stack.int8_activations or
+             self.stack.dense_rows) and \
             cpu_native.native_ops() is not None
 
     def hidden_states(self, input_ids, positions, metadata: AttentionMetadata) -> torch.Tensor:
@@ -135,7 +145,7 @@ class NativeDecodeStack:
 
     def serves_head(self, num_tokens: int) -> bool:
         """Whether `logits` serves a step of this many rows (which `applies` accepted)."""
-        return self.stack.has_head and num_tokens <= self.stack.max_gemv_rows
+        return self.stack.has_head and num_tokens <= self.head_rows
 
     def logits(self, input_ids, positions, metadata: AttentionMetadata,
                argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -148,8 +158,15 @@ class NativeDecodeStack:
         return logits, token_ids if argmax else None
 
 
+# Any step: int4 weights rounding activations without the many-row panels (a CPU without
+# AVX512-VNNI) take the int8-activation GEMV at every row count, in Python and here alike.
+ALL_ROWS = 1 << 30
+
+
 def _gemv_rows(weight) -> int:
     """The most rows the Python path (cpu_linear.py) computes this native weight with the GEMV."""
+    if isinstance(weight, W4A16Weight) and weight.int8_activations and weight.int8_act is None:
+        return ALL_ROWS
     if isinstance(weight, W4A16Weight) and weight.many_rows_form:
         return int4_gemv_rows(weight.dequantized, weight.amx_tables)
     return SMALL_M

@@ -13,6 +13,7 @@ import torch
 from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError
 from qkiln.plugins import cpu_native
+from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.weight_arena import gather_gemv_weights
 
 from .config import ModelConfig
@@ -49,9 +50,9 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
 def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: bool = True,
                      int8_activations: bool = False) -> ServingModel:
     """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules.
-    int8_activations: an artifact's int4/int8 linears compute steps of more than 16 rows with
-    activations rounded to int8 per 32 channels (CPU only, opt-in: faster, not exact;
-    plugins/csrc/cpu_gemm_w4a8.cpp). Steps of up to 16 rows stay exact."""
+    int8_activations: an artifact's int4 linears compute every step with activations rounded to
+    int8 per 32 channels, its int8 linears steps of more than 16 rows where the CPU has
+    AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
     is_artifact = path.is_dir() and (path / "manifest.json").exists()
@@ -76,11 +77,9 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
                             f"{name} on {device} has none to apply them to: drop the option or "
                             "build an artifact (qkiln build) first")
     ext = cpu_native.native_extension()
-    if ext is not None and ext.w4a8_kernel_isa() == "portable":
-        # The results are right, only slow: an evaluation of int8 activations may still want them.
-        print("qkiln: this CPU has no AVX512-VNNI, so int8 activations run through plain C++ "
-              "(3072 x 576 at 64 rows: ~150 ms against ~2.4 for the exact path on an AVX2 host); "
-              "drop --int8-activations for speed", file=sys.stderr)
+    if ext is not None and not int8_act_panels_fast():
+        print("qkiln: this CPU has no AVX512-VNNI: int4 linears round activations to int8 at every "
+              "step (the GEMV kernel), int8 linears (an int8 head) stay exact", file=sys.stderr)
 
 
 def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,

@@ -365,6 +365,7 @@ void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const
 
 void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
+  if (int8_activations) return tiles_int8(acts, M, begin, end, y);
 #ifdef QKILN_INT4_AVX2
   const float* xb = acts.wide.data();
 #else
@@ -388,6 +389,7 @@ void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end
 }
 
 void Int4Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
+  if (int8_activations) return prepare_int8(x, acts);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a16: x must be [M, in_features]");
   acts.bf16.resize(x.size(0) * K_p);
   acts.f32.resize(x.size(0) * num_groups);

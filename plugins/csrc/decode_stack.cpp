@@ -61,6 +61,11 @@ void NativeLinear::add_int8_activations(at::Tensor packed, at::Tensor scales, at
               "NativeLinear: the int8-activation layout's in_features do not match");
 }
 
+void NativeLinear::use_int8_activations() {
+  TORCH_CHECK(int4_, "NativeLinear: only int4 weights round activations in the GEMV");
+  int4_->int8_activations = true;
+}
+
 void NativeLinear::prepare(const at::Tensor& x, GemvActs& acts) const {
   if (int4_) int4_->prepare(x, acts);
   else int8_->prepare(x, acts);

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a16_gemm", &w4a16_gemm, "int4 weight x bf16 activation GEMM for few rows");
   m.def("w8a16_gemm", &w8a16_gemm, "int8 weight x float activation GEMM for few rows");
   m.def("w4a8_gemm", &w4a8_gemm, "int4/int8 weight x int8-per-32-channel activation GEMM");
+  m.def("w4a8_gemv", &w4a8_gemv, "int4 weight (GEMV layout) x int8-per-32-channel activations");
+  m.def("int4_a8_kernel_isa", &int4_a8_kernel_isa, "the kernel w4a8_gemv compiled");
   m.def("w4a8_kernel_isa", &w4a8_kernel_isa, "the w4a8 kernel this build compiled");
   m.def("bf16_gemm", &bf16_gemm, "bf16 x bf16 GEMM over 48-channel weight panels, many rows");
   m.def("w4a16_amx_gemm", &w4a16_amx_gemm, "int4 codes x bf16 GEMM on AMX, many rows, exact");
@@ -69,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("out_features"))
       .def("add_int8_activations", &NativeLinear::add_int8_activations, py::arg("packed"),
            py::arg("scales"), py::arg("zero_scales"), py::arg("group_size"))
+      .def("use_int8_activations", &NativeLinear::use_int8_activations)
       .def("add_dense", &NativeLinear::add_dense, py::arg("weight"))
       .def("add_amx_codes", &NativeLinear::add_amx_codes, py::arg("tables") = py::none());
   py::class_<StackLayer>(m, "StackLayer", py::module_local())

@@ -16,6 +16,12 @@ at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::T
 at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& bias);
 std::string int4_kernel_isa();
+// cpu_gemv_int4_a8.cpp: the native int4 layout x activations rounded to int8 per 32 channels
+// (opt-in, not exact; Int4Gemv with int8_activations set)
+at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                     const at::Tensor& c, const c10::optional<at::Tensor>& bias, int64_t G,
+                     int64_t out_features);
+std::string int4_a8_kernel_isa();
 
 // cpu_gemm_w4a8.cpp: many rows, int8 activations per 32 channels (opt-in, not exact)
 at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -95,11 +101,14 @@ constexpr int64_t kGemvTileRows = 4;
 
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
-// (bf16 x, M >= 2) or f32 = x widened [M, K].
+// (bf16 x, M >= 2) or f32 = x widened [M, K]; int4 with int8 activations: codes [M, K_p] in the
+// kernel's pair order, block_scales [M, K_p / 32], f32 = the zero term's xs [M, num_groups].
 struct GemvActs {
   std::vector<uint16_t> bf16;
   std::vector<float> f32;
   std::vector<float> wide;  // int4 on AVX2: the bf16 rows widened [M, K_p], the kernel's order per 16
+  std::vector<int8_t> codes;
+  std::vector<float> block_scales;
 };
 
 // One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
@@ -110,11 +119,17 @@ struct Int4Gemv {
   const uint8_t* w;
   const float *s, *c, *bias;  // bias fp32 [out_features] or nullptr
   int64_t K_p, K, G, num_groups, num_tiles, out_features;
+  // Round activations to int8 per 32 channels (cpu_gemv_int4_a8.cpp; opt-in, not exact).
+  bool int8_activations = false;
 
   Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,
            const float* bias_f32, int64_t group_size, int64_t in_features, int64_t out_features);
   void prepare(const at::Tensor& x, GemvActs& acts) const;  // x [M, K]
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+
+ private:  // the int8-activation forms of prepare and tiles (cpu_gemv_int4_a8.cpp)
+  void prepare_int8(const at::Tensor& x, GemvActs& acts) const;
+  void tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 
 // One int8 linear (row-major int8 weight [out, K], fp32 scales [out]; cpu_gemv_int8.cpp), in the

@@ -1,4 +1,5 @@
-"""The opt-in int8-activation GEMM (csrc/cpu_gemm_w4a8.cpp) against plugins/reference.py.
+"""The opt-in int8-activation kernels (csrc/cpu_gemm_w4a8.cpp, the many-row GEMM, and
+csrc/cpu_gemv_int4_a8.cpp, the GEMV over the native int4 layout) against plugins/reference.py.
 
 The kernel and the reference round activations to int8 with the same fp32 operations, so the
 only differences are fp32 summation order and the output rounding: fp32 outputs must agree to
@@ -11,6 +12,7 @@ import torch
 from plugins_testlib import canonical_int4, rel_error
 
 from qkiln.plugins import cpu_native, prepare_w4a16, prepare_w8a16, w4a16_linear, w8a16_linear
+from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.reference import (fake_quantize_int8_blocks, quantize_int8_blocks,
                                      reference_w4a8_linear, reference_w4a16_linear,
                                      reference_w8a16_linear)
@@ -61,6 +63,35 @@ def test_kernel_matches_reference(native_ext, out_features, in_features, group_s
             assert rel_error(actual, expected) < tolerance, (rows, dtype, b is None)
 
 
+# (out, in, group) for the GEMV over the native int4 layout: in=96 and 160 end in half a 64-weight
+# chunk; group 32 / 64 / 128 / in put weight-group ends at either half of a chunk.
+GEMV_SHAPES = [(40, 576, 128), (37, 96, 32), (9, 160, 64), (64, 1536, 128), (5, 576, 576)]
+
+
+@pytest.mark.parametrize("out_features,in_features,group_size", GEMV_SHAPES)
+@pytest.mark.parametrize("is_symmetric", [True, False])
+def test_gemv_over_the_int4_layout_matches_reference(native_ext, out_features, in_features,
+                                                     group_size, is_symmetric):
+    """csrc/cpu_gemv_int4_a8.cpp: the native int4 GEMV layout read with int8 activation codes; rows
+    1-4 take one pass, 5 and 16 several, 21 is what it would do for many rows."""
+    qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
+    codes, zero_points = unsigned(qweight, zeros)
+    packed, s, c = cpu_native.pack_w4a16(codes, scales, None if zeros is None else zeros, group_size)
+    bias = torch.randn(out_features)
+    for rows, dtype in [(1, torch.float32), (2, torch.bfloat16), (3, torch.float16),
+                        (4, torch.float32), (5, torch.bfloat16), (16, torch.float32), (21, torch.float32)]:
+        x = torch.randn(rows, in_features).to(dtype)
+        x[0, :32] = 0  # an all-zero block: scale 0
+        for b in (None, bias):
+            expected = reference_w4a8_linear(x.float(), qweight, scales, zeros, group_size, b)
+            actual = native_ext.w4a8_gemv(x, packed, s, c, b, group_size, out_features)
+            assert actual.dtype == dtype and actual.shape == (rows, out_features)
+            tolerance = FP32_TOLERANCE if dtype == torch.float32 else HALF_TOLERANCE
+            assert rel_error(actual, expected) < tolerance, (rows, dtype, b is None)
+    exact = reference_w4a16_linear(x.float(), qweight, scales, zeros, group_size)
+    assert rel_error(native_ext.w4a8_gemv(x, packed, s, c, None, group_size, out_features), exact) > 1e-4
+
+
 def test_kernel_refuses_mismatched_layouts(native_ext):
     qweight, scales, zeros = canonical_int4(48, 96, 32, is_symmetric=False)
     packed, s, zs = cpu_native.pack_w4a8(qweight, scales, zeros)
@@ -70,23 +101,26 @@ def test_kernel_refuses_mismatched_layouts(native_ext):
         native_ext.w4a8_gemm(torch.randn(20, 64), packed, s, zs, None, 32, 48)
 
 
-def test_front_doors_use_int8_activations_for_many_rows_only(native_ext):
+def test_front_doors_round_int4_rows_always_and_int8_rows_when_many(native_ext):
     qweight, scales, zeros = canonical_int4(60, 576, 128, is_symmetric=True)
     weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True,
                            int8_activations=True)
-    assert weight.int8_act is not None and weight.dequantized is None  # replaces the bf16 copy
+    assert weight.int8_activations and weight.dequantized is None  # no bf16 copy
+    assert (weight.int8_act is not None) == int8_act_panels_fast()  # else the GEMV takes all rows
     many, few = torch.randn(3, 20, 576).to(torch.bfloat16), torch.randn(2, 576).to(torch.bfloat16)
-    assert rel_error(w4a16_linear(many, weight),
-                     reference_w4a8_linear(many.float(), qweight, scales, zeros, 128)) < HALF_TOLERANCE
-    assert rel_error(w4a16_linear(few, weight),  # <= 16 rows: the exact W4A16 kernel
-                     reference_w4a16_linear(few.float(), qweight, scales, zeros, 128)) < HALF_TOLERANCE
-    exact = reference_w4a16_linear(many.float(), qweight, scales, zeros, 128)
-    assert rel_error(w4a16_linear(many, weight), exact) > 1e-3  # many rows did round activations
+    for x in (many, few):  # <= 16 rows: the int8-activation GEMV over the int4 layout
+        assert rel_error(w4a16_linear(x, weight),
+                         reference_w4a8_linear(x.float(), qweight, scales, zeros, 128)) < HALF_TOLERANCE
+        exact = reference_w4a16_linear(x.float(), qweight, scales, zeros, 128)
+        assert rel_error(w4a16_linear(x, weight), exact) > 1e-3  # activations were rounded
 
+    # int8 weights round many rows only, and only where the panels GEMM is fast (AVX512-VNNI).
     q8, s8 = torch.randint(-128, 128, (50, 576), dtype=torch.int8), torch.rand(50) * 0.01
     head = prepare_w8a16(q8, s8, "cpu", keep_dequantized=True, int8_activations=True)
-    assert head.int8_act is not None and head.dequantized is None
-    expected = reference_w4a8_linear(many.float(), q8, s8[:, None], None, 576)
+    panels = int8_act_panels_fast()
+    assert (head.int8_act is not None, head.dequantized is None) == (panels, panels)
+    expected = reference_w4a8_linear(many.float(), q8, s8[:, None], None, 576) if panels \
+        else reference_w8a16_linear(many.float(), q8, s8)
     assert rel_error(w8a16_linear(many, head), expected) < HALF_TOLERANCE
     assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) < HALF_TOLERANCE
 
@@ -95,7 +129,7 @@ def test_shapes_the_kernel_cannot_take_keep_the_exact_path(native_ext):
     qweight, scales, zeros = canonical_int4(16, 80, 32, is_symmetric=True)  # 80 % 32 != 0
     weight = prepare_w4a16(qweight, scales, zeros, 32, "cpu", keep_dequantized=True,
                            int8_activations=True)
-    assert weight.int8_act is None and weight.dequantized is not None
+    assert weight.int8_act is None and not weight.int8_activations and weight.dequantized is not None
 
 
 def test_portable_build_matches_reference(native_ext):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from qkiln.plugins import cpu_native, ops
+from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
@@ -121,8 +122,8 @@ def test_native_head_argmax_keeps_torchs_ties_and_nans(artifacts, monkeypatch, t
         torch.set_num_threads(saved)
 
 
-@pytest.mark.parametrize("rows,int8_activations", [(20, True), (20, False), (12, False)],
-                         ids=["int8-activations", "exact", "exact-12-rows"])
+@pytest.mark.parametrize("rows,int8_activations", [(20, True), (4, True), (20, False), (12, False)],
+                         ids=["int8-activations", "int8-activations-4-rows", "exact", "exact-12-rows"])
 @pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16", "w4a16-rtn+kv-int4"])
 def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, int8_activations):
     """The stack also serves decode steps of more than 16 rows: with int8 activations loaded through
@@ -130,7 +131,9 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
     dequantized weights; each thread takes its share of the rows for the row-wise ops (3 threads:
     shares of 7 and 6 of 20 rows). Exact int4 switches to that GEMM above cpu_linear.int4_gemv_rows
     (8; 16 where the copy is held in fp32), int8 above 16: 12 rows take the dense form for w4a16
-    (the GEMV form with fp32 copies) and the GEMV form for w8a16, as in Python."""
+    (the GEMV form with fp32 copies) and the GEMV form for w8a16, as in Python. With int8
+    activations int4 layers round in the GEMV form too (csrc/cpu_gemv_int4_a8.cpp), at any row
+    count where the CPU lacks AVX512-VNNI (no many-row panels: the GEMV form serves 20 rows)."""
     _, paths = artifacts
     generator = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(rows)]
@@ -140,7 +143,10 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
         fast = _engine(paths[recipe], monkeypatch, stack=True, int8_activations=int8_activations)
         slow = _engine(paths[recipe], monkeypatch, stack=False, int8_activations=int8_activations)
         stack = fast.runner.decode_stack.stack
-        assert (stack.int8_activations, stack.dense_rows) == (int8_activations, not int8_activations)
+        panels, int4 = int8_act_panels_fast(), recipe != "w8a16"  # int8 layers round via panels only
+        assert stack.int8_activations == (int8_activations and panels)
+        assert stack.dense_rows == (not int8_activations or (not panels and not int4))
+        assert (stack.max_gemv_rows > 16) == (int8_activations and not panels and int4)
         tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 6)
         tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 6)
     finally:
