@@ -20,9 +20,10 @@ fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 a
 are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
 int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-1.3x at 1024;
-not exact (packed_weights.py). Few rows of an int4 weight then round the same way through
-csrc/cpu_gemv_int4_a8.cpp, which reads the native GEMV layout (no other copy); int8 weights keep
-their exact GEMV there (it streams one byte a weight either way).
+not exact (packed_weights.py). An int4 weight's other rows (few rows; all rows on a CPU without
+AVX512-VNNI, where it has no panels) round the same way through csrc/cpu_gemv_int4_a8.cpp, which
+reads the native GEMV layout; int8 weights keep their exact GEMV at few rows (it streams one byte
+a weight either way).
 Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's bf16 panels
 (packed_weights.pack_dense, csrc/cpu_gemm_bf16.cpp), plain, or pre-packed for oneDNN
 (packed_weights.onednn_pack); the last two give the same bits. On a CPU without a fast bf16 GEMM
@@ -133,7 +134,7 @@ def cpu_w4a8_linear(x, packed, scales, zero_scales, group_size: int, out_feature
 
 def cpu_w4a8_gemv(x, packed, scales, zeros, group_size: int, out_features: int, bias=None):
     """x [..., in] -> [..., out] in x's dtype: the native int4 GEMV layout with activations rounded
-    to int8 per 32 channels (few rows of an int4 weight with int8 activations; any count works)."""
+    to int8 per 32 channels (an int4 weight's rows that its many-row panels do not serve)."""
     rows = x.reshape(-1, x.shape[-1])
     out = cpu_native.w4a8_gemv(rows, packed, scales, zeros, bias, group_size, out_features)
     return out.reshape(*x.shape[:-1], out_features)

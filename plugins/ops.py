@@ -20,8 +20,8 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
     qkiln::w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size,
         int out_features, Tensor? bias) -> Tensor      (CPU only: opt-in int8 activations)
     qkiln::w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size,
-        int out_features, Tensor? bias) -> Tensor      (CPU only: the same, few rows, int4 weights
-                                                        in w4a16_linear's native layout)
+        int out_features, Tensor? bias) -> Tensor      (CPU only: the same rounding, int4 weights
+                                                        in w4a16_linear's native layout, any rows)
     qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
     qkiln::silu_and_mul(Tensor gate_up) -> Tensor
