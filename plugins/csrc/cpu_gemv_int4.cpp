@@ -375,16 +375,13 @@ void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a16", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();
     float dots[kMaxMB][kRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* wt = w + t * (K_p / 2) * kRows;
-      const float *st = s + t * num_groups * kRows, *ct = c + t * num_groups * kRows;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxMB) {
-        const int MB = static_cast<int>(std::min(kMaxMB, M - m0));
-        int4_tile_rows(MB, wt, st, xb + m0 * K_p, K_p, K, G, dots);
-        finish_tile(dots, MB, ct, xsum + m0 * num_groups, num_groups, bias, t * kRows,
-                    out_features, out + m0 * out_features);
-      }
-    }
+    for_int4_tile_blocks(w, s, c, K_p, num_groups, M, begin, end,
+                         [&](int64_t t, int64_t m0, int MB, const uint8_t* wt, const float* st,
+                             const float* ct) {
+      int4_tile_rows(MB, wt, st, xb + m0 * K_p, K_p, K, G, dots);
+      finish_tile(dots, MB, ct, xsum + m0 * num_groups, num_groups, bias, t * kRows, out_features,
+                  out + m0 * out_features);
+    });
   });
 }
 

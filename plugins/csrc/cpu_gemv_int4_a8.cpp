@@ -27,6 +27,11 @@
 // Rows: one pass reads RB output rows of a tile for MB activation rows (MB * RB <= 4: the block
 // sums and the group totals of each (m, r) in registers); the first pass of a tile streams it from
 // memory, the others from L1. Without AVX2: plain C++ over the same layout and codes.
+// Measured (1 thread, cached weights, AVX2 Zen 4 VM at 2.6 GHz): 3072 x 576
+// at 1 row 82-93 us against 112-121 for the exact kernel, at 4 rows 211-215 against 307-390.
+// Tried and not kept: decoding both blocks of a chunk at once (vpshufb evens / odds, one shift,
+// unpacklo / hi: 6 instructions instead of 9): 1 row within noise, 4 rows 0.8x (3 alternating
+// processes each).
 
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
@@ -263,17 +268,14 @@ void Int4Gemv::tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "qkiln_w4a8_gemv", [&] {
     scalar_t* out = y.data_ptr<scalar_t>();
     float dots[kMaxMB][kRows];
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* wt = w + t * (K_p / 2) * kRows;
-      const float *st = s + t * num_groups * kRows, *ct = c + t * num_groups * kRows;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxMB) {
-        const int MB = static_cast<int>(std::min(kMaxMB, M - m0));
-        a8_tile_rows(MB, wt, st, acts.codes.data() + m0 * K_p, acts.block_scales.data() + m0 * KB,
-                     K_p, K, G, dots);
-        finish_a8_tile(dots, MB, ct, st, acts.f32.data() + m0 * num_groups, num_groups, bias,
-                       t * kRows, out_features, out + m0 * out_features);
-      }
-    }
+    for_int4_tile_blocks(w, s, c, K_p, num_groups, M, begin, end,
+                         [&](int64_t t, int64_t m0, int MB, const uint8_t* wt, const float* st,
+                             const float* ct) {
+      a8_tile_rows(MB, wt, st, acts.codes.data() + m0 * K_p, acts.block_scales.data() + m0 * KB,
+                   K_p, K, G, dots);
+      finish_a8_tile(dots, MB, ct, st, acts.f32.data() + m0 * num_groups, num_groups, bias,
+                     t * kRows, out_features, out + m0 * out_features);
+    });
   });
 }
 

@@ -24,6 +24,20 @@ constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
 template <typename out_t>
 inline void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
 
+// The int4 layout's tiles [begin, end) (weights at w, scales at s, zero term at c: [tiles,
+// num_groups, 4]) x the rows [0, M) in blocks of up to kMaxMB: f(t, m0, MB, tile weights, tile
+// scales, tile zero term), the loop both int4 GEMVs (exact and int8 activations) run.
+template <class F>
+inline void for_int4_tile_blocks(const uint8_t* w, const float* s, const float* c, int64_t K_p,
+                                 int64_t num_groups, int64_t M, int64_t begin, int64_t end, F&& f) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* wt = w + t * (K_p / 2) * kRows;
+    const float *st = s + t * num_groups * kRows, *ct = c + t * num_groups * kRows;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxMB)
+      f(t, m0, static_cast<int>(std::min(kMaxMB, M - m0)), wt, st, ct);
+  }
+}
+
 // x [M, K] -> y [M, out_features] in x's dtype through an Int4Gemv / Int8Gemv: prepare once, then
 // every tile on torch's threads. The activation buffers are reused per calling thread (an
 // allocation per call is measurable at batch 1); the reference is taken here because inside the
