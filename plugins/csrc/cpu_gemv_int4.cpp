@@ -77,14 +77,6 @@ void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, uint16_t* xb
   });
 }
 
-#if defined(__AVX2__)  // both SIMD kernels (an AVX-512 build has AVX2)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 #ifdef QKILN_INT4_AVX512
 

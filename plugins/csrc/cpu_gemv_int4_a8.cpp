@@ -86,13 +86,6 @@ inline int quantize_pairs(const scalar_t* x, int8_t* q, float* scale) {
 #if defined(__AVX2__) && defined(__FMA__)
 #define QKILN_INT4_A8_AVX2 1
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Block H (0: the low bytes, 1: the high bytes) of a row's chunk of 16 words -> 32 codes, word j
 // the pair (q[j], q[16 + j]) of that block.
 template <int H>
@@ -247,8 +240,10 @@ void Int4Gemv::prepare_int8(const at::Tensor& x, GemvActs& acts) const {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a8_gemv: x must be [M, in_features]");
   const at::Tensor rows = x.contiguous();
   const int64_t M = x.size(0), KB = K_p / kBlock;
-  acts.codes.assign(M * K_p, 0);  // K_p pads with a zero block where K % 64 == 32
-  acts.block_scales.assign(M * KB, 0.f);
+  // Every block below K is written; the padding block where K % 64 == 32 is never read (the
+  // kernels stop at K), so neither buffer is cleared. xs accumulates: cleared.
+  acts.codes.resize(M * K_p);
+  acts.block_scales.resize(M * KB);
   acts.f32.assign(M * num_groups, 0.f);
   QKILN_DISPATCH(rows.scalar_type(), "qkiln_w4a8_gemv_prepare", [&] {
     const scalar_t* xp = rows.data_ptr<scalar_t>();

@@ -21,6 +21,15 @@ constexpr int64_t kRows = kGemvTileRows;  // output rows per tile
 constexpr int64_t kChunk = 64;   // weights per row per chunk (32 bytes of nibbles)
 constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
 
+#if defined(__AVX2__)  // the int4 kernels' AVX2 / AVX-512 paths (an AVX-512 build has AVX2)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 template <typename out_t>
 inline void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
 
