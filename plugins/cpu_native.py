@@ -108,26 +108,35 @@ def build_portable_extension():
 
 
 def pack_w4a16(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,
-               group_size: int):
+               group_size: int, int8_activations: bool = False):
     """Unsigned int4 q [out, in] (0..15), scales [out, G], zero points [out, G] (None: 8) ->
     (packed uint8 [out_p / 4, in_p / 64, 4, 32], scales fp32 [out_p / 4, G, 4],
      c fp32 [out_p / 4, G, 4]) for cpu_gemv_int4.cpp's kernel, with c = s * (16 + z).
+    int8_activations: for the int8-activation GEMV (cpu_gemv_int4_a8.cpp) instead, which the
+    exact kernel can't read: byte i of a row's 64-weight chunk at k0 is q[k0 + i] | q[k0 + 32 + i]
+    << 4, and c = s * z.
     """
     out_features, in_features = q.shape
     num_groups = scales.shape[1]
     out_padded = -(-out_features // TILE_ROWS) * TILE_ROWS
     in_padded = -(-in_features // CHUNK) * CHUNK
     q = torch.nn.functional.pad(q.int(), (0, in_padded - in_features, 0, out_padded - out_features))
-    q = q.reshape(out_padded, in_padded // CHUNK, 4, 16)  # [o, chunk, nibble set, word]
-    words = q[:, :, 0] | (q[:, :, 1] << 4) | (q[:, :, 2] << 8) | (q[:, :, 3] << 12)  # [o, c, 16]
-    chunk_bytes = torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8)  # [o, c, 16, 2]
+    if int8_activations:
+        q = q.reshape(out_padded, in_padded // CHUNK, 2, 32)  # [o, chunk, nibble, byte]
+        chunk_bytes = (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8)  # [o, c, 32]
+    else:
+        q = q.reshape(out_padded, in_padded // CHUNK, 4, 16)  # [o, chunk, nibble set, word]
+        words = q[:, :, 0] | (q[:, :, 1] << 4) | (q[:, :, 2] << 8) | (q[:, :, 3] << 12)  # [o, c, 16]
+        chunk_bytes = torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8)  # [o, c, 16, 2]
     packed = chunk_bytes.reshape(out_padded // TILE_ROWS, TILE_ROWS, in_padded // CHUNK, 32)
     packed = packed.permute(0, 2, 1, 3).contiguous()  # [tile, chunk, row, 32]
     zero = torch.full_like(scales, 8.0, dtype=torch.float32) if zero_point is None \
         else zero_point.float()
     row_pad = (0, 0, 0, out_padded - out_features)
     s = torch.nn.functional.pad(scales.float(), row_pad)  # [out_p, G]; padded rows scale 0
-    c = torch.nn.functional.pad(scales.float() * (16.0 + zero), row_pad)  # [out_p, G]
+    # The exact kernel's bf16 codes are 16 + q (cpu_gemv_int4.cpp), the int8-activation ones q.
+    offset = 0.0 if int8_activations else 16.0
+    c = torch.nn.functional.pad(scales.float() * (offset + zero), row_pad)  # [out_p, G]
     tiled_scales, tiled_c = (t.reshape(-1, TILE_ROWS, num_groups).transpose(1, 2).contiguous()
                              for t in (s, c))
     return packed, tiled_scales, tiled_c
@@ -145,8 +154,9 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
 
 
 def w4a8_gemv(x2d, packed, scales, c, bias, group_size: int, out_features: int):
-    """x [M, in] -> [M, out] in x's dtype: the native int4 layout (pack_w4a16) with activations
-    rounded to int8 per 32 channels (csrc/cpu_gemv_int4_a8.cpp; opt-in, not exact)."""
+    """x [M, in] -> [M, out] in x's dtype: weights packed for int8 activations
+    (pack_w4a16(..., int8_activations=True)), activations rounded to int8 per 32 channels
+    (csrc/cpu_gemv_int4_a8.cpp; opt-in, not exact)."""
     return native_extension().w4a8_gemv(x2d.contiguous(), packed, scales, c, bias, group_size,
                                         out_features)
 

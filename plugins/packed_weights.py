@@ -51,8 +51,10 @@ Target "cpu", int8 activations (opt-in, `int8_activations=True`; not exact):
     `dequantized` (1 byte per weight instead of 2). Built only where that GEMM has its
     AVX512-VNNI kernel (int8_act_panels_fast).
     int4 weights round at every step (int8_activations): rows the panels do not serve go through
-    csrc/cpu_gemv_int4_a8.cpp, which reads the native GEMV layout `packed` (no copy at all on a
-    CPU without VNNI). int8 weights round only where they have panels, and only above SMALL_M.
+    csrc/cpu_gemv_int4_a8.cpp. `packed` and `zeros` are then in that kernel's form
+    (cpu_native.pack_w4a16(..., int8_activations=True): the native tiles with another nibble order,
+    zero term scales * z), which the exact kernel can't read; on a CPU without VNNI they are the
+    only copy. int8 weights round only where they have panels, and only above SMALL_M.
     Needs `in` and group_size multiples of 32 and the native extension; otherwise the weight is
     prepared as without the option.
 
@@ -234,7 +236,7 @@ def prepare_w4a16(qweight, scales, zeros, group_size: int, target: str,
     rounds = int8_activations and use_native and int8_activations_fit(in_features, group_size) \
         and cpu_native.native_extension() is not None
     weight = _prepare_w4a16_cpu(q, scales, zero_point, group_size, keep_dequantized and not rounds,
-                                use_native)
+                                use_native, rounds)
     if rounds and cpu_native.is_native_w4a16(weight.scales):
         zp = torch.full_like(scales, 8.0, dtype=torch.float32) if zero_point is None else zero_point
         weight.int8_act = _int8_act_weight(q, scales, zp, group_size)
@@ -266,11 +268,12 @@ def _cpu_group_size(group_size: int, in_features: int) -> tuple[int, int]:
 
 
 def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized: bool,
-                       use_native: bool):
+                       use_native: bool, int8_activations: bool = False):
     out_features, in_features = q.shape
     if use_native and in_features % 32 == 0 and group_size % 32 == 0 and \
             cpu_native.native_extension():
-        return _prepare_w4a16_native(q, scales, zero_point, group_size, keep_dequantized)
+        return _prepare_w4a16_native(q, scales, zero_point, group_size, keep_dequantized,
+                                     int8_activations)
     kernel_group, in_padded = _cpu_group_size(group_size, in_features)
     out_padded = -(-out_features // 16) * 16
     # Per-column scale and tinygemm zero, then one value per kernel group (first column of it).
@@ -295,9 +298,11 @@ def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized:
     return weight
 
 
-def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantized: bool):
+def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantized: bool,
+                          int8_activations: bool):
     out_features, in_features = q.shape
-    packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size)
+    packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size,
+                                                            int8_activations)
     weight = W4A16Weight(packed, tiled_scales, zero_term, group_size, in_features, out_features,
                          "cpu")
     if keep_dequantized and cpu_native.codes_amx_available(in_features, group_size):

@@ -119,7 +119,8 @@ struct Int4Gemv {
   const uint8_t* w;
   const float *s, *c, *bias;  // bias fp32 [out_features] or nullptr
   int64_t K_p, K, G, num_groups, num_tiles, out_features;
-  // Round activations to int8 per 32 channels (cpu_gemv_int4_a8.cpp; opt-in, not exact).
+  // Round activations to int8 per 32 channels (cpu_gemv_int4_a8.cpp; opt-in, not exact). The
+  // tensors must then be packed for that kernel (its header): it can't read the exact layout.
   bool int8_activations = false;
 
   Int4Gemv(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zero_term,

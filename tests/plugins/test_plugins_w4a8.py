@@ -76,7 +76,8 @@ def test_gemv_over_the_int4_layout_matches_reference(native_ext, out_features, i
     1-4 take one pass, 5 and 16 several, 21 is what it would do for many rows."""
     qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
     codes, zero_points = unsigned(qweight, zeros)
-    packed, s, c = cpu_native.pack_w4a16(codes, scales, None if zeros is None else zeros, group_size)
+    packed, s, c = cpu_native.pack_w4a16(codes, scales, None if zeros is None else zeros, group_size,
+                                         int8_activations=True)
     bias = torch.randn(out_features)
     for rows, dtype in [(1, torch.float32), (2, torch.bfloat16), (3, torch.float16),
                         (4, torch.float32), (5, torch.bfloat16), (16, torch.float32), (21, torch.float32)]:
