@@ -21,9 +21,10 @@ are fake-quantized per token (quantize to fp8 and back) so results match the GPU
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
 int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-1.3x at 1024;
 not exact (packed_weights.py). An int4 weight's other rows (few rows; all rows on a CPU without
-AVX512-VNNI, where it has no panels) round the same way through csrc/cpu_gemv_int4_a8.cpp, which
-reads the native GEMV layout; int8 weights keep their exact GEMV at few rows (it streams one byte
-a weight either way).
+AVX512-VNNI, where it has no panels) round the same way through csrc/cpu_gemv_int4_a8.cpp; an int8
+weight's few rows through csrc/cpu_gemv_int8_a8.cpp (2.1x the exact int8 GEMV at one row on AVX2,
+whose int8 -> fp32 widening kept it below the DRAM rate), its many rows through the panels where
+they exist, else exact.
 Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's bf16 panels
 (packed_weights.pack_dense, csrc/cpu_gemm_bf16.cpp), plain, or pre-packed for oneDNN
 (packed_weights.onednn_pack); the last two give the same bits. On a CPU without a fast bf16 GEMM
@@ -138,6 +139,14 @@ def cpu_w4a8_gemv(x, packed, scales, zeros, group_size: int, out_features: int, 
     rows = x.reshape(-1, x.shape[-1])
     out = cpu_native.w4a8_gemv(rows, packed, scales, zeros, bias, group_size, out_features)
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def cpu_w8a8_gemv(x, weight, scales, bias=None):
+    """x [..., in] -> [..., out] in x's dtype: the native int8 weight with activations rounded to
+    int8 per 32 channels (an int8 weight's few rows, when it rounds them)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = cpu_native.w8a8_gemv(rows, weight, scales, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None):

@@ -25,10 +25,11 @@ import torch
 from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_int8.cpp", "cpu_gemm_w4a8.cpp",
-            "cpu_gemm_bf16.cpp", "cpu_gemm_bf16_amx.cpp", "cpu_gemm_codes_amx.cpp", "cpu_attention.cpp",
-            "cpu_attention_prefill.cpp", "cpu_attention_prefill_amx.cpp", "cpu_kv_write.cpp",
-            "cpu_small_ops.cpp", "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_int8.cpp", "cpu_gemv_int8_a8.cpp",
+            "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp", "cpu_gemm_bf16_amx.cpp",
+            "cpu_gemm_codes_amx.cpp", "cpu_attention.cpp", "cpu_attention_prefill.cpp",
+            "cpu_attention_prefill_amx.cpp", "cpu_kv_write.cpp", "cpu_small_ops.cpp",
+            "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
 CHUNK = 64  # weights per row per chunk (kChunk)
 _MISSING = object()
@@ -151,6 +152,12 @@ def w4a16_gemm(x2d, packed, scales, c, bias, group_size: int, out_features: int)
     """x [M, in] -> [M, out] in x's dtype, through the native int4 kernel."""
     return native_extension().w4a16_gemm(x2d.contiguous(), packed, scales, c, bias, group_size,
                                          out_features)
+
+
+def w8a8_gemv(x2d, weight, scales, bias):
+    """x [M, in] -> [M, out] in x's dtype: the native int8 weight (int8 [out, in], fp32 scales) with
+    activations rounded to int8 per 32 channels (csrc/cpu_gemv_int8_a8.cpp; opt-in, not exact)."""
+    return native_extension().w8a8_gemv(x2d.contiguous(), weight, scales, bias)
 
 
 def w4a8_gemv(x2d, packed, scales, c, bias, group_size: int, out_features: int):

@@ -21,7 +21,10 @@ GPU), any other device runs the reference. Schemas (flat tensors; KVCache.op_ten
         int out_features, Tensor? bias) -> Tensor      (CPU only: opt-in int8 activations)
     qkiln::w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size,
         int out_features, Tensor? bias) -> Tensor      (CPU only: the same rounding, int4 weights
-                                                        in w4a16_linear's native layout, any rows)
+                                                        packed for it, any rows)
+    qkiln::w8a8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor
+                                                       (CPU only: the same rounding, native int8
+                                                        weights, few rows)
     qkiln::rms_norm(Tensor x, Tensor weight, float eps) -> Tensor
     qkiln::fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()
     qkiln::silu_and_mul(Tensor gate_up) -> Tensor
@@ -72,6 +75,7 @@ _LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_sca
             "int out_features, Tensor? bias) -> Tensor")
 _LIB.define("w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, "
             "int out_features, Tensor? bias) -> Tensor")
+_LIB.define("w8a8_gemv(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _LIB.define("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()")
 _LIB.define("silu_and_mul(Tensor gate_up) -> Tensor")
@@ -201,6 +205,14 @@ def _(x, packed, scales, zeros, group_size, out_features, bias):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+_register("w8a8_gemv", cpu_linear.cpu_w8a8_gemv, _no_kernel("w8a8_gemv"), _no_kernel("w8a8_gemv"))
+
+
+@torch.library.register_fake("qkiln::w8a8_gemv")
+def _(x, weight, scales, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _triton_small_op(name: str):
     def run(*args):
         from qkiln.plugins import triton_small_ops
@@ -286,6 +298,8 @@ def w4a16_linear(x: Tensor, weight: W4A16Weight, bias: Tensor | None = None) -> 
 def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> Tensor:
     if (a8 := _int8_act(x, weight)) is not None:
         return w4a8_linear(x, a8, bias)
+    if weight.int8_activations and x.numel() <= cpu_linear.SMALL_M * x.shape[-1]:  # the GEMV rows
+        return torch.ops.qkiln.w8a8_gemv(x, weight.weight, weight.scales, bias)
     return torch.ops.qkiln.w8a16_linear(x, weight.weight, weight.scales, bias, weight.dequantized,
                                         weight.amx_codes)
 

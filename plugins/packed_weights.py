@@ -54,7 +54,8 @@ Target "cpu", int8 activations (opt-in, `int8_activations=True`; not exact):
     csrc/cpu_gemv_int4_a8.cpp. `packed` and `zeros` are then in that kernel's form
     (cpu_native.pack_w4a16(..., int8_activations=True): the native tiles with another nibble order,
     zero term scales * z), which the exact kernel can't read; on a CPU without VNNI they are the
-    only copy. int8 weights round only where they have panels, and only above SMALL_M.
+    only copy. int8 weights round their few rows (<= SMALL_M) through csrc/cpu_gemv_int8_a8.cpp on
+    their native weight, their many rows only where they have panels.
     Needs `in` and group_size multiples of 32 and the native extension; otherwise the weight is
     prepared as without the option.
 
@@ -132,6 +133,8 @@ class W8A16Weight:
     dequantized: torch.Tensor | None = None  # cpu: the codes as bf16 [out, in] (exact), many rows
     int8_act: W4A8Weight | None = None  # cpu, many rows, opt-in
     amx_codes: bool = False  # cpu native: many rows on AMX read `weight` (replaces dequantized)
+    # cpu native, opt-in: few rows round activations to int8 (csrc/cpu_gemv_int8_a8.cpp on `weight`)
+    int8_activations: bool = False
 
     @property
     def many_rows_form(self) -> bool:
@@ -323,9 +326,10 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
     keep_dequantized (cpu): also keep the codes as bf16 (exact; 2 bytes per weight) for the
     many-row GEMM, which otherwise converts the whole weight on every call (a 49152 x 576 head:
     ~35 ms per 64-row step, more than the GEMM itself).
-    int8_activations (cpu): many rows through the int8-activation GEMM (codes w + 128, zero point
-    128, one group) instead of `dequantized`, where that GEMM is fast (int8_act_panels_fast);
-    few rows stay exact (the GEMV streams one byte a weight either way).
+    int8_activations (cpu, native, `in` a multiple of 32): few rows round activations to int8
+    through the int8-activation GEMV (int8_activations), many rows through the int8-activation
+    GEMM (codes w + 128, zero point 128, one group) instead of `dequantized` where that GEMM is
+    fast (int8_act_panels_fast), else exactly.
     """
     _check_target(target)
     if qweight.dtype != torch.int8 or scales.shape != (qweight.shape[0],):
@@ -345,7 +349,8 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
         if keep_dequantized and int8_act is None and not amx_codes else None
     if native:
         return W8A16Weight(qweight.contiguous(), scales.float().contiguous(), "cpu", dequantized,
-                           int8_act, amx_codes)
+                           int8_act, amx_codes,
+                           int8_activations and int8_activations_fit(in_features, in_features))
     # torch's kernel loads the weight with 16-byte aligned loads above 4 rows (a SIGSEGV, not an
     # error, otherwise); an artifact's tensors come zero-copy from safetensors at any offset.
     weight = qweight.contiguous()

@@ -57,7 +57,7 @@ def _native_linear(module, ext):
         linear = ext.NativeLinear(8, w.weight, w.scales, None, bias, 0, *w.weight.shape[::-1])
     else:
         return None
-    if isinstance(w, W4A16Weight) and w.int8_activations:
+    if isinstance(w, (W4A16Weight, W8A16Weight)) and w.int8_activations:
         linear.use_int8_activations()
     if w.int8_act is not None:
         a = w.int8_act
@@ -120,8 +120,9 @@ class NativeDecodeStack:
                                 config.num_key_value_heads, config.head_dim, norm.eps, max_gemv_rows)
         stack.set_inputs(embed.detach(), *model.rope.tables(embed.device, embed.dtype))
         head = _native_linear(model.lm_head, ext) if model.lm_head is not None else None
-        # The head's own GEMV limit may be below the layers' (an exact int8 head beside int4
-        # layers that round activations at any row count): logits then serves only that many.
+        # The head's own GEMV limit may be below the layers' (an int8 head, GEMV up to SMALL_M
+        # rows, beside int4 layers that round activations at any row count): logits then serves
+        # only that many.
         head_rows = min(_gemv_rows(model.lm_head.packed), max_gemv_rows) if head is not None else 0
         if head_rows >= min(max_gemv_rows, SMALL_M):
             stack.set_head(head)

@@ -51,7 +51,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
                      int8_activations: bool = False) -> ServingModel:
     """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules.
     int8_activations: an artifact's int4 linears compute every step with activations rounded to
-    int8 per 32 channels, its int8 linears steps of more than 16 rows where the CPU has
+    int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
@@ -79,7 +79,8 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
     ext = cpu_native.native_extension()
     if ext is not None and not int8_act_panels_fast():
         print("qkiln: this CPU has no AVX512-VNNI: int4 linears round activations to int8 at every "
-              "step (the GEMV kernel), int8 linears (an int8 head) stay exact", file=sys.stderr)
+              "step (the GEMV kernel), int8 linears (an int8 head) up to 16 rows a step and stay "
+              "exact above", file=sys.stderr)
 
 
 def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,

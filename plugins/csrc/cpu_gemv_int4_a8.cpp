@@ -104,27 +104,6 @@ inline __m256i block_codes(const uint8_t* chunk) {
   return _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
 }
 
-// [hsum(t[0]), hsum(t[1]), hsum(t[2]), hsum(t[3])]: 3 hadds and one add for 4 reductions.
-inline __m128 hsum4(const __m256* t) {
-  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-}
-
-// 4 results -> out[0..3] in out_t, rounded as static_cast<out_t> would (c10::BFloat16: nearest
-// even on the bits, NaN -> 0x7FC0; fp16: F16C's nearest even).
-inline void store4(float* out, __m128 v) { _mm_storeu_ps(out, v); }
-inline void store4(double* out, __m128 v) { _mm256_storeu_pd(out, _mm256_cvtps_pd(v)); }
-inline void store4(c10::BFloat16* out, __m128 v) {
-  const __m128i bits = _mm_castps_si128(v);
-  const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
-  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7FFF))), 16);
-  rounded = _mm_blendv_epi8(rounded, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi32(rounded, rounded));
-}
-inline void store4(c10::Half* out, __m128 v) {
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
 // Rows r0 .. r0 + RB - 1 of one tile (w: its first chunk; s, zs: its scales and zero terms
 // [num_groups, 4]) x MB activation rows (codes at xq, row m at xq + m * K_p; block scales at sx,
 // row m at sx + m * KB; zero-term sums / 8 at xs8, row m at xs8 + m * num_groups) -> y[m][r] =
@@ -273,26 +252,31 @@ void a8_tile_rows(int MB, const uint8_t* w, const float* s, const float* zs, con
 
 }  // namespace
 
-void Int4Gemv::prepare_int8(const at::Tensor& x, GemvActs& acts) const {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a8_gemv: x must be [M, in_features]");
+void quantize_int8_rows(const at::Tensor& x, int64_t K_p, int64_t G, GemvActs& acts) {
   const at::Tensor rows = x.contiguous();
-  const int64_t M = x.size(0), KB = K_p / kBlock;
-  // Every block below K is written; the padding block where K % 64 == 32 is never read (the
-  // kernels stop at K), so neither buffer is cleared. The zero-term sums accumulate: cleared.
+  const int64_t M = x.size(0), K = x.size(1), KB = K_p / kBlock, num_groups = G > 0 ? (K + G - 1) / G : 0;
+  TORCH_CHECK(K % kBlock == 0 && K <= K_p, "int8 activations: in_features must be a multiple of 32");
+  // Every block below K is written; a padding block past K is never read (the kernels stop at
+  // K), so neither buffer is cleared. The zero-term sums accumulate: cleared.
   acts.codes.resize(M * K_p);
   acts.block_scales.resize(M * KB);
   acts.f32.assign(M * num_groups, 0.f);
-  QKILN_DISPATCH(rows.scalar_type(), "qkiln_w4a8_gemv_prepare", [&] {
+  QKILN_DISPATCH(rows.scalar_type(), "qkiln_quantize_int8_rows", [&] {
     const scalar_t* xp = rows.data_ptr<scalar_t>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < K / kBlock; ++b) {
         float* scale = acts.block_scales.data() + m * KB + b;
         const int sum = quantize_block(xp + m * K + b * kBlock, acts.codes.data() + m * K_p + b * kBlock,
                                        scale);
-        // xs / 8 (exact): the kernels subtract it from each of 8 lanes
-        acts.f32[m * num_groups + b * kBlock / G] += 0.125f * *scale * static_cast<float>(sum);
+        // xs / 8 (exact): the int4 kernel subtracts it from each of 8 lanes
+        if (num_groups) acts.f32[m * num_groups + b * kBlock / G] += 0.125f * *scale * static_cast<float>(sum);
       }
   });
+}
+
+void Int4Gemv::prepare_int8(const at::Tensor& x, GemvActs& acts) const {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a8_gemv: x must be [M, in_features]");
+  quantize_int8_rows(x, K_p, G, acts);
 }
 
 void Int4Gemv::tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,

@@ -24,11 +24,6 @@ namespace {
 
 // ---- int8 microkernels: one tile of kRows output rows (a contiguous block of the row-major
 // weight) x MB activation rows; dots[m][r] = sum_k q[r,k] * x[m,k], exact products, fp32 sums.
-// Bytes from a tile's start to the tile prefetched alongside it: whole tiles, at least 4 KB.
-inline int64_t int8_prefetch_distance(int64_t tile_bytes) {
-  return (4096 + tile_bytes - 1) / tile_bytes * tile_bytes;
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define QKILN_INT8_AVX512 1
 
@@ -294,6 +289,7 @@ Int8Gemv::Int8Gemv(const at::Tensor& weight, const at::Tensor& scales, const flo
 
 // bf16 x feeds the vdpbf16ps kernel as is (M >= 2); otherwise x is widened to fp32 (exact).
 void Int8Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
+  if (int8_activations) return prepare_int8(x, acts);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w8a16: x must be [M, in_features]");
   const int64_t M = x.size(0);
   acts.bf16.clear();
@@ -316,6 +312,7 @@ void Int8Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
 
 void Int8Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
+  if (int8_activations) return tiles_int8(acts, M, begin, end, y);
 #ifdef QKILN_INT8_AVX512
   if (!acts.bf16.empty()) {
     TORCH_CHECK(y.scalar_type() == at::kBFloat16, "w8a16: bf16 activations give bf16 outputs");

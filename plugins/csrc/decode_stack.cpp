@@ -62,8 +62,9 @@ void NativeLinear::add_int8_activations(at::Tensor packed, at::Tensor scales, at
 }
 
 void NativeLinear::use_int8_activations() {
-  TORCH_CHECK(int4_, "NativeLinear: only int4 weights round activations in the GEMV");
-  int4_->int8_activations = true;
+  TORCH_CHECK(in_features() % 32 == 0, "NativeLinear: int8 activations need in_features % 32 == 0");
+  if (int4_) int4_->int8_activations = true;
+  else int8_->int8_activations = true;
 }
 
 void NativeLinear::prepare(const at::Tensor& x, GemvActs& acts) const {

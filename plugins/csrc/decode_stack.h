@@ -22,8 +22,9 @@ class NativeLinear {
   // rows compute with, as the Python path does above its GEMV row limit.
   void add_int8_activations(at::Tensor packed, at::Tensor scales, at::Tensor zero_scales,
                             int64_t group_size);
-  // An int4 linear's GEMV rounds activations to int8 (Int4Gemv::int8_activations), as the Python
-  // path does for a W4A16Weight with int8_activations.
+  // The GEMV rounds activations to int8 (Int4Gemv / Int8Gemv::int8_activations), as the Python
+  // path does for a W4A16Weight / W8A16Weight with int8_activations (an int4 weight must be
+  // packed for it).
   void use_int8_activations();
   // Adds the dense form exact steps of many rows compute with, as the Python path does above its
   // GEMV row limit (plugins/cpu_linear.py): the weight dequantized to bf16, in qkiln's panels

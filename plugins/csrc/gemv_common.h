@@ -1,5 +1,5 @@
-// Shared by the quantized GEMV kernels (cpu_gemv_int4.cpp, cpu_gemv_int8.cpp): tile geometry, the
-// output store and the whole-matrix call. Included by those sources only.
+// Shared by the quantized GEMV kernels (cpu_gemv_int4*.cpp, cpu_gemv_int8*.cpp): tile geometry, the
+// output stores and the whole-matrix call. Included by those sources only.
 #pragma once
 
 #include <torch/extension.h>
@@ -21,17 +21,43 @@ constexpr int64_t kRows = kGemvTileRows;  // output rows per tile
 constexpr int64_t kChunk = 64;   // weights per row per chunk (32 bytes of nibbles)
 constexpr int64_t kMaxMB = 4;    // activation rows per microkernel pass
 
-#if defined(__AVX2__)  // the int4 kernels' AVX2 / AVX-512 paths (an AVX-512 build has AVX2)
+template <typename out_t>
+inline void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
+
+// Bytes from an int8 tile's start to the tile prefetched alongside it: whole tiles, at least 4 KB.
+inline int64_t int8_prefetch_distance(int64_t tile_bytes) {
+  return (4096 + tile_bytes - 1) / tile_bytes * tile_bytes;
+}
+
+#if defined(__AVX2__)  // the GEMVs' AVX2 / AVX-512 paths (an AVX-512 build has AVX2)
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-#endif
 
-template <typename out_t>
-inline void store_row(out_t* out, int64_t index, float value) { out[index] = static_cast<out_t>(value); }
+// [hsum(t[0]), hsum(t[1]), hsum(t[2]), hsum(t[3])]: 3 hadds and one add for 4 reductions.
+inline __m128 hsum4(const __m256* t) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// A tile's 4 results -> out[0..3] in out_t, rounded as store_row would (c10::BFloat16: nearest
+// even on the bits, NaN -> 0x7FC0; fp16: F16C's nearest even).
+inline void store4(float* out, __m128 v) { _mm_storeu_ps(out, v); }
+inline void store4(double* out, __m128 v) { _mm256_storeu_pd(out, _mm256_cvtps_pd(v)); }
+inline void store4(c10::BFloat16* out, __m128 v) {
+  const __m128i bits = _mm_castps_si128(v);
+  const __m128i odd = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(odd, _mm_set1_epi32(0x7FFF))), 16);
+  rounded = _mm_blendv_epi8(rounded, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi32(rounded, rounded));
+}
+inline void store4(c10::Half* out, __m128 v) {
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+#endif
 
 // The int4 layout's tiles [begin, end) (weights at w, scales at s, zero term at c: [tiles,
 // num_groups, 4]) x the rows [0, M) in blocks of up to kMaxMB: f(t, m0, MB, tile weights, tile

@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_gemm", &w4a8_gemm, "int4/int8 weight x int8-per-32-channel activation GEMM");
   m.def("w4a8_gemv", &w4a8_gemv, "int4 weight (GEMV layout) x int8-per-32-channel activations");
   m.def("int4_a8_kernel_isa", &int4_a8_kernel_isa, "the kernel w4a8_gemv compiled");
+  m.def("w8a8_gemv", &w8a8_gemv, "int8 weight x int8-per-32-channel activations, few rows");
+  m.def("int8_a8_kernel_isa", &int8_a8_kernel_isa, "the kernel w8a8_gemv compiled");
   m.def("w4a8_kernel_isa", &w4a8_kernel_isa, "the w4a8 kernel this build compiled");
   m.def("bf16_gemm", &bf16_gemm, "bf16 x bf16 GEMM over 48-channel weight panels, many rows");
   m.def("w4a16_amx_gemm", &w4a16_amx_gemm, "int4 codes x bf16 GEMM on AMX, many rows, exact");

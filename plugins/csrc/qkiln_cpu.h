@@ -22,6 +22,11 @@ at::Tensor w4a8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                      const at::Tensor& c, const c10::optional<at::Tensor>& bias, int64_t G,
                      int64_t out_features);
 std::string int4_a8_kernel_isa();
+// cpu_gemv_int8_a8.cpp: int8 weights x int8 activations per 32 channels, few rows (opt-in, not
+// exact; Int8Gemv with int8_activations set)
+at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                     const c10::optional<at::Tensor>& bias);
+std::string int8_a8_kernel_isa();
 
 // cpu_gemm_w4a8.cpp: many rows, int8 activations per 32 channels (opt-in, not exact)
 at::Tensor w4a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -101,8 +106,9 @@ constexpr int64_t kGemvTileRows = 4;
 
 // A linear's activations prepared for its kernel, owned by the caller and reused across calls.
 // int4: bf16 = x as bf16 bits [M, K_p], f32 = group sums [M, num_groups]; int8: bf16 = x's bits
-// (bf16 x, M >= 2) or f32 = x widened [M, K]; int4 with int8 activations: codes [M, K_p] in the
-// kernel's pair order, block_scales [M, K_p / 32], f32 = the zero term's xs [M, num_groups].
+// (bf16 x, M >= 2) or f32 = x widened [M, K]; int8 activations (quantize_int8_rows): codes
+// [M, K_p] in k order, block_scales [M, K_p / 32], for int4 f32 = the zero term's xs / 8
+// [M, num_groups].
 struct GemvActs {
   std::vector<uint16_t> bf16;
   std::vector<float> f32;
@@ -110,6 +116,11 @@ struct GemvActs {
   std::vector<int8_t> codes;
   std::vector<float> block_scales;
 };
+
+// x [M, K] (K a multiple of 32, K <= K_p) -> acts.codes / block_scales: each block of 32 channels
+// rounded to int8 with scale amax / 127 (plugins/reference.py, quantize_int8_blocks); with G > 0
+// also the zero-term sums of weight groups of G channels (cpu_gemv_int4_a8.cpp).
+void quantize_int8_rows(const at::Tensor& x, int64_t K_p, int64_t G, GemvActs& acts);
 
 // One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
 // caller that owns the threads (the decode stack) runs itself: prepare the activations once, then
@@ -139,10 +150,16 @@ struct Int8Gemv {
   const int8_t* w;
   const float *s, *bias;  // bias fp32 [out_features] or nullptr
   int64_t K, out_features, num_tiles;
+  // Round activations to int8 per 32 channels (cpu_gemv_int8_a8.cpp; opt-in, not exact).
+  bool int8_activations = false;
 
   Int8Gemv(const at::Tensor& weight, const at::Tensor& scales, const float* bias_f32);
   void prepare(const at::Tensor& x, GemvActs& acts) const;  // x [M, K]
   void tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+
+ private:  // the int8-activation forms (cpu_gemv_int8_a8.cpp)
+  void prepare_int8(const at::Tensor& x, GemvActs& acts) const;
+  void tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 std::string int8_kernel_isa();
 

@@ -1,5 +1,6 @@
-"""The opt-in int8-activation kernels (csrc/cpu_gemm_w4a8.cpp, the many-row GEMM, and
-csrc/cpu_gemv_int4_a8.cpp, the GEMV over the native int4 layout) against plugins/reference.py.
+"""The opt-in int8-activation kernels (csrc/cpu_gemm_w4a8.cpp, the many-row GEMM;
+csrc/cpu_gemv_int4_a8.cpp and cpu_gemv_int8_a8.cpp, the GEMVs of int4 and int8 weights) against
+plugins/reference.py.
 
 The kernel and the reference round activations to int8 with the same fp32 operations, so the
 only differences are fp32 summation order and the output rounding: fp32 outputs must agree to
@@ -93,6 +94,32 @@ def test_gemv_over_the_int4_layout_matches_reference(native_ext, out_features, i
     assert rel_error(native_ext.w4a8_gemv(x, packed, s, c, None, group_size, out_features), exact) > 1e-4
 
 
+@pytest.mark.parametrize("out_features,in_features", [(37, 96), (64, 576), (6, 32), (49, 1536)])
+def test_int8_weight_gemv_matches_reference(native_ext, out_features, in_features):
+    """csrc/cpu_gemv_int8_a8.cpp: the native int8 weight as it is (row-major, per-channel scales)
+    with int8 activation codes; out=37 / 6 / 49 end in a partial 4-row tile (its plain path)."""
+    weight = torch.randint(-128, 128, (out_features, in_features), dtype=torch.int8)
+    weight[0, :32] = -128  # |q| = 128 takes vpmaddubsw's whole unsigned range
+    scales = torch.rand(out_features) * 0.01 + 1e-3
+    bias = torch.randn(out_features)
+    for rows, dtype in [(1, torch.float32), (2, torch.bfloat16), (3, torch.float16),
+                        (4, torch.float32), (5, torch.bfloat16), (16, torch.float32)]:
+        x = torch.randn(rows, in_features).to(dtype)
+        x[0, :32] = 0  # an all-zero block: scale 0
+        x[-1, -32:] = 127.0  # a block that is all its maximum: codes 127 against weights -128
+        for b in (None, bias):
+            expected = reference_w4a8_linear(x.float(), weight, scales[:, None], None, in_features, b)
+            actual = native_ext.w8a8_gemv(x, weight, scales, b)
+            assert actual.dtype == dtype and actual.shape == (rows, out_features)
+            tolerance = FP32_TOLERANCE if dtype == torch.float32 else HALF_TOLERANCE
+            assert rel_error(actual, expected) < tolerance, (rows, dtype, b is None)
+    x = torch.randn(3, in_features)
+    exact = reference_w8a16_linear(x, weight, scales)
+    assert rel_error(native_ext.w8a8_gemv(x, weight, scales, None), exact) > 1e-4
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        native_ext.w8a8_gemv(torch.randn(1, 48), torch.ones(out_features, 48, dtype=torch.int8), scales, None)
+
+
 def test_kernel_refuses_mismatched_layouts(native_ext):
     qweight, scales, zeros = canonical_int4(48, 96, 32, is_symmetric=False)
     packed, s, zs = cpu_native.pack_w4a8(qweight, scales, zeros)
@@ -102,7 +129,7 @@ def test_kernel_refuses_mismatched_layouts(native_ext):
         native_ext.w4a8_gemm(torch.randn(20, 64), packed, s, zs, None, 32, 48)
 
 
-def test_front_doors_round_int4_rows_always_and_int8_rows_when_many(native_ext):
+def test_front_doors_round_int4_rows_always_and_int8_rows_when_few_or_paneled(native_ext):
     qweight, scales, zeros = canonical_int4(60, 576, 128, is_symmetric=True)
     weight = prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True,
                            int8_activations=True)
@@ -115,15 +142,19 @@ def test_front_doors_round_int4_rows_always_and_int8_rows_when_many(native_ext):
         exact = reference_w4a16_linear(x.float(), qweight, scales, zeros, 128)
         assert rel_error(w4a16_linear(x, weight), exact) > 1e-3  # activations were rounded
 
-    # int8 weights round many rows only, and only where the panels GEMM is fast (AVX512-VNNI).
+    # int8 weights round few rows always (their GEMV), many only where the panels GEMM is fast
+    # (AVX512-VNNI).
     q8, s8 = torch.randint(-128, 128, (50, 576), dtype=torch.int8), torch.rand(50) * 0.01
     head = prepare_w8a16(q8, s8, "cpu", keep_dequantized=True, int8_activations=True)
     panels = int8_act_panels_fast()
+    assert head.int8_activations
     assert (head.int8_act is not None, head.dequantized is None) == (panels, panels)
     expected = reference_w4a8_linear(many.float(), q8, s8[:, None], None, 576) if panels \
         else reference_w8a16_linear(many.float(), q8, s8)
     assert rel_error(w8a16_linear(many, head), expected) < HALF_TOLERANCE
-    assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) < HALF_TOLERANCE
+    rounded = reference_w4a8_linear(few.float(), q8, s8[:, None], None, 576)
+    assert rel_error(w8a16_linear(few, head), rounded) < HALF_TOLERANCE
+    assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) > 1e-3
 
 
 def test_shapes_the_kernel_cannot_take_keep_the_exact_path(native_ext):

@@ -49,7 +49,8 @@ def test_loader_packs_every_int_linear_for_int8_activations(artifact):
         assert (m.packed.int8_act is not None) == panels
         if m.kind == "int4":  # every step rounds: no dense copy
             assert m.packed.int8_activations and m.packed.dequantized is None
-        else:  # int8 rounds many rows through the panels only; else exact, with its copy
+        else:  # int8: few rows round (the GEMV), many through the panels only; else exact
+            assert m.packed.int8_activations == (m.packed.weight.shape[1] % 32 == 0)
             assert (m.packed.dequantized is None) == panels
     exact = load_for_serving(str(path), dtype="bf16").model
     assert all(m.packed.int8_act is None for m in exact.modules() if isinstance(m, QuantizedLinear))
@@ -61,8 +62,8 @@ def test_many_row_steps_move_the_logits_a_little(artifact):
     exact, int8 = _step_logits(path, False, prompt), _step_logits(path, True, prompt)
     first = (int8[0] - exact[0]).abs().max() / exact[0].abs().max()
     assert 0 < first < 0.05
-    # A decode row rounds too (the int4 layers' GEMV; the int8 head stays exact at few rows):
-    # about as far as the prefill's logits moved.
+    # A decode row rounds too (the int4 and int8 GEMVs): about as far as the prefill's logits
+    # moved.
     decode = (int8[1] - exact[1]).abs().max() / exact[1].abs().max()
     assert 0 < decode < 0.1
 
