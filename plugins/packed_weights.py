@@ -302,7 +302,7 @@ def _prepare_w4a16_cpu(q, scales, zero_point, group_size: int, keep_dequantized:
 
 
 def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantized: bool,
-                          int8_activations: bool):
+                          int8_activations: bool = False):
     out_features, in_features = q.shape
     packed, tiled_scales, zero_term = cpu_native.pack_w4a16(q, scales, zero_point, group_size,
                                                             int8_activations)

@@ -174,15 +174,7 @@ void a8_rows(const uint8_t* w, const float* s, const float* zs, const int8_t* xq
       group_end = std::min(group_end + G, K);
     }
   }
-  if constexpr (RB == kRows) {  // the whole tile: one vector a row, stored whole
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) _mm_storeu_ps(y[m], hsum4(total[m]));
-  } else {
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) y[m][r0 + r] = hsum(total[m][r]);
-  }
+  store_pass_sums<MB, RB>(total, r0, y);
 }
 
 // One tile (output rows o0 .. o0 + 3) x MB activation rows -> out rows m * N + o0 (out_t).
@@ -190,7 +182,7 @@ template <int MB, typename out_t>
 void a8_tile(const uint8_t* w, const float* s, const float* zs, const int8_t* xq, const float* sx,
              const float* xs8, int64_t K_p, int64_t K, int64_t G, int64_t num_groups,
              const float* bias, int64_t o0, int64_t N, out_t* out) {
-  constexpr int RB = MB == 1 ? 4 : MB == 2 ? 2 : 1;
+  constexpr int RB = a8_rows_per_pass(MB);
   alignas(16) float y[kMaxMB][kRows];
   for (int r0 = 0; r0 < kRows; r0 += RB)
     a8_rows<MB, RB>(w, s, zs, xq, sx, xs8, K_p, K, G, num_groups, r0, y);

@@ -57,22 +57,14 @@ void w8a8_rows(const int8_t* w, const int8_t* xq, const float* sx, int64_t K, in
       }
     }
   }
-  if constexpr (RB == kRows) {
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) _mm_storeu_ps(y[m], hsum4(acc[m]));
-  } else {
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 4
-      for (int r = 0; r < RB; ++r) y[m][r0 + r] = hsum(acc[m][r]);
-  }
+  store_pass_sums<MB, RB>(acc, r0, y);
 }
 
 // One whole tile (output rows o0 .. o0 + 3) x MB activation rows -> out rows m * N + o0.
 template <int MB, typename out_t>
 void w8a8_tile(const int8_t* w, const float* s, const int8_t* xq, const float* sx, int64_t K,
                const float* bias, int64_t o0, int64_t N, out_t* out) {
-  constexpr int RB = MB == 1 ? 4 : MB == 2 ? 2 : 1;
+  constexpr int RB = a8_rows_per_pass(MB);
   alignas(16) float y[kMaxMB][kRows];
   for (int r0 = 0; r0 < kRows; r0 += RB) w8a8_rows<MB, RB>(w, xq, sx, K, r0, y);
   const __m128 scale = _mm_loadu_ps(s + o0);

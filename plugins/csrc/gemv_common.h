@@ -43,6 +43,25 @@ inline __m128 hsum4(const __m256* t) {
   return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
 }
 
+// Output rows a pass of the int8-activation GEMVs reads for MB activation rows (MB * RB <= 4
+// accumulators and their group sums stay in registers).
+constexpr int a8_rows_per_pass(int MB) { return MB == 1 ? 4 : MB == 2 ? 2 : 1; }
+
+// A pass's accumulators (8 partial lanes each) -> y[m][r0 .. r0 + RB): one hsum4 and a 16-byte
+// store per activation row when the pass covers the whole tile.
+template <int MB, int RB>
+inline void store_pass_sums(const __m256 (&acc)[MB][RB], int r0, float y[kMaxMB][kRows]) {
+  if constexpr (RB == kRows) {
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) _mm_storeu_ps(y[m], hsum4(acc[m]));
+  } else {
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) y[m][r0 + r] = hsum(acc[m][r]);
+  }
+}
+
 // A tile's 4 results -> out[0..3] in out_t, rounded as store_row would (c10::BFloat16: nearest
 // even on the bits, NaN -> 0x7FC0; fp16: F16C's nearest even).
 inline void store4(float* out, __m128 v) { _mm_storeu_ps(out, v); }
