@@ -21,8 +21,9 @@ builds, `in` and group_size are multiples of 32):
     packed uint8 [out_p / 4, in_p / 64, 4, 32]: tiles of 4 output rows, 64 nibbles per row per
            chunk (layout diagram in cpu_gemv_int4.cpp), out_p / in_p pad to multiples of 4 / 64.
     scales fp32 [out_p / 4, num_groups, 4]  (fp32 and 3-D: this marks the native layout)
-    zeros  fp32 [out_p, num_groups] = scales * (16 + z)  (z = 8 when symmetric): the kernel's
-           zero term, not the canonical zero point.
+    zeros  fp32 [out_p / 4, num_groups, 4] = scales * (16 + z)  (z = 8 when symmetric): the
+           kernel's zero term, not the canonical zero point. (With int8 activations both
+           differ: below.)
     group_size is the canonical one (any multiple of 32; the shorter last group is exact).
     Exact W4A16: activations are rounded to bf16 and every product is exact in fp32.
     w8a16: weight int8 [out, in] (canonical), scales fp32 [out] (fp32 marks the native kernel).
