@@ -17,7 +17,9 @@
 // registers as they are read, never copied: k_scale[h] joins the score scale, v_scale[h] the
 // 1 / sum of the output, so an fp8 step reads half the bytes of a bf16 one. int4 caches (packed
 // pairs, an fp16 scale and minimum per slot, head and group) are dequantized 16 rows at a time into
-// an L1 buffer (Int4Rows), once for the whole GQA group, then served like fp32 rows.
+// an L1 buffer (Int4Rows), once for the whole GQA group, then served like fp32 rows. On AVX2 hosts
+// (no AVX512-BF16) a bf16 query's rows over a bf16 cache go to decode_group_bf16
+// (cpu_attention_decode_avx2.cpp), which widens each K / V row once for the whole group.
 // Prefill costs O(q_len * T) like any exact attention; the rows of a block re-read the same K/V
 // from L1/L2, not from memory. Over a bf16 cache (bf16 query, D 64 / 128) a block of prefill rows
 // goes to prefill_block_bf16 (cpu_attention_prefill.cpp) instead, which reads each 16-token tile
@@ -32,53 +34,14 @@
 // into parts (kSplitTokens, merge_partials).
 //
 
-#include "cpu_attention_internal.h"
+#include "attention_common.h"
 #include "qkiln_cpu.h"
-#include "vec.h"
 
 using namespace attention_detail;
 
 namespace {
 
 // ---- decode attention -----------------------------------------------------------------------------
-
-// Softmax numerators in place over scores [G, T]; returns 1 / denominator per row in inv_sum (and
-// each row's max in row_max when given).
-inline void softmax_rows(float* scores, int64_t G, int64_t T, float* inv_sum, float* row_max = nullptr) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * T;
-    Vf m = set1(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + kW <= T; t += kW) m = vmax(m, load(s + t));
-    float top = reduce_max(m);
-    for (; t < T; ++t) top = std::max(top, s[t]);
-    if (row_max) row_max[g] = top;
-    const Vf shift = set1(top);
-    Vf total = set1(0.f);
-    for (int64_t t = 0; t < T; t += kW) {
-      store(s + t, vexp(sub(load(s + t, T - t), shift)), T - t);
-      total = add(total, load(s + t, T - t));
-    }
-    inv_sum[g] = 1.f / reduce_add(total);
-  }
-}
-
-// softmax_rows, and where `lse` is given (a part of a split context) each row's log-sum-exp of its
-// scores into it, for merge_partials.
-inline void softmax_rows_lse(float* scores, int64_t G, int64_t T, float* inv_sum, float* lse) {
-  if (!lse) return softmax_rows(scores, G, T, inv_sum);
-  softmax_rows(scores, G, T, inv_sum, lse);  // lse holds the rows' maxima here
-  for (int64_t g = 0; g < G; ++g) lse[g] -= std::log(inv_sum[g]);
-}
-
-// out [G, D] = acc * out_scale / sum(p), row by row: the last step of every decode_head form.
-template <typename o_t>
-inline void write_heads(const float* acc, const float* inv_sum, int64_t G, int64_t D, float out_scale,
-                        o_t* out) {
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; d += kW)
-      store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * out_scale)));
-}
 
 // One (sequence, kv head): q [group, D] (row-contiguous heads), K/V rows at stride Hkv * D,
 // out [group, D]. buf holds the scaled query, the accumulators and the scores.
@@ -887,7 +850,12 @@ AttentionTasks::AttentionTasks(const at::Tensor& query, const at::Tensor& k_cach
         heads_per_task_ = h;
         break;
       }
-  if ((bf16_heads_ || int4_) && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks &&
+  // Decodes over a bf16 cache on AVX2 hosts: decode_group_bf16. QKILN_GROUP_DECODE=0 keeps
+  // decode_head_tiled (read per call, for comparisons).
+  group_bf16_ = kGroupDecodeBf16 && query.scalar_type() == at::kBFloat16 &&
+                k_cache.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) &&
+                !switched_off("QKILN_GROUP_DECODE");
+  if ((bf16_heads_ || group_bf16_ || int4_) && static_cast<int64_t>(blocks_.size()) < kFuseHeadsMinBlocks &&
       !switched_off("QKILN_DECODE_SPLIT"))
     split_decodes(k_cache.size(1));
 }
@@ -1081,6 +1049,12 @@ void AttentionTasks::run(TaskStream& tasks) const {
               return;
             }
           }
+          if constexpr (std::is_same_v<kv_t, c10::BFloat16> && std::is_same_v<q_t, c10::BFloat16>) {
+            if (group_bf16_) {  // D is 64 or 128 (the constructor)
+              decode_group_bf16(a, qrow, kh, vh, table, T, orow, lse);
+              return;
+            }
+          }
           Decode head = a;  // one kv head per task here (H == 1)
           if (k_scale) head.scale = a.scale * k_scale[h], head.out_scale = v_scale[h];
           CacheRows<kv_t> rows{kh, vh, table, a.block_size, Hkv * D};
@@ -1149,6 +1123,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
     tasks.run(mine);
   });
   tasks.merge_partials();
+}
+
+// Which decode kernel serves a bf16 query over a bf16 cache (head_dim 64 / 128) in this build:
+// "avx512-bf16" (decode_heads_bf16), "avx2" (decode_group_bf16) or "portable" (decode_head_tiled).
+std::string decode_attention_isa() {
+  if (kBf16Heads) return "avx512-bf16";
+  return kGroupDecodeBf16 ? "avx2" : "portable";
 }
 
 void KVParams::check(const at::Tensor& k_cache, int64_t head_dim, const char* op) const {

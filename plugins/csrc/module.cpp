@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether paged_attention serves prefill rows on AMX here (QKILN_AMX_PREFILL=0: never)");
   m.def("bf16_gemm_isa", &bf16_gemm_isa, "the bf16 GEMM kernel this build compiled");
   m.def("int4_kernel_isa", &int4_kernel_isa, "the int4 kernel this build compiled");
+  m.def("decode_attention_isa", &decode_attention_isa,
+        "the decode attention kernel this build compiled for bf16 queries over bf16 caches");
   m.def("int8_kernel_isa", &int8_kernel_isa, "the int8 kernels this build compiled");
   namespace py = pybind11;
   using Opt = c10::optional<at::Tensor>;

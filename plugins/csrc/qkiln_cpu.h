@@ -62,6 +62,7 @@ struct W4A8Gemm {
 // cpu_gemm_bf16.cpp: many rows, bf16 activations x bf16 weights in 48-channel panels (exact products)
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& panels, int64_t out_features);
 std::string bf16_gemm_isa();
+std::string decode_attention_isa();  // cpu_attention.cpp
 // One bf16 GEMM as tasks (row chunk x panel): check x once, then run any partition of the tasks,
 // each written to y [M, N] (contiguous bf16); bf16_gemm has its threads claim them (task_stream.h). The
 // constructor validates the panels (NativeLinear::add_dense uses it for that). Holds a raw
@@ -219,6 +220,7 @@ class AttentionTasks {
   bool bf16_heads_ = false;      // decode_heads_bf16 serves the rows (bf16 query, bf16/fp8 cache, D 64/128)
   int64_t heads_per_task_ = 1;  // consecutive kv heads one task serves (> 1 only with bf16_heads_)
   bool prefill_tiled_ = false;   // prefill_block_bf16 serves multi-row blocks (bf16 q; bf16/fp8 cache)
+  bool group_bf16_ = false;      // decode_group_bf16 serves the rows (AVX2; bf16 query and cache, D 64/128)
   int64_t split_tokens_ = 0;     // context tokens per part of a split decode row (0: no splits)
   std::vector<SplitRow> splits_;
   at::Tensor partial_out_, partial_lse_;  // fp32 [parts, Hq, D], [parts, Hq]

@@ -168,6 +168,7 @@ bool exp_is_torchs() { return sleef_exp() != nullptr; }
 // as the AVX-512 functions above, bit for bit, wherever the lane order of a reduction matches
 // (reduce_add / reduce_max fold the halves as _mm512_reduce_* do; sum16's order differs).
 // Partial vectors (n < 16) go through a zeroed 16-element buffer: tails only.
+#define QKILN_VEC_AVX2 1  // this branch: widen_bf16 and sum8 exist (cpu_attention_decode_avx2.cpp)
 struct Vf { __m256 lo, hi; };
 template <typename T, typename F> inline Vf load_partial(const T* p, int64_t n, F full) {
   alignas(32) T tmp[kW] = {};

@@ -55,7 +55,8 @@ LONG_CHUNKS = [(145, 100), (130, 130), (3, 1)]  # a chunk after 45 cached tokens
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, specs):
     """bf16 query over a bf16 or fp8 cache at D = 64 / 128 (the native kernel's vdpbf16ps path
-    where the CPU has it; fp8 widened in registers, its per-head scales folded in): GQA groups
+    where the CPU has it, decode_group_bf16 over bf16 on AVX2 hosts; fp8 widened in registers,
+    its per-head scales folded in): GQA groups
     larger than one register chunk, tiles that span blocks, tasks serving both kv heads (8+ row
     blocks, group <= 8) or one; prefill blocks through the tiled kernel (online softmax across
     16-token tiles, rows of a block ending mid-tile; an fp8 cache's prefix converted to bf16 rows
@@ -86,14 +87,18 @@ def test_prefill_blocks_match_reference(kv_dtype, query_dtype, head_dim, group, 
     assert rel_error(actual, expected) < TOLERANCE[query_dtype]
 
 
-def _native_float_out(args, cache, monkeypatch, split: bool):
+def _native_float_out(args, cache, monkeypatch, split: bool, kv_dtype: str):
     """The native op into an fp32 output (the registered op returns the query's dtype, whose
-    rounding would hide the parts' different summation order)."""
+    rounding would hide the parts' different summation order). Skips where the kernel serving
+    kv_dtype never splits: int4 splits everywhere, bf16 with AVX2 or AVX512-BF16, fp8 with
+    AVX512-BF16 only."""
     from qkiln.plugins import cpu_native
 
     ops = cpu_native.native_ops()
-    if ops is None or ops.bf16_gemm_isa() == "portable":  # (built with AVX512-BF16 or not)
-        pytest.skip("needs the native extension with AVX512-BF16 (decode_heads_bf16)")
+    isa = ops.decode_attention_isa() if ops is not None else None
+    splits = {"int4": isa is not None, "bf16": isa in ("avx2", "avx512-bf16"), "fp8": isa == "avx512-bf16"}
+    if not splits[kv_dtype]:
+        pytest.skip(f"the native {kv_dtype} decode kernel of this build ({isa}) does not split rows")
     monkeypatch.setenv("QKILN_DECODE_SPLIT", "1" if split else "0")
     out = torch.empty(args[0].shape, dtype=torch.float32)
     query, k, v, k_scale, v_scale = args[:5]
@@ -116,8 +121,8 @@ def test_long_decodes_split_by_context_match_reference(kv_dtype, head_dim, group
     batch = PagedBatch(specs, cache, num_heads=3 * group)
     args = batch.attention_args(cache, torch.bfloat16)
     expected = reference_paged_attention(*args).float()
-    split = _native_float_out(args, cache, monkeypatch, split=True)
-    whole = _native_float_out(args, cache, monkeypatch, split=False)
+    split = _native_float_out(args, cache, monkeypatch, split=True, kv_dtype=kv_dtype)
+    whole = _native_float_out(args, cache, monkeypatch, split=False, kv_dtype=kv_dtype)
     assert rel_error(split, expected) < TOLERANCE[torch.bfloat16]
     assert rel_error(split, whole) < 1e-5  # the same softmax, summed in another order
     assert not torch.equal(split[:2], whole[:2])  # the two long rows went through the parts
@@ -139,10 +144,41 @@ def test_uneven_decode_steps_split_rows_per_thread(kv_dtype, block_size, monkeyp
         for context, splits in ((300, True), (200, False)):
             cache = make_cache(kv_dtype, -(-context // block_size) + 2, 3, 64, block_size=block_size)
             args = PagedBatch([(context, 1)], cache, num_heads=9).attention_args(cache, torch.bfloat16)
-            split = _native_float_out(args, cache, monkeypatch, split=True)
-            whole = _native_float_out(args, cache, monkeypatch, split=False)
+            split = _native_float_out(args, cache, monkeypatch, split=True, kv_dtype=kv_dtype)
+            whole = _native_float_out(args, cache, monkeypatch, split=False, kv_dtype=kv_dtype)
             assert rel_error(split, reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
             assert rel_error(split, whole) < 1e-5
             assert torch.equal(split, whole) != splits, context
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_avx2_group_decode_agrees_with_the_tiled_kernel(head_dim, group, block_size, monkeypatch):
+    """On AVX2 hosts decode_group_bf16 serves bf16 rows over a bf16 cache (the GQA group per pass,
+    sub-groups of up to 4 heads); QKILN_GROUP_DECODE=0 falls back to decode_head_tiled. Both are
+    the same softmax summed in another order: fp32 outputs agree to 1e-5 and differ in bits.
+    Contexts not a multiple of 8 (the scores' last partial chunk), prefill rows, a 1-token row."""
+    from qkiln.plugins import cpu_native
+
+    ops = cpu_native.native_ops()
+    if ops is None or ops.decode_attention_isa() != "avx2":
+        pytest.skip("decode_group_bf16 serves AVX2 builds only")
+    torch.manual_seed(head_dim + group + block_size)
+    specs = [(203, 1), (37, 1), (1, 1), (29, 11)]
+    cache = make_cache("bf16", sum(-(-c // block_size) for c, _ in specs) + 2, 2, head_dim,
+                       block_size=block_size)
+    args = PagedBatch(specs, cache, num_heads=2 * group).attention_args(cache, torch.bfloat16)
+    monkeypatch.setenv("QKILN_DECODE_SPLIT", "0")
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("QKILN_GROUP_DECODE", flag)
+        out = torch.empty(args[0].shape, dtype=torch.float32)
+        query, k, v, k_scale, v_scale = args[:5]
+        ops.paged_attention(query, k, v, *args[10:13], args[13], out, k_scale, v_scale, *args[5:9])
+        outs[flag] = out
+    assert rel_error(outs["1"], reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
+    assert rel_error(outs["1"], outs["0"]) < 1e-5
+    assert not torch.equal(outs["1"], outs["0"])
