@@ -777,7 +777,9 @@ constexpr int64_t kSplitTokens = 512;
 // heads on 2 threads at batch 1): into one part per thread, where a part gets kMinSplitTokens+.
 // Same-process A/B (QKILN_DECODE_SPLIT=0/1, batch-1 SmolLM2, 64 steps after the prompt, 5-7 rounds,
 // with parts of 64+): prompt of 400 tokens 111.9 -> 115.2 tok/s, 600: 98.1 -> 104.9, 700: 89.4 ->
-// 90.7; 256 and 128 (parts below 160 tokens) 1.00x and 0.98x, hence 128.
+// 90.7; 256 and 128 (parts below 160 tokens) 1.00x and 0.98x, hence 128. decode_group_bf16 on an
+// AVX2 host (session 25, 5-9 rounds, median step): prompt of 400 tokens 4.75 -> 4.39 ms; 128 1.00x,
+// and 1.02x slower with parts from 48 tokens.
 constexpr int64_t kMinSplitTokens = 128;
 
 // paged_attention's argument checks (AttentionTasks makes them; paged_attention before AmxPrefill).
