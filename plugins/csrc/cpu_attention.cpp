@@ -49,7 +49,6 @@ template <typename kv_t, typename q_t, typename o_t>
 void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* v_head,
                  const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf) {
   const int64_t D = a.head_dim, G = a.group, row_stride = a.num_kv_heads * D;
-  const int64_t block_stride = a.block_size * row_stride;
   buf.resize(2 * G * D + G * T);
   float *qf = buf.data(), *acc = qf + G * D, *scores = acc + G * D;  // [G, D], [G, D], [G, T]
   const Vf scale = set1(a.scale);
@@ -57,29 +56,23 @@ void decode_head(const Decode& a, const q_t* q, const kv_t* k_head, const kv_t* 
     store(qf + i, mul(load(q + i), scale));
     store(acc + i, set1(0.f));
   }
-  for (int64_t t0 = 0, b = 0; t0 < T; t0 += a.block_size, ++b) {  // pass 1: scores
-    const kv_t* rows = k_head + table[b] * block_stride;
-    for (int64_t t = t0; t < std::min(T, t0 + a.block_size); ++t, rows += row_stride) {
-      for (int64_t g = 0; g < G; ++g) {
-        Vf dot = set1(0.f);
-        for (int64_t d = 0; d < D; d += kW) dot = fmadd(load(qf + g * D + d), load(rows + d), dot);
-        scores[g * T + t] = reduce_add(dot);
-      }
+  for_each_row(k_head, table, a.block_size, row_stride, T, [&](int64_t t, const kv_t* row) {  // pass 1: scores
+    for (int64_t g = 0; g < G; ++g) {
+      Vf dot = set1(0.f);
+      for (int64_t d = 0; d < D; d += kW) dot = fmadd(load(qf + g * D + d), load(row + d), dot);
+      scores[g * T + t] = reduce_add(dot);
     }
-  }
+  });
   std::vector<float> inv_sum_rows(G);
   float* inv_sum = inv_sum_rows.data();
   softmax_rows(scores, G, T, inv_sum);
-  for (int64_t t0 = 0, b = 0; t0 < T; t0 += a.block_size, ++b) {  // pass 2: p @ V
-    const kv_t* rows = v_head + table[b] * block_stride;
-    for (int64_t t = t0; t < std::min(T, t0 + a.block_size); ++t, rows += row_stride) {
-      for (int64_t d = 0; d < D; d += kW) {
-        const Vf v = load(rows + d);
-        for (int64_t g = 0; g < G; ++g)
-          store(acc + g * D + d, fmadd(set1(scores[g * T + t]), v, load(acc + g * D + d)));
-      }
+  for_each_row(v_head, table, a.block_size, row_stride, T, [&](int64_t t, const kv_t* row) {  // pass 2: p @ V
+    for (int64_t d = 0; d < D; d += kW) {
+      const Vf v = load(row + d);
+      for (int64_t g = 0; g < G; ++g)
+        store(acc + g * D + d, fmadd(set1(scores[g * T + t]), v, load(acc + g * D + d)));
     }
-  }
+  });
   write_heads(acc, inv_sum, G, D, a.out_scale, out);
 }
 

@@ -35,16 +35,6 @@ inline __m256 widen8(const bf16* p) {
   return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// body(t, row) for tokens 0 .. T - 1 of one kv head, its rows found through the block table.
-template <typename F>
-inline void for_each_row(const bf16* head, const int32_t* table, int64_t block_size, int64_t row_stride,
-                         int64_t T, F&& body) {
-  for (int64_t t0 = 0, b = 0; t0 < T; t0 += block_size, ++b) {
-    const bf16* row = head + table[b] * block_size * row_stride;
-    for (int64_t t = t0, end = std::min(T, t0 + block_size); t < end; ++t, row += row_stride) body(t, row);
-  }
-}
-
 // scores[g * T + t] = qf[g] . K[t] for the G heads of qf (fp32 [G, D], already scaled).
 template <int G, int D>
 void group_scores(const float* qf, const bf16* k_head, const int32_t* table, int64_t block_size,

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +28,17 @@ inline void tile_slots(const int32_t* table, int64_t block_size, int64_t t0, int
   for (int64_t i = 0, b = t0 / block_size, o = t0 % block_size; i < n; ++i) {
     out[i] = (table[b] * block_size + o) * stride;
     if (++o == block_size) o = 0, ++b;
+  }
+}
+
+// body(t, row) for tokens 0 .. T - 1 of one kv head (head: its slice of slot 0), each row found
+// through the block table: the row-by-row kernels' walk (decode_head, decode_group_bf16).
+template <typename kv_t, typename F>
+inline void for_each_row(const kv_t* head, const int32_t* table, int64_t block_size, int64_t row_stride,
+                         int64_t T, F&& body) {
+  for (int64_t t0 = 0, b = 0; t0 < T; t0 += block_size, ++b) {
+    const kv_t* row = head + table[b] * block_size * row_stride;
+    for (int64_t t = t0, end = std::min(T, t0 + block_size); t < end; ++t, row += row_stride) body(t, row);
   }
 }
 

@@ -171,14 +171,10 @@ def test_avx2_group_decode_agrees_with_the_tiled_kernel(head_dim, group, block_s
     cache = make_cache("bf16", sum(-(-c // block_size) for c, _ in specs) + 2, 2, head_dim,
                        block_size=block_size)
     args = PagedBatch(specs, cache, num_heads=2 * group).attention_args(cache, torch.bfloat16)
-    monkeypatch.setenv("QKILN_DECODE_SPLIT", "0")
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("QKILN_GROUP_DECODE", flag)
-        out = torch.empty(args[0].shape, dtype=torch.float32)
-        query, k, v, k_scale, v_scale = args[:5]
-        ops.paged_attention(query, k, v, *args[10:13], args[13], out, k_scale, v_scale, *args[5:9])
-        outs[flag] = out
+        outs[flag] = _native_float_out(args, cache, monkeypatch, split=False, kv_dtype="bf16")
     assert rel_error(outs["1"], reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
     assert rel_error(outs["1"], outs["0"]) < 1e-5
     assert not torch.equal(outs["1"], outs["0"])
