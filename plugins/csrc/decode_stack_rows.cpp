@@ -28,7 +28,11 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
   Int8Rows acts;  // the current linear's quantized input; sized here for the largest
   std::vector<AttentionTasks> tasks;  // per layer, validated before the region
   tasks.reserve(layers_.size());
-  std::deque<TaskQueue> queues;  // per layer: its four linears' tasks, then its attention's
+  // Per layer: its four linears' tasks, then its attention's. A deque keeps each queue where it
+  // was made (TaskQueue cannot move) but not next to the one before it, so always index it:
+  // pointer arithmetic from a layer's first queue ran past the deque's 32-queue chunks at layer 6
+  // and claimed tasks from whatever lay there (a segfault at 64 decode rows, SmolLM2).
+  std::deque<TaskQueue> queues;
   for (const StackLayer& l : layers_) {
     for (const NativeLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       lin->int8_activations()->size(M, acts);
@@ -67,9 +71,10 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
           if (i == 0) my_hidden.copy_(rms_norm(my_residual, l.input_norm, eps_));
           else fused_add_rms_norm(my_hidden, my_residual, l.input_norm, eps_);
         });
-      TaskQueue* queue = &queues[5 * i];  // qkv, o, gate_up, down, attention
+      // this layer's queues: 0 qkv, 1 o, 2 gate_up, 3 down, 4 attention
+      auto queue = [&](int j) -> TaskQueue& { return queues[5 * i + j]; };
       quantize(l.qkv, my_hidden);
-      linear(l.qkv, queue[0], qkv2d);
+      linear(l.qkv, queue(0), qkv2d);
       if (r1 > r0)
         guarded([&] {
           rotary_embedding(my_qkv, mine(cos), mine(signed_sin), Hq + Hkv);
@@ -77,19 +82,19 @@ at::Tensor DecodeStack::forward_many_rows(at::Tensor h, const at::Tensor& cos,
         });
 #pragma omp barrier
       {
-        TaskStream attention(queue[4]);
+        TaskStream attention(queue(4));
         guarded([&] { tasks[i].run(attention); });
       }
 #pragma omp barrier
       quantize(l.o, mine(attn2d));
-      linear(l.o, queue[1], hidden);
+      linear(l.o, queue(1), hidden);
       if (r1 > r0) guarded([&] { fused_add_rms_norm(my_hidden, my_residual, l.post_norm, eps_); });
       quantize(l.gate_up, my_hidden);
-      linear(l.gate_up, queue[2], gate_up);
+      linear(l.gate_up, queue(2), gate_up);
       at::Tensor act;
       if (r1 > r0) guarded([&] { act = silu_and_mul(mine(gate_up)); });
       quantize(l.down, act);
-      linear(l.down, queue[3], hidden);
+      linear(l.down, queue(3), hidden);
     }  // after an error the remaining layers still run (on garbage) so no thread skips a barrier
   }
   errors.rethrow();

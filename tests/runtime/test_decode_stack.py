@@ -157,6 +157,29 @@ def test_many_row_steps_are_bit_identical(artifacts, monkeypatch, recipe, rows, 
     assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
 
 
+def test_many_row_steps_serve_every_layer_of_a_deep_model(tmp_path, monkeypatch):
+    """Many-row int8-activation steps on a 9-layer model, bit-identical to the Python path: each
+    layer's five task queues (4 linears, attention) must be its own. Taken at a fixed stride from
+    a deque, layers 6+ claimed tasks from memory past the deque's chunks (a segfault at 64 decode
+    rows of SmolLM2). On CPUs without AVX512-VNNI the GEMV form serves these rows (still compared)."""
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import load_recipe
+
+    source = write_tiny_hf_model(tmp_path / "m", "llama", num_hidden_layers=9)
+    path = build(str(source), load_recipe("w4a16-rtn"), tmp_path / "w4", use_cache=False,
+                 progress=False, log=lambda m: None).path
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 256, (3 + i,), generator=generator).tolist() for i in range(20)]
+    fast = _engine(path, monkeypatch, stack=True, int8_activations=True)
+    slow = _engine(path, monkeypatch, stack=False, int8_activations=True)
+    assert len(fast.runner.model.model.layers) == 9
+    tokens_fast, logits_fast, steps = _run_recording(fast, prompts, 6)
+    tokens_slow, logits_slow, _ = _run_recording(slow, prompts, 6)
+    assert tokens_fast == tokens_slow
+    assert any(served and s == 20 for _, s, served in steps)
+    assert all(torch.equal(a, b) for a, b in zip(logits_fast, logits_slow))
+
+
 @pytest.mark.parametrize("recipe", ["w4a16-rtn", "w8a16"])
 def test_amx_codes_steps_match_the_dense_copies(artifacts, monkeypatch, recipe):
     """Opted in on an AMX CPU (QKILN_AMX_CODES=1), many-row steps read the int4 / int8 codes
