@@ -110,7 +110,7 @@ def generate_cmd(
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: steps of >16 rows with int8 activations per 32 channels (faster, not exact)")] = False,
+    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
 ):
     """Generate from one prompt and stream the text to stdout."""
     from qkiln.runtime.llm import LLM
@@ -143,7 +143,7 @@ def serve_cmd(
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: steps of >16 rows with int8 activations per 32 channels (faster, not exact)")] = False,
+    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
