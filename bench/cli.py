@@ -23,6 +23,10 @@ bench_app = typer.Typer(help="Benchmarks: a JSON report (--json), a table on std
 # Options every report-writing command takes the same way.
 JsonOut = Annotated[Optional[Path], typer.Option("--json", help="write the JSON report here")]
 PlotDir = Annotated[Optional[Path], typer.Option(help="write PNG charts into this directory")]
+# qkiln generate / serve take it too (qkiln/cli.py).
+Int8Activations = Annotated[bool, typer.Option(
+    "--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at "
+                               "every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")]
 
 
 @contextmanager
@@ -53,7 +57,7 @@ def throughput_command(
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype (default: the artifact's)")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="enable prefix caching")] = True,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp32")] = "auto",
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
+    int8_activations: Int8Activations = False,
     repeats: Annotated[int, typer.Option(help="timed repeats (median and spread reported)")] = 3,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: usable cores)")] = None,
     seed: Annotated[int, typer.Option(help="workload seed")] = 0,
@@ -173,7 +177,7 @@ def kv_dtypes_command(
     max_num_batched_tokens: Annotated[int, typer.Option(help="tokens per engine step (offline)")] = 1024,
     num_samples: Annotated[int, typer.Option(help="KV calibration samples for the fp8 / int4 builds")] = 32,
     kv_cache_mib: Annotated[int, typer.Option(help="KV budget the tokens-held column is for")] = 512,
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
+    int8_activations: Int8Activations = False,
     seed: Annotated[int, typer.Option(help="prompt seed")] = 0,
     json_out: JsonOut = None,
     plot: PlotDir = None,

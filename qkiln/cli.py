@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from qkiln.bench.cli import Int8Activations  # the option as `qkiln bench` takes it
 from qkiln.errors import QkilnError
 
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
@@ -110,7 +111,7 @@ def generate_cmd(
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
+    int8_activations: Int8Activations = False,
 ):
     """Generate from one prompt and stream the text to stdout."""
     from qkiln.runtime.llm import LLM
@@ -143,7 +144,7 @@ def serve_cmd(
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
-    int8_activations: Annotated[bool, typer.Option("--int8-activations", help="CPU, artifacts: activations rounded to int8 per 32 channels (int4 linears at every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")] = False,
+    int8_activations: Int8Activations = False,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
