@@ -99,7 +99,7 @@ inline void store_tile_row(const float* y, const float* bias, int64_t rows, out_
 // vpdpbusd where the CPU has AVX512-VNNI (with VL) or AVX-VNNI, else vpmaddubsw + vpmaddwd by
 // ones; the same sums (no pair of products reaches vpmaddubsw's int16 limit here). Same-process
 // A/B against the other form (an AVX512-VNNI Zen 4 VM, 1536 x 576, one row, median of 7 rounds):
-// 0.89-0.97x the time from cache, 0.89-1.0x from memory. Not used by the int8 x int8 GEMV
+// 0.89-0.98x the time from cache, 0.89-1.0x from memory. Not used by the int8 x int8 GEMV
 // (cpu_gemv_int8_a8.cpp): its lm_head read from memory was 1.09-1.2x slower with it at 2 threads.
 inline __m256i dot4_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
