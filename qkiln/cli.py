@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from qkiln.bench.cli import Int8Activations  # the option as `qkiln bench` takes it
+from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.errors import QkilnError
 
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
@@ -170,8 +170,6 @@ app.command("inspect")(inspect_cmd)
 def main():
     app()
 
-
-from qkiln.bench.cli import bench_app  # noqa: E402  (`qkiln bench ...`; imports nothing heavy)
 
 app.add_typer(bench_app, name="bench")
 
