@@ -16,8 +16,10 @@
 // fp8 e4m3fn caches (kv_cache.py: x ~= float(k) * k_scale[h]) are widened to fp32 / bf16 in
 // registers as they are read, never copied: k_scale[h] joins the score scale, v_scale[h] the
 // 1 / sum of the output, so an fp8 step reads half the bytes of a bf16 one. int4 caches (packed
-// pairs, an fp16 scale and minimum per slot, head and group) are dequantized 16 rows at a time into
-// an L1 buffer (Int4Rows), once for the whole GQA group, then served like fp32 rows. On AVX2 hosts
+// pairs, an fp16 scale and minimum per slot, head and group): with AVX512-BF16 a decode row reads
+// K and V as their codes, the scales and minimums applied to the sums (decode_head_int4);
+// otherwise they are dequantized 16 rows at a time into an L1 buffer (Int4Rows), once for the
+// whole GQA group, then served like fp32 rows. On AVX2 hosts
 // (no AVX512-BF16) a bf16 query's rows over a bf16 cache go to decode_group_bf16
 // (cpu_attention_decode_avx2.cpp), which widens each K / V row once for the whole group.
 // Prefill costs O(q_len * T) like any exact attention; the rows of a block re-read the same K/V
@@ -25,9 +27,9 @@
 // goes to prefill_block_bf16 (cpu_attention_prefill.cpp) instead, which reads each 16-token tile
 // once for all its rows: same-process A/B (5 alternating rounds), SmolLM2 heads, 30 layers:
 // 8 prompts x 128 tokens 1.639 -> 1.250 ms a layer, one 1024-token prompt 15.94 -> 12.27. Over an
-// fp8 cache a prefill block converts its prefix to bf16 rows first (serve_fp8_prefix). Over an int4
-// cache without AVX512-BF16 a block goes to prefill_block_tiled (one dequantize of each tile for
-// all its rows). On an AMX CPU
+// fp8 cache a prefill block converts its prefix to bf16 rows first (serve_fp8_prefix), over an int4
+// one too (serve_int4_prefix); without AVX512-BF16 an int4 block goes to prefill_block_tiled (one
+// dequantize of each tile for all its rows). On an AMX CPU
 // the sequences with kAmxMinRows+ rows over a bf16, fp8 or int4 cache skip all of this:
 // paged_attention hands them to AmxPrefill (cpu_attention_prefill_amx.cpp), 1.8-3x faster from
 // 1024-token prompts up (6x over int4). A step of few long decodes splits each row's context
@@ -597,16 +599,88 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
 // q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g); the codes widen exactly to bf16 (0..15) for
 // vdpbf16ps against the bf16 query (6 instructions per 32 codes against ~20 to dequantize them to
 // fp32 and the FMAs after), the group scales multiply its per-lane pair sums, the minimums' term
-// comes from the query's group sums (for a tile's 16 tokens at once). V is dequantized as in
-// decode_head_tiled (Int4Rows). Same-process A/B against that path for K too (64 decodes x 192
-// tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms a layer
-// (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs within
-// 3e-6 of the dequantizing path's.
+// comes from the query's group sums (for a tile's 16 tokens at once). V is read as codes too
+// (values_codes). Same-process A/B against the dequantizing path (decode_head_tiled) for K (64
+// decodes x 192 tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms
+// a layer (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs
+// within 3e-6 of the dequantizing path's. Then for V (values_codes against values_tiled, EPYC
+// Zen 4 host, 7 alternating rounds): 1.05 -> 0.80 ms a layer at 192 tokens, 2.48 -> 1.85 at 512.
 // Widening puts a chunk's 32 codes in the lane order of _mm512_cvtne2ps_pbh(high nibbles, low
 // nibbles): element 2l in lane l, 2l + 1 in lane 16 + l; the query is permuted to match once per
 // row, and a pair of lanes always lies in one group, so its sum takes one scale.
 inline __m512bh query_chunk(const uint16_t* q, int c) {
   return (__m512bh)_mm512_loadu_si512(q + 32 * c);
+}
+
+// acc [G, D] = p @ V over an int4 cache for D = 16 * NV (pass 2 of decode_head_int4), V read as
+// its codes: with v = c * s + m per group, sum_t p_t v_t = sum_t (p_t s_t) c_t + sum_t p_t m_t, so
+// each row's codes widen to fp32 (elements 2l and 2l + 1 of a 32-element chunk in lane l of two
+// vectors: one byte's nibbles) and take one FMA per query head against p_t times the lane's scale,
+// and the minimums' term is summed per group on the side. Dequantizing each tile into an fp32
+// buffer first (Int4Rows, values_tiled) took ~80 instructions a row for 3 query heads against ~40
+// here. `heads` query heads share one walk over the rows (accumulators in registers): 8 / NC.
+template <int NV>
+void values_codes(const Int4Rows& rows, int64_t T, int64_t G, const float* scores, float* acc) {
+  constexpr int64_t D = NV * kW;
+  constexpr int NC = D / 32;              // 32-element chunks, 16 bytes each
+  constexpr int kHeads = 8 / NC;          // query heads per walk (D <= kMaxInt4HeadDim)
+  const int64_t groups = D / rows.group, bytes = rows.num_kv_heads * D / 2;
+  const int64_t slot_groups = rows.num_kv_heads * groups;
+  __m512i group_of_lane[NC];  // lane l of chunk c holds elements 32c + 2l, + 1: one group
+  for (int c = 0; c < NC; ++c) {
+    alignas(64) int32_t idx[kW];
+    for (int l = 0; l < kW; ++l) idx[l] = static_cast<int32_t>((32 * c + 2 * l) / rows.group);
+    group_of_lane[c] = _mm512_load_si512(idx);
+  }
+  const __m512i low_nibble = _mm512_set1_epi32(15);
+  // lanes 0-7 of a and b interleaved; lanes 8-15 interleaved: back to element order
+  const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  int64_t slots[kW];
+  for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+    const int64_t heads = std::min<int64_t>(kHeads, G - g0);
+    Vf even[kHeads][NC], odd[kHeads][NC], min_sum[kHeads];  // min_sum: lane j = group j
+    for (int g = 0; g < kHeads; ++g) {
+      min_sum[g] = set1(0.f);
+      for (int c = 0; c < NC; ++c) even[g][c] = odd[g][c] = set1(0.f);
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += kW) {
+      const int64_t n = std::min<int64_t>(kW, T - t0);
+      tile_slots(rows.table, rows.block_size, t0, n, 1, slots);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* packed = rows.v_head + slots[i] * bytes;
+        const Vf scale = load(rows.v_scale + slots[i] * slot_groups, groups);
+        const Vf minimum = load(rows.v_min + slots[i] * slot_groups, groups);
+        Vf low[NC], high[NC], lane_scale[NC];
+        for (int c = 0; c < NC; ++c) {
+          const __m512i byte =
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * c)));
+          low[c] = _mm512_cvtepi32_ps(_mm512_and_si512(byte, low_nibble));
+          high[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4));
+          lane_scale[c] = _mm512_permutexvar_ps(group_of_lane[c], scale);
+        }
+        for (int g = 0; g < kHeads; ++g) {
+          if (g >= heads) break;
+          const Vf p = set1(scores[(g0 + g) * T + t0 + i]);
+          min_sum[g] = fmadd(p, minimum, min_sum[g]);
+          for (int c = 0; c < NC; ++c) {
+            const Vf w = mul(p, lane_scale[c]);
+            even[g][c] = fmadd(w, low[c], even[g][c]);
+            odd[g][c] = fmadd(w, high[c], odd[g][c]);
+          }
+        }
+      }
+    }
+    for (int g = 0; g < heads; ++g) {
+      float* dst = acc + (g0 + g) * D;
+      for (int c = 0; c < NC; ++c) {
+        const Vf m = _mm512_permutexvar_ps(group_of_lane[c], min_sum[g]);
+        const Vf e = add(even[g][c], m), o = add(odd[g][c], m);
+        store(dst + 32 * c, _mm512_permutex2var_ps(e, first_16, o));
+        store(dst + 32 * c + 16, _mm512_permutex2var_ps(e, last_16, o));
+      }
+    }
+  }
 }
 
 template <int NV, typename o_t>
@@ -618,10 +692,13 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   buf.resize(G * D + G * T + G + G * groups);
   float *acc = buf.data(), *scores = acc + G * D, *inv_sum = scores + G * T;
   float* qsum = inv_sum + G;  // [G, groups]
-  thread_local std::vector<uint16_t> permuted;  // [G, NC, 32] the query's bf16 bits, widening's order
-  thread_local std::vector<Vf> dots;            // [G, 16]
-  permuted.assign(G * NC * 32, 0);
-  dots.resize(G * kW);
+  thread_local std::vector<uint16_t> permuted_buf;  // [G, NC, 32] the query's bf16 bits, widening's order
+  thread_local std::vector<Vf> dots_buf;            // [G, 16]
+  permuted_buf.assign(G * NC * 32, 0);
+  dots_buf.resize(G * kW);
+  // plain pointers: each use of a thread_local in the loops below called __tls_get_addr
+  uint16_t* permuted = permuted_buf.data();
+  Vf* dots = dots_buf.data();
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(q);
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; ++d) {
@@ -672,9 +749,10 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       fetch_slot(rows.v_head, rows.v_scale, rows.v_min, slot);
       const uint8_t* packed = rows.k_head + slot * bytes;
       const Vf scale = load(rows.k_scale + slot * slot_groups, groups);
-      alignas(64) float row_minimum[kW];
-      store(row_minimum, load(rows.k_min + slot * slot_groups, groups), groups);
-      for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = row_minimum[j];
+      // one scalar conversion per group: a masked vector store read back as scalars cannot be
+      // forwarded and stalled every row (a quarter of the kernel's samples)
+      const c10::Half* row_minimum = rows.k_min + slot * slot_groups;
+      for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = _cvtsh_ss(row_minimum[j].x);
       __m512bh codes[NC];
       Vf lane_scale[NC];
       for (int c = 0; c < NC; ++c) {
@@ -685,7 +763,7 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
         lane_scale[c] = _mm512_permutexvar_ps(group_of_lane[c], scale);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const uint16_t* qg = permuted.data() + g * NC * 32;
+        const uint16_t* qg = permuted + g * NC * 32;
         Vf d = mul(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, 0), codes[0]), lane_scale[0]);
         for (int c = 1; c < NC; ++c)
           d = fmadd(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, c), codes[c]), lane_scale[c], d);
@@ -696,11 +774,11 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       Vf min_term = set1(0.f);
       for (int64_t j = 0; j < groups; ++j)
         min_term = fmadd(load(minimum + j * kW), set1(qsum[g * groups + j]), min_term);
-      store(scores + g * T + t0, mul(add(sum16(dots.data() + g * kW), min_term), set1(a.scale)), n);
+      store(scores + g * T + t0, mul(add(sum16(dots + g * kW), min_term), set1(a.scale)), n);
     }
   }
   softmax_rows_lse(scores, G, T, inv_sum, lse);
-  values_tiled<NV>(rows, T, G, scores, acc);
+  values_codes<NV>(rows, T, G, scores, acc);
   write_heads(acc, inv_sum, G, D, a.out_scale, out);  // out_scale is 1 without fp8
 }
 
@@ -737,6 +815,37 @@ void serve_fp8_prefix(const Decode& a, const c10::Float8_e4m3fn* k_head, const c
                    v_scale * kRowUnit<c10::Float8_e4m3fn>};
   serve(one, k_rows.data(), v_rows.data(), &first_block);
 }
+
+// A prefill block over an int4 cache: one kv head's K and V for tokens [0, T) dequantized and
+// rounded to bf16 rows (as AmxPrefill stages them) in thread-local buffers, then served as a bf16
+// cache of one block and one head through serve(decode, k, v, table): prefill_block_bf16, each
+// 16-token tile read once for all the block's rows. Before, int4 prefill rows went one at a time
+// through decode_head_int4, each row reading and widening its whole prefix again.
+template <int NP, typename Serve>
+void serve_int4_prefix(const Decode& a, const Int4Rows& rows, int64_t T, Serve&& serve) {
+  constexpr int64_t D = NP * 32;
+  thread_local std::vector<c10::BFloat16> k_rows, v_rows;  // [T, D]
+  if (static_cast<int64_t>(k_rows.size()) < T * D) k_rows.resize(T * D), v_rows.resize(T * D);
+  const int64_t bytes = rows.num_kv_heads * D / 2, groups = rows.num_kv_heads * D / rows.group;
+  alignas(64) float values[D];
+  int64_t slots[kW];
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    tile_slots(rows.table, rows.block_size, t0, n, 1, slots);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t slot = slots[i];
+      dequantize_int4_row(rows.k_head + slot * bytes, rows.k_scale + slot * groups, rows.k_min + slot * groups,
+                          D, rows.group, values);
+      for (int64_t d = 0; d < D; d += kW) store(k_rows.data() + (t0 + i) * D + d, load(values + d));
+      dequantize_int4_row(rows.v_head + slot * bytes, rows.v_scale + slot * groups, rows.v_min + slot * groups,
+                          D, rows.group, values);
+      for (int64_t d = 0; d < D; d += kW) store(v_rows.data() + (t0 + i) * D + d, load(values + d));
+    }
+  }
+  static const int32_t first_block = 0;
+  const Decode one{&first_block, 1, T, 1, D, a.group, a.scale, 1.f};
+  serve(one, k_rows.data(), v_rows.data(), &first_block);
+}
 #else
 constexpr bool kBf16Heads = false;
 template <int NP, typename kv_t, typename o_t>
@@ -749,6 +858,8 @@ void decode_head_int4(const Decode&, const c10::BFloat16*, Int4Rows&, int64_t, o
 template <int NP, typename Serve>
 void serve_fp8_prefix(const Decode&, const c10::Float8_e4m3fn*, const c10::Float8_e4m3fn*, const int32_t*,
                       int64_t, float, float, Serve&&) {}
+template <int NP, typename Serve>
+void serve_int4_prefix(const Decode&, const Int4Rows&, int64_t, Serve&&) {}
 #endif
 
 // Prefill chunks are cut into blocks of this many query rows, so one long prompt still spreads
@@ -1007,15 +1118,29 @@ void AttentionTasks::run(TaskStream& tasks) const {
           else if (D == 64) decode_head_tiled<4>(a, qrow, rows, T, orow, buf, lse);
           else decode_head_tiled<8>(a, qrow, rows, T, orow, buf, lse);
         }, [&](const RowBlock& b, int64_t h, const int32_t* table) {  // a prefill block
-          // Without AVX512-BF16: prefill_block_tiled; with it, decode_head_int4 row by row (the
-          // path measured on those hosts). QKILN_TILED_PREFILL=0: row by row here too (read per
-          // call, for comparisons).
+          // With AVX512-BF16 (a bf16 query, D 64 / 128): the prefix as bf16 rows through
+          // prefill_block_bf16 (serve_int4_prefix); without it, prefill_block_tiled.
+          // QKILN_TILED_PREFILL=0: decode_head_int4 / decode_head_tiled row by row (read per call,
+          // for comparisons).
           const int64_t T_first = causal_len(b, b.first), row = starts_[b.seq] + b.first;
-          if (kBf16Heads || T_first <= 0 || switched_off("QKILN_TILED_PREFILL")) return false;
+          if (T_first <= 0 || switched_off("QKILN_TILED_PREFILL")) return false;
           Int4Rows rows = head_rows(h, table);
           const int64_t q_stride = query_.stride(0), out_stride = Hq * D;
           const q_t* qh = qp + row * q_stride + h * a.group * D;
           auto* oh = op + (row * Hq + h * a.group) * D;
+          if (kBf16Heads) {
+            if (!std::is_same_v<q_t, c10::BFloat16> || (D != 64 && D != 128)) return false;
+            const auto* qb = reinterpret_cast<const c10::BFloat16*>(qh);
+            auto serve = [&](const Decode& d, const c10::BFloat16* kh, const c10::BFloat16* vh,
+                             const int32_t* tbl) {
+              if (D == 64) prefill_block_bf16<2>(d, qb, q_stride, kh, vh, tbl, T_first, b.count, oh, out_stride);
+              else prefill_block_bf16<4>(d, qb, q_stride, kh, vh, tbl, T_first, b.count, oh, out_stride);
+            };
+            const int64_t T_max = T_first + b.count - 1;
+            if (D == 64) serve_int4_prefix<2>(a, rows, T_max, serve);
+            else serve_int4_prefix<4>(a, rows, T_max, serve);
+            return true;
+          }
           if (D == 32) prefill_block_tiled<2>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);
           else if (D == 64) prefill_block_tiled<4>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);
           else prefill_block_tiled<8>(a, qh, q_stride, rows, T_first, b.count, oh, out_stride);

@@ -77,8 +77,9 @@ def test_cpu_bf16_heads_match_reference(kv_dtype, head_dim, group, block_size, s
 def test_prefill_blocks_match_reference(kv_dtype, query_dtype, head_dim, group, block_size):
     """Prefill chunks of every cache dtype and head size, whichever kernel the CPU takes for their
     8-row blocks (over int4 without AVX512-BF16: prefill_block_tiled, each K / V tile dequantized
-    once for all of a block's rows, online softmax): chunks after cached context, rows ending
-    mid-tile, tiles across cache blocks of 5 slots, a decode in the step."""
+    once for all of a block's rows, online softmax; with it and a bf16 query of D 64 / 128, the
+    block's prefix rounded to bf16 rows for prefill_block_bf16): chunks after cached context, rows
+    ending mid-tile, tiles across cache blocks of 5 slots, a decode in the step."""
     cache = make_cache(kv_dtype, 80, 2, head_dim, block_size=block_size)  # (no key smoothing: native)
     batch = PagedBatch(LONG_CHUNKS + [(21, 13)], cache, num_heads=2 * group)
     args = batch.attention_args(cache, query_dtype)
