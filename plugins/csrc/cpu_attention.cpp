@@ -460,9 +460,10 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
   const int64_t block_stride = bs * row_stride;
   buf.resize(HG * T + HG);
   float *scores = buf.data(), *inv_sum = scores + HG * T;  // [H * G, T], [H * G]
-  thread_local std::vector<Vf> dots, acc;  // [H * G][kW] row dot products, [H * G][2][NP]
-  dots.resize(HG * kW);
-  acc.assign(HG * 2 * NP, set1(0.f));
+  thread_local std::vector<Vf> dots_buf, acc_buf;  // [H * G][kW] row dot products, [H * G][2][NP]
+  dots_buf.resize(HG * kW);
+  acc_buf.assign(HG * 2 * NP, set1(0.f));
+  Vf *dots = dots_buf.data(), *acc = acc_buf.data();  // (a thread_local costs a call per use)
   float score_scale[16], out_scale[16];  // per kv head of the task (H * G <= 16)
   for (int64_t h = 0; h < H; ++h) {
     score_scale[h] = k_scale ? a.scale * (k_scale[h] * kRowUnit<kv_t>) : a.scale;
@@ -507,7 +508,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       }
     }
     for (int64_t j = 0; j < HG; ++j)
-      store(scores + j * T + t0, mul(sum16(dots.data() + j * kW), set1(score_scale[j / G])), n);
+      store(scores + j * T + t0, mul(sum16(dots + j * kW), set1(score_scale[j / G])), n);
   }
   float row_max[16];
   softmax_rows(scores, HG, T, inv_sum, row_max);
@@ -537,7 +538,7 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
         const int64_t heads = std::min<int64_t>(kValueHeads, G - g0);
         Vf even[kValueHeads][NP], odd[kValueHeads][NP];
-        Vf* saved = acc.data() + (h * G + g0) * 2 * NP;
+        Vf* saved = acc + (h * G + g0) * 2 * NP;
         for (int g = 0; g < kValueHeads; ++g)
           for (int p = 0; p < NP; ++p)
             if (g < heads) even[g][p] = saved[(g * 2) * NP + p], odd[g][p] = saved[(g * 2 + 1) * NP + p];
@@ -605,9 +606,9 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
 // a layer (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs
 // within 3e-6 of the dequantizing path's. Then for V (values_codes against values_tiled, EPYC
 // Zen 4 host, 7 alternating rounds): 1.05 -> 0.80 ms a layer at 192 tokens, 2.48 -> 1.85 at 512.
-// Widening puts a chunk's 32 codes in the lane order of _mm512_cvtne2ps_pbh(high nibbles, low
-// nibbles): element 2l in lane l, 2l + 1 in lane 16 + l; the query is permuted to match once per
-// row, and a pair of lanes always lies in one group, so its sum takes one scale.
+// The codes widen through a word table (vpermw) into two vectors per 64 elements, the even ones
+// and the odd ones; the query is permuted to match once per row, and the 4 elements each fp32 lane
+// sums always lie in one group, so the lane takes one scale.
 inline __m512bh query_chunk(const uint16_t* q, int c) {
   return (__m512bh)_mm512_loadu_si512(q + 32 * c);
 }
@@ -687,23 +688,23 @@ template <int NV, typename o_t>
 void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, int64_t T, o_t* out,
                       std::vector<float>& buf, float* lse = nullptr) {
   constexpr int64_t D = NV * kW;
-  constexpr int NC = D / 32;  // 32-element chunks (D is 32, 64 or 128)
+  constexpr int NB = (D + 63) / 64;  // chunks of 64 elements (32 bytes of codes; D = 32: one of 16)
   const int64_t G = a.group, groups = D / rows.group;
   buf.resize(G * D + G * T + G + G * groups);
   float *acc = buf.data(), *scores = acc + G * D, *inv_sum = scores + G * T;
   float* qsum = inv_sum + G;  // [G, groups]
-  thread_local std::vector<uint16_t> permuted_buf;  // [G, NC, 32] the query's bf16 bits, widening's order
+  thread_local std::vector<uint16_t> permuted_buf;  // [G, NB, 2, 32] the query's bf16 bits, codes' order
   thread_local std::vector<Vf> dots_buf;            // [G, 16]
-  permuted_buf.assign(G * NC * 32, 0);
+  permuted_buf.assign(G * NB * 64, 0);
   dots_buf.resize(G * kW);
   // plain pointers: each use of a thread_local in the loops below called __tls_get_addr
   uint16_t* permuted = permuted_buf.data();
   Vf* dots = dots_buf.data();
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(q);
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t d = 0; d < D; ++d) {
-      const int64_t c = d / 32, e = d % 32, lane = e % 2 ? 16 + e / 2 : e / 2;
-      permuted[(g * NC + c) * 32 + lane] = bits[g * D + d];
+    for (int64_t d = 0; d < D; ++d) {  // chunk c: its even elements 64c + 2i, then its odd ones
+      const int64_t c = d / 64, e = d % 64;
+      permuted[((g * NB + c) * 2 + e % 2) * 32 + e / 2] = bits[g * D + d];
     }
     for (int64_t j = 0; j < groups; ++j) {
       float total = 0.f;
@@ -712,15 +713,24 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       qsum[g * groups + j] = total;
     }
   }
-  __m512i group_of_lane[NC];  // dword lane l of chunk c sums elements 32c + 4 (l % 8) (+ 1, 2, 3)
-  for (int c = 0; c < NC; ++c) {
+  __m512i group_of_lane[NB];  // dword lane l of chunk c sums elements 64c + 4l .. 64c + 4l + 3
+  for (int c = 0; c < NB; ++c) {
     alignas(64) int32_t idx[kW];
-    for (int l = 0; l < kW; ++l) idx[l] = static_cast<int32_t>((32 * c + 4 * (l % 8)) / rows.group);
+    for (int l = 0; l < kW; ++l) idx[l] = 64 * c + 4 * l < D ? static_cast<int32_t>((64 * c + 4 * l) / rows.group) : 0;
     group_of_lane[c] = _mm512_load_si512(idx);
   }
+  // word i: the bf16 bits of (i mod 16), for vpermw, which reads an index's low 5 bits: a byte's
+  // word indexes its low nibble's value, the word shifted right by 4 its high nibble's
+  alignas(64) uint16_t nibble_words[32];
+  for (int i = 0; i < 32; ++i) {
+    const float x = static_cast<float>(i % 16);
+    uint32_t word;
+    std::memcpy(&word, &x, 4);
+    nibble_words[i] = static_cast<uint16_t>(word >> 16);  // exact: small integers
+  }
+  const __m512i code_words = _mm512_load_si512(nibble_words);
   std::fill(acc, acc + G * D, 0.f);
   const int64_t bytes = rows.num_kv_heads * D / 2, slot_groups = rows.num_kv_heads * groups;
-  const __m512i low_nibble = _mm512_set1_epi32(15);
   alignas(64) float minimum[kW * kW];  // [group, token of the tile]: the tile's K minimums
   int64_t slots[kW], ahead[kW];
   // A slot's codes, scales and minimums of this head into L2 (one line each: a head's codes are
@@ -753,20 +763,27 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
       // forwarded and stalled every row (a quarter of the kernel's samples)
       const c10::Half* row_minimum = rows.k_min + slot * slot_groups;
       for (int64_t j = 0; j < groups; ++j) minimum[j * kW + i] = _cvtsh_ss(row_minimum[j].x);
-      __m512bh codes[NC];
-      Vf lane_scale[NC];
-      for (int c = 0; c < NC; ++c) {
-        const __m512i byte =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + 16 * c)));
-        codes[c] = _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4)),
-                                       _mm512_cvtepi32_ps(_mm512_and_si512(byte, low_nibble)));
+      // the codes as exact bf16: word i of a chunk's `even` is element 64c + 2i (its byte's low
+      // nibble), of `odd` element 64c + 2i + 1; 4 instructions per 64 codes (widening through
+      // fp32 took 12)
+      __m512bh even[NB], odd[NB];
+      Vf lane_scale[NB];
+      for (int c = 0; c < NB; ++c) {
+        const __m512i word =
+            D >= 64 ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * c)))
+                    : _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed))));
+        even[c] = (__m512bh)_mm512_permutexvar_epi16(word, code_words);
+        odd[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(word, 4), code_words);
         lane_scale[c] = _mm512_permutexvar_ps(group_of_lane[c], scale);
       }
       for (int64_t g = 0; g < G; ++g) {
-        const uint16_t* qg = permuted + g * NC * 32;
-        Vf d = mul(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, 0), codes[0]), lane_scale[0]);
-        for (int c = 1; c < NC; ++c)
-          d = fmadd(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, c), codes[c]), lane_scale[c], d);
+        const uint16_t* qg = permuted + g * NB * 64;
+        auto chunk_dot = [&](int c) {  // lane l: the codes of elements 64c + 4l .. + 3 against the query's
+          return _mm512_dpbf16_ps(_mm512_dpbf16_ps(set1(0.f), query_chunk(qg, 2 * c), even[c]),
+                                  query_chunk(qg, 2 * c + 1), odd[c]);
+        };
+        Vf d = mul(chunk_dot(0), lane_scale[0]);
+        for (int c = 1; c < NB; ++c) d = fmadd(chunk_dot(c), lane_scale[c], d);
         dots[g * kW + i] = d;
       }
     }
