@@ -721,14 +721,16 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   }
   // word i: the bf16 bits of (i mod 16), for vpermw, which reads an index's low 5 bits: a byte's
   // word indexes its low nibble's value, the word shifted right by 4 its high nibble's
-  alignas(64) uint16_t nibble_words[32];
-  for (int i = 0; i < 32; ++i) {
-    const float x = static_cast<float>(i % 16);
-    uint32_t word;
-    std::memcpy(&word, &x, 4);
-    nibble_words[i] = static_cast<uint16_t>(word >> 16);  // exact: small integers
-  }
-  const __m512i code_words = _mm512_load_si512(nibble_words);
+  static const __m512i code_words = [] {
+    alignas(64) uint16_t words[32];
+    for (int i = 0; i < 32; ++i) {
+      const float x = static_cast<float>(i % 16);
+      uint32_t bits;
+      std::memcpy(&bits, &x, 4);
+      words[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+    }
+    return _mm512_load_si512(words);
+  }();
   std::fill(acc, acc + G * D, 0.f);
   const int64_t bytes = rows.num_kv_heads * D / 2, slot_groups = rows.num_kv_heads * groups;
   alignas(64) float minimum[kW * kW];  // [group, token of the tile]: the tile's K minimums
