@@ -598,8 +598,8 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
 // decode_head for a bf16 query over an int4 cache, D = 16 * NV (32, 64, 128), groups of a multiple
 // of 4 elements. Scores read K as its codes: with k = c * s + m per group (kv_cache.py),
 // q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g); the codes widen exactly to bf16 (0..15) for
-// vdpbf16ps against the bf16 query (6 instructions per 32 codes against ~20 to dequantize them to
-// fp32 and the FMAs after), the group scales multiply its per-lane pair sums, the minimums' term
+// vdpbf16ps against the bf16 query (4 instructions per 64 codes through a word table, against ~40
+// to dequantize them to fp32 and the FMAs after), the group scales multiply its per-lane sums, the minimums' term
 // comes from the query's group sums (for a tile's 16 tokens at once). V is read as codes too
 // (values_codes). Same-process A/B against the dequantizing path (decode_head_tiled) for K (64
 // decodes x 192 tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms
@@ -619,7 +619,8 @@ inline __m512bh query_chunk(const uint16_t* q, int c) {
 // vectors: one byte's nibbles) and take one FMA per query head against p_t times the lane's scale,
 // and the minimums' term is summed per group on the side. Dequantizing each tile into an fp32
 // buffer first (Int4Rows, values_tiled) took ~80 instructions a row for 3 query heads against ~40
-// here. `heads` query heads share one walk over the rows (accumulators in registers): 8 / NC.
+// here. Up to kHeads = 8 / NC query heads share one walk over the rows (their accumulators in
+// registers).
 template <int NV>
 void values_codes(const Int4Rows& rows, int64_t T, int64_t G, const float* scores, float* acc) {
   constexpr int64_t D = NV * kW;
