@@ -88,6 +88,19 @@ def test_prefill_blocks_match_reference(kv_dtype, query_dtype, head_dim, group, 
     assert rel_error(actual, expected) < TOLERANCE[query_dtype]
 
 
+@pytest.mark.parametrize("head_dim,group_size", [(32, 8), (64, 4), (64, 32), (64, 64), (128, 8), (128, 128)])
+def test_int4_group_layouts_match_reference(head_dim, group_size):
+    """int4 caches of the group layouts the native kernels take, decodes and prefill chunks in one
+    step: with AVX512-BF16 the decode kernel reads K and V as codes and gives each fp32 lane the
+    scale of its elements' group (groups of 4 elements up to the whole head)."""
+    cache = make_cache("int4", 80, 2, head_dim, group_size=group_size)
+    batch = PagedBatch(LONG_CHUNKS + DECODE, cache, num_heads=6)
+    args = batch.attention_args(cache, torch.bfloat16)
+    expected = reference_paged_attention(*args)
+    actual = paged_attention(args[0], cache, *args[10:])
+    assert rel_error(actual, expected) < TOLERANCE[torch.bfloat16]
+
+
 def _native_float_out(args, cache, monkeypatch, split: bool, kv_dtype: str):
     """The native op into an fp32 output (the registered op returns the query's dtype, whose
     rounding would hide the parts' different summation order). Skips where the kernel serving
