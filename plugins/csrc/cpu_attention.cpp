@@ -418,6 +418,16 @@ const RowWords<kv_t>& row_words() {
   return words;
 }
 
+// Accumulators kept as even and odd elements (lane l: elements 2l and 2l + 1) back in element
+// order: lanes 0-7 of even and odd interleaved (elements 0-15), then lanes 8-15 (16-31).
+inline Vf interleave_first(Vf even, Vf odd) {
+  return _mm512_permutex2var_ps(even, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), odd);
+}
+inline Vf interleave_last(Vf even, Vf odd) {
+  return _mm512_permutex2var_ps(even, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8),
+                                odd);
+}
+
 // decode_head for a bf16 query over a bf16 cache, D = 32 * NP, for H consecutive kv heads at once
 // (q, out: their H * group query heads; k_head / v_head: the first one's slice of row 0). About
 // half the instructions of decode_head_tiled, which widens every K/V element to fp32 once per
@@ -567,8 +577,6 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
       }
     }
   }
-  const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   // lanes 0-7 of a then of b; lanes 8-15 of a then of b
   const __m512i low_halves = _mm512_set_epi32(23, 22, 21, 20, 19, 18, 17, 16, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i high_halves = _mm512_set_epi32(31, 30, 29, 28, 27, 26, 25, 24, 15, 14, 13, 12, 11, 10, 9, 8);
@@ -577,8 +585,8 @@ void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_he
     Vf words_in_order[2 * NP];  // per p: its words 0-15, 16-31, in the rows' word order
     for (int p = 0; p < NP; ++p) {
       const Vf even = acc[(j * 2) * NP + p], odd = acc[(j * 2 + 1) * NP + p];
-      words_in_order[2 * p] = _mm512_permutex2var_ps(even, first_16, odd);
-      words_in_order[2 * p + 1] = _mm512_permutex2var_ps(even, last_16, odd);
+      words_in_order[2 * p] = interleave_first(even, odd);
+      words_in_order[2 * p + 1] = interleave_last(even, odd);
     }
     o_t* dst = out + j * D;
     if constexpr (kPermutedRows<kv_t>) {  // chunk c's elements 0-7 | 16-23 | 32-39 | 48-55 and 8-15 | ...
@@ -635,9 +643,6 @@ void values_codes(const Int4Rows& rows, int64_t T, int64_t G, const float* score
     group_of_lane[c] = _mm512_load_si512(idx);
   }
   const __m512i low_nibble = _mm512_set1_epi32(15);
-  // lanes 0-7 of a and b interleaved; lanes 8-15 interleaved: back to element order
-  const __m512i first_16 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i last_16 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   int64_t slots[kW];
   for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
     const int64_t heads = std::min<int64_t>(kHeads, G - g0);
@@ -678,8 +683,8 @@ void values_codes(const Int4Rows& rows, int64_t T, int64_t G, const float* score
       for (int c = 0; c < NC; ++c) {
         const Vf m = _mm512_permutexvar_ps(group_of_lane[c], min_sum[g]);
         const Vf e = add(even[g][c], m), o = add(odd[g][c], m);
-        store(dst + 32 * c, _mm512_permutex2var_ps(e, first_16, o));
-        store(dst + 32 * c + 16, _mm512_permutex2var_ps(e, last_16, o));
+        store(dst + 32 * c, interleave_first(e, o));
+        store(dst + 32 * c + 16, interleave_last(e, o));
       }
     }
   }
@@ -802,69 +807,65 @@ void decode_head_int4(const Decode& a, const c10::BFloat16* q, Int4Rows& rows, i
   write_heads(acc, inv_sum, G, D, a.out_scale, out);  // out_scale is 1 without fp8
 }
 
-// A prefill block over an fp8 cache: one kv head's K and V for tokens [0, T) converted to bf16
-// rows (RowWords, in element order) in thread-local buffers, then served as a bf16 cache of one
-// block and one head through serve(decode, k, v, table): prefill_block_bf16 with the head's
-// scales. Each block converts its own prefix (the conversion is ~3 instructions per 32 elements
-// against the block's rows x group dot products over it). Before, fp8 prefill rows went one at a
-// time through decode_heads_bf16, which re-reads the prefix for every row: same-process A/B on the
-// AMX Xeon host, 8 prompts x 128 tokens, 30 layers: 119.0 -> 104.0 and 98.8 -> 89.0 ms (bf16,
-// tiled against row by row in the same runs: 87.5 -> 76.8, 107.3 -> 96.8).
+// A prefill block over a quantized cache, served as a bf16 one: one kv head's K and V for tokens
+// [0, T) widened to bf16 rows in thread-local buffers (widen(slot, k_row, v_row) writes a slot's
+// two rows), then served as a cache of one block and one head through serve(decode, k, v, table):
+// prefill_block_bf16, with `scale` for the scores and `out_scale` for the output. Each block
+// widens its own prefix (a few instructions per element against the block's rows x group dot
+// products over it).
+template <int64_t D, typename Widen, typename Serve>
+void serve_as_bf16_rows(const Decode& a, const int32_t* table, int64_t T, float scale, float out_scale,
+                        Widen&& widen, Serve&& serve) {
+  thread_local std::vector<c10::BFloat16> k_rows, v_rows;  // [T, D]
+  if (static_cast<int64_t>(k_rows.size()) < T * D) k_rows.resize(T * D), v_rows.resize(T * D);
+  int64_t slots[kW];
+  for (int64_t t0 = 0; t0 < T; t0 += kW) {
+    const int64_t n = std::min<int64_t>(kW, T - t0);
+    tile_slots(table, a.block_size, t0, n, 1, slots);
+    for (int64_t i = 0; i < n; ++i) widen(slots[i], k_rows.data() + (t0 + i) * D, v_rows.data() + (t0 + i) * D);
+  }
+  static const int32_t first_block = 0;
+  const Decode one{&first_block, 1, T, 1, D, a.group, scale, out_scale};
+  serve(one, k_rows.data(), v_rows.data(), &first_block);
+}
+
+// fp8: rows through RowWords, in element order, served with the head's scales. Before, fp8
+// prefill rows went one at a time through decode_heads_bf16, which re-reads the prefix for every
+// row: same-process A/B on the AMX Xeon host, 8 prompts x 128 tokens, 30 layers: 119.0 -> 104.0
+// and 98.8 -> 89.0 ms (bf16, tiled against row by row in the same runs: 87.5 -> 76.8, 107.3 -> 96.8).
 template <int NP, typename Serve>
 void serve_fp8_prefix(const Decode& a, const c10::Float8_e4m3fn* k_head, const c10::Float8_e4m3fn* v_head,
                       const int32_t* table, int64_t T, float k_scale, float v_scale, Serve&& serve) {
   constexpr int64_t D = NP * 32;
   const RowWords<c10::Float8_e4m3fn> words = row_words<c10::Float8_e4m3fn>();
-  thread_local std::vector<c10::BFloat16> k_rows, v_rows;  // [T, D]
-  if (static_cast<int64_t>(k_rows.size()) < T * D) k_rows.resize(T * D), v_rows.resize(T * D);
   const int64_t row_stride = a.num_kv_heads * D;
-  int64_t slots[kW];
-  for (int64_t t0 = 0; t0 < T; t0 += kW) {
-    const int64_t n = std::min<int64_t>(kW, T - t0);
-    tile_slots(table, a.block_size, t0, n, row_stride, slots);
-    for (int64_t i = 0; i < n; ++i) {
-      __m512i row[NP];
-      words.template read_in_order<NP>(k_head + slots[i], row);
-      for (int p = 0; p < NP; ++p) _mm512_storeu_si512(k_rows.data() + (t0 + i) * D + p * 32, row[p]);
-      words.template read_in_order<NP>(v_head + slots[i], row);
-      for (int p = 0; p < NP; ++p) _mm512_storeu_si512(v_rows.data() + (t0 + i) * D + p * 32, row[p]);
-    }
-  }
-  static const int32_t first_block = 0;
-  const Decode one{&first_block, 1, T, 1, D, a.group, a.scale * k_scale * kRowUnit<c10::Float8_e4m3fn>,
-                   v_scale * kRowUnit<c10::Float8_e4m3fn>};
-  serve(one, k_rows.data(), v_rows.data(), &first_block);
+  auto widen = [&](int64_t slot, c10::BFloat16* k_row, c10::BFloat16* v_row) {
+    __m512i row[NP];
+    words.template read_in_order<NP>(k_head + slot * row_stride, row);
+    for (int p = 0; p < NP; ++p) _mm512_storeu_si512(k_row + p * 32, row[p]);
+    words.template read_in_order<NP>(v_head + slot * row_stride, row);
+    for (int p = 0; p < NP; ++p) _mm512_storeu_si512(v_row + p * 32, row[p]);
+  };
+  serve_as_bf16_rows<D>(a, table, T, a.scale * k_scale * kRowUnit<c10::Float8_e4m3fn>,
+                        v_scale * kRowUnit<c10::Float8_e4m3fn>, widen, serve);
 }
 
-// A prefill block over an int4 cache: one kv head's K and V for tokens [0, T) dequantized and
-// rounded to bf16 rows (as AmxPrefill stages them) in thread-local buffers, then served as a bf16
-// cache of one block and one head through serve(decode, k, v, table): prefill_block_bf16, each
-// 16-token tile read once for all the block's rows. Before, int4 prefill rows went one at a time
-// through decode_head_int4, each row reading and widening its whole prefix again.
+// int4: rows dequantized and rounded to bf16, as AmxPrefill stages them. Before, int4 prefill rows
+// went one at a time through decode_head_int4, each row reading and widening its whole prefix again.
 template <int NP, typename Serve>
 void serve_int4_prefix(const Decode& a, const Int4Rows& rows, int64_t T, Serve&& serve) {
   constexpr int64_t D = NP * 32;
-  thread_local std::vector<c10::BFloat16> k_rows, v_rows;  // [T, D]
-  if (static_cast<int64_t>(k_rows.size()) < T * D) k_rows.resize(T * D), v_rows.resize(T * D);
   const int64_t bytes = rows.num_kv_heads * D / 2, groups = rows.num_kv_heads * D / rows.group;
-  alignas(64) float values[D];
-  int64_t slots[kW];
-  for (int64_t t0 = 0; t0 < T; t0 += kW) {
-    const int64_t n = std::min<int64_t>(kW, T - t0);
-    tile_slots(rows.table, rows.block_size, t0, n, 1, slots);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t slot = slots[i];
-      dequantize_int4_row(rows.k_head + slot * bytes, rows.k_scale + slot * groups, rows.k_min + slot * groups,
-                          D, rows.group, values);
-      for (int64_t d = 0; d < D; d += kW) store(k_rows.data() + (t0 + i) * D + d, load(values + d));
-      dequantize_int4_row(rows.v_head + slot * bytes, rows.v_scale + slot * groups, rows.v_min + slot * groups,
-                          D, rows.group, values);
-      for (int64_t d = 0; d < D; d += kW) store(v_rows.data() + (t0 + i) * D + d, load(values + d));
-    }
-  }
-  static const int32_t first_block = 0;
-  const Decode one{&first_block, 1, T, 1, D, a.group, a.scale, 1.f};
-  serve(one, k_rows.data(), v_rows.data(), &first_block);
+  auto widen = [&](int64_t slot, c10::BFloat16* k_row, c10::BFloat16* v_row) {
+    alignas(64) float values[D];
+    dequantize_int4_row(rows.k_head + slot * bytes, rows.k_scale + slot * groups, rows.k_min + slot * groups,
+                        D, rows.group, values);
+    for (int64_t d = 0; d < D; d += kW) store(k_row + d, load(values + d));
+    dequantize_int4_row(rows.v_head + slot * bytes, rows.v_scale + slot * groups, rows.v_min + slot * groups,
+                        D, rows.group, values);
+    for (int64_t d = 0; d < D; d += kW) store(v_row + d, load(values + d));
+  };
+  serve_as_bf16_rows<D>(a, rows.table, T, a.scale, 1.f, widen, serve);
 }
 #else
 constexpr bool kBf16Heads = false;
