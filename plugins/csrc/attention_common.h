@@ -1,6 +1,7 @@
-// What the decode kernels share (cpu_attention.cpp, cpu_attention_decode_avx2.cpp): the AVX2
-// group kernel's entry, the two-pass softmax over a task's scores and the scaled write of its
-// heads, in vec.h's vectors.
+// What the decode kernels share (cpu_attention.cpp with cpu_attention_portable.h,
+// cpu_attention_decode_bf16.cpp, cpu_attention_int4.cpp, cpu_attention_decode_avx2.cpp): the
+// entries of the ISA-specific decode kernels and what they take (NextKeys, Int4Rows), the two-pass
+// softmax over a task's scores and the scaled write of its heads, in vec.h's vectors.
 #pragma once
 
 #include "cpu_attention_internal.h"
@@ -22,6 +23,85 @@ template <typename o_t>
 void decode_group_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloat16* k_head,
                        const c10::BFloat16* v_head, const int32_t* table, int64_t T, o_t* out,
                        float* lse);
+
+// The AVX512-BF16 decode kernels (cpu_attention_decode_bf16.cpp, cpu_attention_int4.cpp) run
+// where the build has AVX512-BF16 and BW; elsewhere they are stubs AttentionTasks never calls.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16Heads = true;
+#else
+constexpr bool kBf16Heads = false;
+#endif
+
+// fp8 (e4m3fn) rows as decode_heads_bf16 reads them (RowWords, cpu_attention_decode_bf16.cpp):
+// through byte tables, their words permuted within each 64-element chunk, where the CPU has
+// AVX512-VBMI (kPermutedRows); else widened in order to x / 256, and kRowUnit puts the 256 back
+// into the head scales.
+#if defined(__AVX512VBMI__)
+constexpr bool kFp8Tables = true;
+#else
+constexpr bool kFp8Tables = false;
+#endif
+template <typename kv_t>
+constexpr bool kPermutedRows = kFp8Tables && std::is_same_v<kv_t, c10::Float8_e4m3fn>;
+template <typename kv_t>
+constexpr float kRowUnit = std::is_same_v<kv_t, c10::Float8_e4m3fn> && !kFp8Tables ? 256.f : 1.f;
+
+// The K rows the same thread reads next (the next task's), fetched into L2 during this task's
+// p @ V: table nullptr when there is none.
+template <typename kv_t>
+struct NextKeys {
+  const kv_t* k_head = nullptr;
+  const int32_t* table = nullptr;
+  int64_t T = 0;
+};
+
+// Int4Rows: an int4 cache's rows dequantized into fp32 once per tile, for every query head of the
+// group (the bytes and the per-(slot, head, group) fp16 scale / min through the block table): the
+// portable kernels fill it; decode_head_int4 and the int4 prefill blocks read its pointers only.
+// The tile's values live in one buffer per thread, not in the struct: every decode row makes a new
+// Int4Rows, and an 8 KB member was zeroed and copied each time. So a fill overwrites the thread's
+// last tile (the kernels use one tile at a time).
+struct Int4Rows {
+  const uint8_t *k_head, *v_head;  // the head's bytes of slot 0
+  const c10::Half *k_scale, *k_min, *v_scale, *v_min;  // the head's groups of slot 0
+  const int32_t* table;
+  int64_t block_size, head_dim, group, num_kv_heads;
+  const float* rows[kW];
+  void fill(int64_t t0, int64_t n, bool value) {
+    thread_local float values[kW * kMaxInt4HeadDim];
+    const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
+    int64_t slots[kW];
+    tile_slots(table, block_size, t0, n, 1, slots);
+    for (int64_t i = 0; i < n; ++i) {
+      dequantize_int4_row((value ? v_head : k_head) + slots[i] * bytes,
+                          (value ? v_scale : k_scale) + slots[i] * groups,
+                          (value ? v_min : k_min) + slots[i] * groups, head_dim, group, values + i * head_dim);
+      rows[i] = values + i * head_dim;
+    }
+  }
+};
+
+// decode_head for a bf16 query over a bf16 or fp8 cache, D = 32 * NP (64, 128), for H consecutive
+// kv heads at once (cpu_attention_decode_bf16.cpp): q, out: their H * group query heads; k_head /
+// v_head: the first one's slice of row 0; k_scale / v_scale: per kv head of the task (fp8), else
+// nullptr; next: the next task's K, prefetched; lse: a part of a split context's log-sum-exp.
+template <int NP, typename kv_t, typename o_t>
+void decode_heads_bf16(const Decode& a, const c10::BFloat16* q, const kv_t* k_head, const kv_t* v_head,
+                       const int32_t* table, int64_t T, o_t* out, std::vector<float>& buf, int64_t H,
+                       const float* k_scale, const float* v_scale, const NextKeys<kv_t>& next = {},
+                       float* lse = nullptr);
+
+// Tokens [0, T) of one kv head of an fp8 cache (head: its slice of slot 0, through the block table)
+// as bf16 rows in element order, D = 32 * NP apart in out (cpu_attention_decode_bf16.cpp).
+template <int NP>
+void widen_fp8_rows(const c10::Float8_e4m3fn* head, int64_t row_stride, const int32_t* table, int64_t block_size,
+                    int64_t T, c10::BFloat16* out);
+
+// decode_head for a bf16 query over an int4 cache, D = 16 * NV (32, 64, 128), groups of a multiple
+// of 4 elements (at most 16 a row), K and V read as their codes (cpu_attention_int4.cpp).
+template <int NV, typename o_t>
+void decode_head_int4(const Decode& a, const c10::BFloat16* q, const Int4Rows& rows, int64_t T, o_t* out,
+                      std::vector<float>& buf, float* lse = nullptr);
 
 }  // namespace attention_detail
 
@@ -65,4 +145,15 @@ inline void write_heads(const float* acc, const float* inv_sum, int64_t G, int64
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * out_scale)));
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Accumulators kept as even and odd elements (lane l: elements 2l and 2l + 1) back in element
+// order: lanes 0-7 of even and odd interleaved (elements 0-15), then lanes 8-15 (16-31).
+inline Vf interleave_first(Vf even, Vf odd) {
+  return _mm512_permutex2var_ps(even, _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0), odd);
+}
+inline Vf interleave_last(Vf even, Vf odd) {
+  return _mm512_permutex2var_ps(even, _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8),
+                                odd);
+}
+#endif
 }  // namespace

@@ -2,7 +2,7 @@
 // group per pass over its K and V rows, each bf16 row widened to fp32 once for all the group's
 // query heads.
 //
-// Why: decode_head_tiled (cpu_attention.cpp) widens a 16-token tile's rows again for every query
+// Why: decode_head_tiled (cpu_attention_portable.h) widens a 16-token tile's rows again for every query
 // head, reduces the scores 16 tokens at a time through sum16 and walks the rows through pointer
 // tables; at SmolLM2's group of 3 that took ~180 cycles a token and kv head (batch-1 decode stack,
 // 192-token context: attention 20% of the step). Here, per token:

@@ -1,6 +1,6 @@
-// What the paged-attention sources share (cpu_attention.cpp: the decode kernels and the task
-// split; cpu_attention_prefill.cpp: the tiled prefill kernel): a task's parameters, the block-table
-// walk, the prefill kernel's entry.
+// What the paged-attention sources share (cpu_attention.cpp: the task split and the op;
+// cpu_attention_decode_*.cpp, cpu_attention_int4.cpp: the decode kernels; cpu_attention_prefill*.cpp:
+// the prefill kernels): a task's parameters, the block-table walk, the prefill kernels' entries.
 #pragma once
 
 #include <torch/extension.h>
@@ -66,7 +66,7 @@ inline bool switched_off(const char* var) {
 constexpr int64_t kMaxInt4HeadDim = 128;
 
 // One packed int4 cache row of D (<= kMaxInt4HeadDim) elements -> fp32, x = q * scale + min per
-// group (cpu_attention.cpp; the int4 decode kernels and AmxPrefill's staging use it).
+// group (cpu_attention_int4.cpp; the int4 kernels and AmxPrefill's staging use it).
 void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum,
                          int64_t D, int64_t group, float* out);
 
