@@ -84,7 +84,7 @@ void serve_fp8_prefix(const Decode& a, const c10::Float8_e4m3fn* k_head, const c
                               v_scale * kRowUnit<c10::Float8_e4m3fn>, widen, serve);
 }
 
-// int4: rows dequantized and rounded to bf16, as AmxPrefill stages them. Before, int4 prefill rows
+// int4: rows dequantized and rounded to bf16 (int4_row_as_bf16), as AmxPrefill stages them. Before, int4 prefill rows
 // went one at a time through decode_head_int4, each row reading and widening its whole prefix again.
 template <int NP, typename Serve>
 void serve_int4_prefix(const Decode& a, const Int4Rows& rows, int64_t T, Serve&& serve) {
@@ -96,14 +96,11 @@ void serve_int4_prefix(const Decode& a, const Int4Rows& rows, int64_t T, Serve&&
       const int64_t n = std::min<int64_t>(kW, T - t0);
       tile_slots(rows.table, a.block_size, t0, n, 1, slots);
       for (int64_t i = 0; i < n; ++i) {
-        alignas(64) float values[D];
         const int64_t slot = slots[i], t = t0 + i;
-        dequantize_int4_row(rows.k_head + slot * bytes, rows.k_scale + slot * groups,
-                            rows.k_min + slot * groups, D, rows.group, values);
-        for (int64_t d = 0; d < D; d += kW) store(k_rows + t * D + d, load(values + d));
-        dequantize_int4_row(rows.v_head + slot * bytes, rows.v_scale + slot * groups,
-                            rows.v_min + slot * groups, D, rows.group, values);
-        for (int64_t d = 0; d < D; d += kW) store(v_rows + t * D + d, load(values + d));
+        int4_row_as_bf16(rows.k_head + slot * bytes, rows.k_scale + slot * groups, rows.k_min + slot * groups, D,
+                         rows.group, k_rows + t * D);
+        int4_row_as_bf16(rows.v_head + slot * bytes, rows.v_scale + slot * groups, rows.v_min + slot * groups, D,
+                         rows.group, v_rows + t * D);
       }
     }
   };

@@ -35,6 +35,13 @@ void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const 
   }
 }
 
+void int4_row_as_bf16(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum, int64_t D,
+                      int64_t group, c10::BFloat16* out) {
+  alignas(64) float values[kMaxInt4HeadDim];
+  dequantize_int4_row(packed, scale, minimum, D, group, values);
+  for (int64_t d = 0; d < D; d += kW) store(out + d, load(values + d));
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 namespace {

@@ -70,6 +70,11 @@ constexpr int64_t kMaxInt4HeadDim = 128;
 void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum,
                          int64_t D, int64_t group, float* out);
 
+// The same row rounded to bf16 (round to nearest even), the form the prefill kernels read an int4
+// prefix in (serve_int4_prefix, AmxPrefill's staging); the int4 error is ~2^4 times the rounding's.
+void int4_row_as_bf16(const uint8_t* packed, const c10::Half* scale, const c10::Half* minimum, int64_t D,
+                      int64_t group, c10::BFloat16* out);
+
 // Sequences with this many query rows in a step take the AMX prefill kernel where it runs
 // (cpu_attention_prefill_amx.cpp); fewer rows stay on the per-block kernels.
 constexpr int64_t kAmxMinRows = 16;

@@ -117,8 +117,7 @@ AmxPrefill::AmxPrefill(const at::Tensor& query, const at::Tensor& k_cache, const
 
 // One cache row (slot * Hkv + kv head) of K or V as D bf16 words: fp8 exactly (e4m3 values are
 // bf16 values; vec.h's load and store, NaN to 0x7FC0); int4 dequantized in fp32 as the decode
-// kernels do (dequantize_int4_row), then rounded to bf16: the int4 error is ~2^4 times that
-// rounding's.
+// kernels do, then rounded to bf16 (int4_row_as_bf16, as serve_int4_prefix does).
 void AmxPrefill::widen_row(bool value, int64_t row, uint16_t* out) const {
   const int64_t D = query_.size(2);
   const at::Tensor& cache = value ? v_cache_ : k_cache_;
@@ -131,10 +130,8 @@ void AmxPrefill::widen_row(bool value, int64_t row, uint16_t* out) const {
   const at::Tensor& scales = value ? v_group_scale_ : k_group_scale_;
   const at::Tensor& mins = value ? v_group_min_ : k_group_min_;
   const int64_t groups = scales.size(3);
-  float values[kMaxInt4HeadDim];
-  dequantize_int4_row(cache.data_ptr<uint8_t>() + row * D / 2, scales.data_ptr<c10::Half>() + row * groups,
-                      mins.data_ptr<c10::Half>() + row * groups, D, D / groups, values);
-  for (int64_t d = 0; d < D; d += kW) store(words + d, load(values + d));
+  int4_row_as_bf16(cache.data_ptr<uint8_t>() + row * D / 2, scales.data_ptr<c10::Half>() + row * groups,
+                   mins.data_ptr<c10::Half>() + row * groups, D, D / groups, words);
 }
 
 // Phase 1: tokens [64 c, 64 c + 64) of one sequence's kv head h into its staged K^T / V tiles
