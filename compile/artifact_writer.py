@@ -40,7 +40,7 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
     `engines` maps paths relative to engines/ ("onnx/model.onnx") to bytes. Returns the path.
     """
     out = Path(out_dir).absolute()
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
     replace(manifest, files={}).to_json()  # schema errors before any work
     blobs = _collect_blobs(tokenizer_files, reports, engines or {})
     tmp = fresh_partial_dir(out)
@@ -59,7 +59,9 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
     return out
 
 
-def _check_destination(out: Path, overwrite: bool) -> None:
+def check_destination(out: Path, overwrite: bool) -> None:
+    """Raise ArtifactError unless `out` may be written (absent, or a qkiln artifact and `overwrite`).
+    build() calls it before any work too, so a taken path fails in a second, not after calibration."""
     if not (out.exists() or out.is_symlink()):
         return
     if not out.is_dir() or out.is_symlink():
@@ -201,7 +203,7 @@ def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
     """rename(2) is atomic; replacing takes two renames (old away, new in), then the old is deleted.
     A kill between the two leaves no artifact under the name and the rerun cleans both siblings."""
     if out.exists() or out.is_symlink():
-        _check_destination(out, overwrite)  # again: it may have appeared while we were building
+        check_destination(out, overwrite)  # again: it may have appeared while we were building
         trash = out.parent / f".{out.name}.trash-{os.getpid()}"
         os.rename(out, trash)
         os.rename(tmp, out)
@@ -223,6 +225,11 @@ def _archive_mode(path: Path) -> str:
     if name.endswith(".tar"):
         return "tar"
     raise ArtifactError(f"{path}: archive name must end in .tar, .tar.gz or .tgz")
+
+
+def check_archive_path(path) -> None:
+    """Raise ArtifactError now for an archive name write_archive would refuse (after a whole build)."""
+    _archive_mode(Path(path))
 
 
 def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
@@ -269,7 +276,7 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
     _archive_mode(archive)
     if not archive.is_file():
         raise ArtifactError(f"{archive}: archive not found")
-    _check_destination(out, overwrite)
+    check_destination(out, overwrite)
     tmp = fresh_partial_dir(out)
     try:
         _extract_members(archive, tmp)

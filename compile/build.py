@@ -23,7 +23,7 @@ from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import to_tensors
-from .artifact_writer import write_artifact
+from .artifact_writer import check_destination, write_artifact
 from .calibrate import linear_shapes, quantize_model
 from .evaluate import evaluate
 from .kv_calibrate import calibrate_kv
@@ -49,6 +49,7 @@ class BuildResult:
 def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, use_cache: bool = True,
           progress: bool = True, log=print) -> BuildResult:
     start = time.perf_counter()
+    check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
     source = load_source(source_name)
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work

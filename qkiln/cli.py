@@ -87,10 +87,12 @@ def build_cmd(
         r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, **cal),
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        if archive:
+            from qkiln.compile.artifact_writer import check_archive_path, write_archive
+
+            check_archive_path(archive)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log)
         if archive:
-            from qkiln.compile.artifact_writer import write_archive
-
             write_archive(result.path, archive)
     except QkilnError as e:
         _fail(e)

@@ -66,3 +66,11 @@ def test_int8_activations_on_a_source_model(tmp_path):
     for args in (("generate", str(tmp_path / "m"), "--prompt", "hi"),
                  ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"))):
         assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build")
+
+
+def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    result = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"),
+                     "--archive", str(tmp_path / "a.zip"))
+    assert_one_line_error(result, "a.zip", ".tar")
+    assert not (tmp_path / "a").exists()  # refused before the build, not after writing the artifact

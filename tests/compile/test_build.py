@@ -98,6 +98,14 @@ def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(RecipeError, match="exceeds the model's context"):
         build(str(model), long, tmp_path / "x", progress=False, log=lambda m: None)
     assert not (tmp_path / "x").exists()
+    # an output path already taken fails before calibration (it used to after the whole build)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("keep me")
+    logged = []
+    with pytest.raises(ArtifactError, match="already exists"):
+        build(str(model), _recipe("w4a16-gptq", text), taken, progress=False, log=logged.append)
+    assert logged == [] and (taken / "notes.txt").read_text() == "keep me"
 
 
 def test_recipe_file_round_trip(tmp_path):
