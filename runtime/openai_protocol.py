@@ -37,7 +37,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str
+    model: str | None = None  # absent: the served model (as vLLM does; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

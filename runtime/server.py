@@ -54,7 +54,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     def check_model(body: SamplingFields) -> None:
-        if body.model != model_name:
+        if body.model is not None and body.model != model_name:
             raise InvalidRequestError(f"model {body.model!r} is not served here; use {model_name!r} "
                                       "(see GET /v1/models)", param="model", code="model_not_found")
         body.check_supported()

@@ -106,6 +106,18 @@ def test_completion_equals_offline_generate(client, reference, engine, as_ids):
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 10, "total_tokens": len(ids) + 10}
 
 
+def test_model_may_be_left_out(client, reference):
+    """As vLLM allows: a request without "model" goes to the served model (an unknown one is a 400)."""
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny" and r.json()["choices"][0]["text"] == reference(body["prompt"], 6).text
+    chat = chat_body(max_tokens=4)
+    del chat["model"]
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+
+
 def test_completion_logprobs_and_stop(client):
     r = completion(client, prompt="abc", max_tokens=6, logprobs=3).json()
     lp = r["choices"][0]["logprobs"]
