@@ -77,6 +77,7 @@ def build_cmd(
     """Calibrate, quantize, evaluate and write a verified artifact."""
     import dataclasses
 
+    from qkiln.compile.artifact_writer import check_archive_path, write_archive
     from qkiln.compile.build import build
     from qkiln.compile.recipe import load_recipe
 
@@ -88,8 +89,6 @@ def build_cmd(
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
         if archive:
-            from qkiln.compile.artifact_writer import check_archive_path, write_archive
-
             check_archive_path(archive)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log)
         if archive:
