@@ -11,8 +11,8 @@ namespace attention_detail {
 // (kv_cache.dequantize_int4_groups; low nibble = even element). The row's fp16 scales and
 // minimums are widened once into fp32 first (a scalar c10::Half conversion per group cost more
 // than the codes).
-void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const c10::Half* min_h,
-                                int64_t D, int64_t group, float* out) {
+void dequantize_int4_row(const uint8_t* packed, const c10::Half* scale_h, const c10::Half* min_h, int64_t D,
+                         int64_t group, float* out) {
   float scale[kMaxInt4HeadDim / 2], minimum[kMaxInt4HeadDim / 2];  // groups have >= 2 elements
   for (int64_t g = 0; g < D / group; g += kW) {
     store(scale + g, load(scale_h + g, D / group - g), D / group - g);
@@ -46,20 +46,7 @@ void int4_row_as_bf16(const uint8_t* packed, const c10::Half* scale, const c10::
 
 namespace {
 
-// decode_head for a bf16 query over an int4 cache, D = 16 * NV (32, 64, 128), groups of a multiple
-// of 4 elements. Scores read K as its codes: with k = c * s + m per group (kv_cache.py),
-// q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g); the codes widen exactly to bf16 (0..15) for
-// vdpbf16ps against the bf16 query (4 instructions per 64 codes through a word table, against ~40
-// to dequantize them to fp32 and the FMAs after), the group scales multiply its per-lane sums, the minimums' term
-// comes from the query's group sums (for a tile's 16 tokens at once). V is read as codes too
-// (values_codes). Same-process A/B against the dequantizing path (decode_head_tiled) for K (64
-// decodes x 192 tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms
-// a layer (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs
-// within 3e-6 of the dequantizing path's. Then for V (values_codes against values_tiled, EPYC
-// Zen 4 host, 7 alternating rounds): 1.05 -> 0.80 ms a layer at 192 tokens, 2.48 -> 1.85 at 512.
-// The codes widen through a word table (vpermw) into two vectors per 64 elements, the even ones
-// and the odd ones; the query is permuted to match once per row, and the 4 elements each fp32 lane
-// sums always lie in one group, so the lane takes one scale.
+// The query's 32-element chunk c as bf16 pairs for vdpbf16ps.
 inline __m512bh query_chunk(const uint16_t* q, int c) {
   return (__m512bh)_mm512_loadu_si512(q + 32 * c);
 }
@@ -135,6 +122,20 @@ void values_codes(const Int4Rows& rows, int64_t T, int64_t G, const float* score
 
 }  // namespace
 
+// decode_head for a bf16 query over an int4 cache, D = 16 * NV (32, 64, 128), groups of a multiple
+// of 4 elements. Scores read K as its codes: with k = c * s + m per group (kv_cache.py),
+// q . k = sum_g s_g (q_g . c_g) + m_g sum(q_g); the codes widen exactly to bf16 (0..15) for
+// vdpbf16ps against the bf16 query (4 instructions per 64 codes through a word table, against ~40
+// to dequantize them to fp32 and the FMAs after), the group scales multiply its per-lane sums, the minimums' term
+// comes from the query's group sums (for a tile's 16 tokens at once). V is read as codes too
+// (values_codes). Same-process A/B against the dequantizing path (decode_head_tiled) for K (64
+// decodes x 192 tokens, scattered blocks, 30 layers): 1.67 -> 1.54, 1.92 -> 1.71, 1.85 -> 1.69 ms
+// a layer (before / after the tile-wide minimum term), 10.1 -> 9.2 at 1024 tokens; fp32 outputs
+// within 3e-6 of the dequantizing path's. Then for V (values_codes against values_tiled, EPYC
+// Zen 4 host, 7 alternating rounds): 1.05 -> 0.80 ms a layer at 192 tokens, 2.48 -> 1.85 at 512.
+// The codes widen through a word table (vpermw) into two vectors per 64 elements, the even ones
+// and the odd ones; the query is permuted to match once per row, and the 4 elements each fp32 lane
+// sums always lie in one group, so the lane takes one scale.
 template <int NV, typename o_t>
 void decode_head_int4(const Decode& a, const c10::BFloat16* q, const Int4Rows& rows, int64_t T, o_t* out,
                       std::vector<float>& buf, float* lse) {
