@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from qkiln.calib_data import load_text_source, sample_token_set
-from qkiln.errors import RecipeError
+from qkiln.errors import CalibrationDataError, RecipeError
 from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
@@ -50,6 +50,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
           progress: bool = True, log=print) -> BuildResult:
     start = time.perf_counter()
     check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
+    _check_evaluation_data(recipe)
     source = load_source(source_name)
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
@@ -84,6 +85,14 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers), calibration_seconds)
 
 
+def _check_evaluation_data(recipe: Recipe) -> None:
+    """A named evaluation file that is not there is an error now, not a skipped report later."""
+    data = recipe.evaluation.data
+    if data is not None and not Path(data).is_file():
+        raise CalibrationDataError(f"evaluation data {data}: no such file; fix the path, or leave "
+                                   "evaluation.data / --eval-data out to build without an accuracy report")
+
+
 def _check_lengths(recipe: Recipe, max_len: int) -> None:
     for what, n in (("calibration.seq_len", recipe.calibration.seq_len), ("evaluation.seq_len", recipe.evaluation.seq_len)):
         if n > max_len:
@@ -92,7 +101,7 @@ def _check_lengths(recipe: Recipe, max_len: int) -> None:
 
 def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
     ev = recipe.evaluation
-    if ev.data is None or not Path(ev.data).is_file():
+    if ev.data is None:
         return {"skipped": "no evaluation data (set evaluation.data or --eval-data)"}
     reference = _cached_reference(source, ev, progress)
     backend = simulated_kv_backend(qm)

@@ -11,7 +11,7 @@ import pytest
 from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.recipe import load_recipe, preset
-from qkiln.errors import ArtifactError, RecipeError
+from qkiln.errors import ArtifactError, CalibrationDataError, RecipeError
 from tiny_models import write_tiny_model_and_text
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "../shared/data/janeausten/emma.txt"
@@ -106,6 +106,12 @@ def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(ArtifactError, match="already exists"):
         build(str(model), _recipe("w4a16-gptq", text), taken, progress=False, log=logged.append)
     assert logged == [] and (taken / "notes.txt").read_text() == "keep me"
+    # a named evaluation file that is missing is an error up front, not a build without a report
+    missing = dataclasses.replace(long, calibration=_recipe("w4a16-rtn", text).calibration,
+                                  evaluation=dataclasses.replace(long.evaluation, data=str(tmp_path / "nope.txt")))
+    with pytest.raises(CalibrationDataError, match="nope.txt: no such file"):
+        build(str(model), missing, tmp_path / "y", progress=False, log=logged.append)
+    assert logged == [] and not (tmp_path / "y").exists()
 
 
 def test_recipe_file_round_trip(tmp_path):
