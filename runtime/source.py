@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from qkiln.errors import SourceModelError
+from qkiln.compile.artifact import MANIFEST_NAME, WEIGHTS_DIR
+from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
 from .model import CausalLM
@@ -106,6 +107,9 @@ def load_source(name: str | Path) -> SourceModel:
 def _load_hf_dir(path: Path) -> SourceModel:
     config_path = path / "config.json"
     if not config_path.is_file():
+        if (path / WEIGHTS_DIR).is_dir():  # an artifact's layout without its manifest, which is written last
+            raise ArtifactError(f"{path} looks like a qkiln artifact but has no {MANIFEST_NAME}: it is incomplete "
+                                "or damaged; rebuild it (qkiln build) or fetch it again")
         raise SourceModelError(f"{path} has no config.json; is this a Hugging Face model directory?")
     try:
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))

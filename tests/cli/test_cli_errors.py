@@ -74,3 +74,11 @@ def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
                      "--archive", str(tmp_path / "a.zip"))
     assert_one_line_error(result, "a.zip", ".tar")
     assert not (tmp_path / "a").exists()  # refused before the build, not after writing the artifact
+
+
+def test_artifact_without_manifest_is_named_as_such(tmp_path):
+    """A folder with an artifact's layout but no manifest.json (written last) is an incomplete artifact,
+    not 'a Hugging Face directory without config.json'."""
+    (tmp_path / "a/weights").mkdir(parents=True)
+    (tmp_path / "a/weights/model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
+    assert_one_line_error(run_cli("generate", str(tmp_path / "a"), "--prompt", "hi"), "no manifest.json", "rebuild")
