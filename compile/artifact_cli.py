@@ -9,6 +9,7 @@ import json
 import sys
 import tempfile
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +27,22 @@ def _fail(e: QkilnError):
     raise typer.Exit(e.exit_code)
 
 
+@contextmanager
+def unpacked(model: str):
+    """An artifact archive (.tar, .tar.gz, .tgz) unpacked and verified into a temporary directory
+    that lives as long as the `with` block, named like the archive without its suffix (the served
+    model name); any other path or model name as it is."""
+    path = Path(model)
+    if not (path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES)):
+        yield model
+        return
+    from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
+
+    name = next(path.name[: -len(s)] for s in _ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
+    with tempfile.TemporaryDirectory(prefix="qkiln-") as tmp:
+        yield str(extract_archive(path, Path(tmp) / name))
+
+
 def verify_cmd(
     path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
     check_target: Annotated[bool, typer.Option(help="also refuse an artifact this machine cannot run")] = True,
@@ -35,7 +52,7 @@ def verify_cmd(
         if path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES):
             from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
 
-            with tempfile.TemporaryDirectory(prefix="qkiln-verify-") as tmp:
+            with tempfile.TemporaryDirectory(prefix="qkiln-verify-") as tmp:  # verified as it unpacks
                 extracted = extract_archive(path, Path(tmp) / "artifact", check_target=check_target)
                 num_files = len(read_manifest(extracted).files)
         else:
@@ -46,12 +63,13 @@ def verify_cmd(
 
 
 def inspect_cmd(
-    path: Annotated[Path, typer.Argument(help="artifact directory")],
+    path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
     as_json: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
 ):
     """Name, recipe, sizes, compression ratio, accuracy, provenance and toolchain (no weights loaded)."""
     try:
-        summary = summarize_artifact(path)
+        with unpacked(str(path)) as artifact:
+            summary = summarize_artifact(Path(artifact))
     except QkilnError as e:
         _fail(e)
     if as_json:

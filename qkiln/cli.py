@@ -6,12 +6,14 @@ exit code; anything else is a bug and keeps its traceback.
 
 import json
 import sys
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
+from qkiln.compile.artifact_cli import unpacked  # imports nothing heavy
 from qkiln.errors import QkilnError
 
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
@@ -30,7 +32,7 @@ def _fail(e: QkilnError):
 
 @app.command("eval")
 def eval_cmd(
-    model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf) or artifact dir")],
+    model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf) or artifact dir, or an artifact archive (.tar, .tar.gz)")],
     data: Annotated[Path, typer.Option(help="text file scored exactly as stored (UTF-8)")],
     seq_len: Annotated[int, typer.Option(help="window length in tokens")] = 512,
     max_tokens: Annotated[int, typer.Option(help="score the first T tokens of the file")] = 16384,
@@ -44,9 +46,10 @@ def eval_cmd(
     from qkiln.compile.model_ref import open_model
 
     try:
-        m = open_model(model, int8_activations)
-        ref = open_model(reference) if reference else None
-        report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
+        with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
+            m = open_model(path, int8_activations)
+            ref = open_model(ref_path) if reference else None
+            report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
         _fail(e)
     report["model"] = model
@@ -103,7 +106,7 @@ def build_cmd(
 
 @app.command("generate")
 def generate_cmd(
-    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf), or an artifact archive (.tar, .tar.gz)")],
     prompt: Annotated[str, typer.Option(help="text to continue (or the user message with --chat)")],
     max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
@@ -119,15 +122,17 @@ def generate_cmd(
     from qkiln.runtime.sampling_params import SamplingParams
 
     try:
-        llm = LLM(model, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1)
-        tok = llm.tokenizer
-        ids = (tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]), add_special_tokens=False)
-               if chat else tok.encode(prompt))
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        llm.engine.add_request(ids, params)
-        while llm.engine.has_unfinished():
-            for out in llm.engine.step():
-                print(out.new_text, end="", flush=True)
+        with unpacked(model) as path:
+            llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1)
+            tok = llm.tokenizer
+            ids = (tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]),
+                              add_special_tokens=False) if chat else tok.encode(prompt))
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=seed)
+            llm.engine.add_request(ids, params)
+            while llm.engine.has_unfinished():
+                for out in llm.engine.step():
+                    print(out.new_text, end="", flush=True)
     except QkilnError as e:
         _fail(e)
     print()
@@ -135,7 +140,7 @@ def generate_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf), or an artifact archive (.tar, .tar.gz)")],
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="QKILN_API_KEY", help="require 'Authorization: Bearer KEY'")] = None,
@@ -151,15 +156,17 @@ def serve_cmd(
     from qkiln.runtime.async_engine import AsyncLLMEngine
     from qkiln.runtime.server import serve
 
-    try:
-        engine = AsyncLLMEngine.from_model(model, dtype=dtype, name=served_model_name,
-                                           int8_activations=int8_activations, max_num_seqs=max_num_seqs,
-                                           max_num_batched_tokens=max_num_batched_tokens,
-                                           max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
-    except QkilnError as e:
-        _fail(e)
-    print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
-    serve(engine, host=host, port=port, api_key=api_key)
+    with ExitStack() as stack:  # an archive's unpacked folder lives as long as the server
+        try:
+            path = stack.enter_context(unpacked(model))
+            engine = AsyncLLMEngine.from_model(path, dtype=dtype, name=served_model_name,
+                                               int8_activations=int8_activations, max_num_seqs=max_num_seqs,
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
+        except QkilnError as e:
+            _fail(e)
+        print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
+        serve(engine, host=host, port=port, api_key=api_key)
 
 
 from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # noqa: E402  (registered below)

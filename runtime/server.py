@@ -18,6 +18,7 @@ Invariants:
 import asyncio
 import json
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -207,11 +208,23 @@ def _param(loc) -> str | None:
 
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info") -> None:
-    """Run the server in this thread until interrupted; loopback unless `host` says otherwise."""
+    """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
+
+    SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn drains, then re-raises the signal
+    it caught, which here becomes SystemExit(0), so the caller's cleanup runs (an archive's
+    unpacked folder is deleted) instead of the process dying on the default handler."""
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_cleanly) if on_main_thread else None
     try:
         uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 class BackgroundServer:

@@ -1,0 +1,78 @@
+"""An artifact archive (what `qkiln build --archive` writes and a registry stores) is accepted by
+generate / serve / eval / inspect as it is: unpacked and verified into a temporary folder that is
+gone when the command ends, SIGTERM on a server included."""
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from qkiln.compile.artifact_writer import write_archive
+from qkiln.compile.build import build
+from qkiln.compile.recipe import preset
+from tiny_models import write_tiny_model_and_text
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory):
+    root = tmp_path_factory.mktemp("archive")
+    model_dir, text = write_tiny_model_and_text(root)
+    r = preset("w4a16-rtn")
+    r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=2,
+                                                               seq_len=32))
+    artifact = build(str(model_dir), r, root / "tiny-w4", progress=False, log=lambda m: None, use_cache=False).path
+    return write_archive(artifact, root / "tiny-w4.tar.gz"), text
+
+
+def _cli(args, tmpdir, **kw):
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    return subprocess.Popen([sys.executable, "-m", "qkiln", *args], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
+    path, text = archive
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    for args, expect in ((["generate", str(path), "--prompt", "hello", "--max-tokens", "3"], None),
+                         (["inspect", str(path)], "tiny-w4"),
+                         (["eval", str(path), "--data", str(text), "--seq-len", "32", "--max-tokens", "128"],
+                          '"perplexity"')):
+        out, err = _cli(args, tmpdir).communicate(timeout=300)
+        assert "error" not in err and (expect is None or expect in out), (args, out, err)
+        assert list(tmpdir.iterdir()) == [], args  # the unpacked copy is gone
+
+
+def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
+    path, _ = archive
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = _cli(["serve", str(path), "--port", str(port)], tmpdir)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny-w4", r.text
+        assert len(list(tmpdir.iterdir())) == 1  # the unpacked artifact, while serving
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert list(tmpdir.iterdir()) == []
