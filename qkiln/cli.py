@@ -184,7 +184,7 @@ app.add_typer(bench_app, name="bench")
 
 @app.command("export")
 def export_cmd(
-    artifact: Annotated[Path, typer.Argument(help="artifact directory")],
+    artifact: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Hugging Face directory to create")],
     format: Annotated[str, typer.Option("--format", help="checkpoint format: compressed-tensors")] = "compressed-tensors",
     drop_kv: Annotated[bool, typer.Option("--drop-kv", help="export the weights only, without the KV-cache scheme")] = False,
@@ -196,7 +196,8 @@ def export_cmd(
     try:
         if format != "compressed-tensors":
             raise QkilnError(f"unknown export format {format!r}; the one supported is compressed-tensors")
-        result = export_compressed_tensors(artifact, out, drop_kv=drop_kv, overwrite=force)
+        with unpacked(str(artifact)) as path:
+            result = export_compressed_tensors(Path(path), out, drop_kv=drop_kv, overwrite=force)
     except QkilnError as e:
         _fail(e)
     print(f"exported {result.num_linears} quantized linears to {result.path} (verified with compressed-tensors)")

@@ -1,5 +1,5 @@
 """An artifact archive (what `qkiln build --archive` writes and a registry stores) is accepted by
-generate / serve / eval / inspect as it is: unpacked and verified into a temporary folder that is
+generate / serve / eval / inspect / export as it is: unpacked and verified into a temporary folder that is
 gone when the command ends, SIGTERM on a server included."""
 
 import dataclasses
@@ -43,7 +43,8 @@ def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
     for args, expect in ((["generate", str(path), "--prompt", "hello", "--max-tokens", "3"], None),
                          (["inspect", str(path)], "tiny-w4"),
                          (["eval", str(path), "--data", str(text), "--seq-len", "32", "--max-tokens", "128"],
-                          '"perplexity"')):
+                          '"perplexity"'),
+                         (["export", str(path), "-o", str(tmp_path / "hf")], "verified with compressed-tensors")):
         out, err = _cli(args, tmpdir).communicate(timeout=300)
         assert "error" not in err and (expect is None or expect in out), (args, out, err)
         assert list(tmpdir.iterdir()) == [], args  # the unpacked copy is gone
