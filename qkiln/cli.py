@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
-from qkiln.compile.artifact_cli import unpacked  # imports nothing heavy
+from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
 from qkiln.errors import QkilnError
 
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
@@ -32,7 +32,7 @@ def _fail(e: QkilnError):
 
 @app.command("eval")
 def eval_cmd(
-    model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf) or artifact dir, or an artifact archive (.tar, .tar.gz)")],
+    model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf), artifact dir or artifact archive (.tar, .tar.gz)")],
     data: Annotated[Path, typer.Option(help="text file scored exactly as stored (UTF-8)")],
     seq_len: Annotated[int, typer.Option(help="window length in tokens")] = 512,
     max_tokens: Annotated[int, typer.Option(help="score the first T tokens of the file")] = 16384,
@@ -106,7 +106,7 @@ def build_cmd(
 
 @app.command("generate")
 def generate_cmd(
-    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf), or an artifact archive (.tar, .tar.gz)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
     prompt: Annotated[str, typer.Option(help="text to continue (or the user message with --chat)")],
     max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
@@ -140,7 +140,7 @@ def generate_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    model: Annotated[str, typer.Argument(help="artifact dir or source model (alias, HF dir, .gguf), or an artifact archive (.tar, .tar.gz)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="QKILN_API_KEY", help="require 'Authorization: Bearer KEY'")] = None,
@@ -168,8 +168,6 @@ def serve_cmd(
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
         serve(engine, host=host, port=port, api_key=api_key)
 
-
-from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # noqa: E402  (registered below)
 
 app.command("verify")(verify_cmd)
 app.command("inspect")(inspect_cmd)
