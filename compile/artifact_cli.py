@@ -27,20 +27,25 @@ def _fail(e: QkilnError):
     raise typer.Exit(e.exit_code)
 
 
+def _is_archive(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES)
+
+
 @contextmanager
-def unpacked(model: str):
+def unpacked(model: str, check_target: bool = False):
     """An artifact archive (.tar, .tar.gz, .tgz) unpacked and verified into a temporary directory
     that lives as long as the `with` block, named like the archive without its suffix (the served
-    model name); any other path or model name as it is."""
+    model name; check_target: also refuse one this machine cannot run); any other path or model
+    name as it is."""
     path = Path(model)
-    if not (path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES)):
+    if not _is_archive(path):
         yield model
         return
     from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
 
     name = next(path.name[: -len(s)] for s in _ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
     with tempfile.TemporaryDirectory(prefix="qkiln-") as tmp:
-        yield str(extract_archive(path, Path(tmp) / name))
+        yield str(extract_archive(path, Path(tmp) / name, check_target=check_target))
 
 
 def verify_cmd(
@@ -49,12 +54,9 @@ def verify_cmd(
 ):
     """Check the manifest version, target and every file's size and sha256 (no weights loaded)."""
     try:
-        if path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES):
-            from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
-
-            with tempfile.TemporaryDirectory(prefix="qkiln-verify-") as tmp:  # verified as it unpacks
-                extracted = extract_archive(path, Path(tmp) / "artifact", check_target=check_target)
-                num_files = len(read_manifest(extracted).files)
+        if _is_archive(path):
+            with unpacked(str(path), check_target=check_target) as artifact:  # verified as it unpacks
+                num_files = len(read_manifest(Path(artifact)).files)
         else:
             num_files = len(verify_artifact(path, check_target=check_target))
     except QkilnError as e:
