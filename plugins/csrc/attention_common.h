@@ -24,9 +24,9 @@ void decode_group_bf16(const Decode& a, const c10::BFloat16* q, const c10::BFloa
                        const c10::BFloat16* v_head, const int32_t* table, int64_t T, o_t* out,
                        float* lse);
 
-// The AVX512-BF16 decode kernels (cpu_attention_decode_bf16.cpp, cpu_attention_int4.cpp) run
-// where the build has AVX512-BF16 and BW; elsewhere they are stubs AttentionTasks never calls.
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Whether the AVX512-BF16 decode kernels (cpu_attention_decode_bf16.cpp, cpu_attention_int4.cpp)
+// run here (QKILN_ATTENTION_BF16).
+#ifdef QKILN_ATTENTION_BF16
 constexpr bool kBf16Heads = true;
 #else
 constexpr bool kBf16Heads = false;
@@ -145,7 +145,7 @@ inline void write_heads(const float* acc, const float* inv_sum, int64_t G, int64
       store(out + g * D + d, mul(load(acc + g * D + d), set1(inv_sum[g] * out_scale)));
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef QKILN_ATTENTION_BF16
 // Accumulators kept as even and odd elements (lane l: elements 2l and 2l + 1) back in element
 // order: lanes 0-7 of even and odd interleaved (elements 0-15), then lanes 8-15 (16-31).
 inline Vf interleave_first(Vf even, Vf odd) {

@@ -50,7 +50,7 @@ using namespace attention_detail;
 
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef QKILN_ATTENTION_BF16
 // A prefill block over a quantized cache, served as a bf16 one: one kv head's K and V for tokens
 // [0, T) widened to bf16 rows in thread-local buffers (widen(k_rows, v_rows) writes them, [T, D]
 // each), then served as a cache of one block and one head through serve(decode, k, v, table):

@@ -7,7 +7,7 @@
 
 namespace attention_detail {
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef QKILN_ATTENTION_BF16
 
 namespace {
 

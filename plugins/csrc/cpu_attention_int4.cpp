@@ -42,7 +42,7 @@ void int4_row_as_bf16(const uint8_t* packed, const c10::Half* scale, const c10::
   for (int64_t d = 0; d < D; d += kW) store(out + d, load(values + d));
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef QKILN_ATTENTION_BF16
 
 namespace {
 

@@ -12,6 +12,14 @@
 #include <memory>
 #include <vector>
 
+// Where the build has AVX512-BF16 and BW, the bf16 attention kernels (decode_heads_bf16,
+// decode_head_int4, prefill_block_bf16 and the prefixes served to it) are compiled; elsewhere their
+// entries are stubs AttentionTasks never calls (kBf16Heads). Every attention source tests this one
+// macro, so the condition cannot drift between them.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define QKILN_ATTENTION_BF16 1
+#endif
+
 namespace attention_detail {
 
 struct Decode {

@@ -7,7 +7,7 @@
 
 namespace attention_detail {
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#ifdef QKILN_ATTENTION_BF16
 
 // A prefill block (R consecutive query rows of one sequence; row r sees T_first + r tokens) for one
 // kv head over a bf16 cache, D = 32 * NP, flash-attention style: 16-token tiles of K and V are read
