@@ -67,15 +67,23 @@ struct Int4Rows {
   const int32_t* table;
   int64_t block_size, head_dim, group, num_kv_heads;
   const float* rows[kW];
+  // This head's K (value false) or V row of a slot: its packed codes, fp16 scales and minimums.
+  struct Row {
+    const uint8_t* codes;
+    const c10::Half *scale, *minimum;
+  };
+  Row row(int64_t slot, bool value) const {
+    const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
+    return {(value ? v_head : k_head) + slot * bytes, (value ? v_scale : k_scale) + slot * groups,
+            (value ? v_min : k_min) + slot * groups};
+  }
   void fill(int64_t t0, int64_t n, bool value) {
     thread_local float values[kW * kMaxInt4HeadDim];
-    const int64_t bytes = num_kv_heads * head_dim / 2, groups = num_kv_heads * head_dim / group;
     int64_t slots[kW];
     tile_slots(table, block_size, t0, n, 1, slots);
     for (int64_t i = 0; i < n; ++i) {
-      dequantize_int4_row((value ? v_head : k_head) + slots[i] * bytes,
-                          (value ? v_scale : k_scale) + slots[i] * groups,
-                          (value ? v_min : k_min) + slots[i] * groups, head_dim, group, values + i * head_dim);
+      const Row r = row(slots[i], value);
+      dequantize_int4_row(r.codes, r.scale, r.minimum, head_dim, group, values + i * head_dim);
       rows[i] = values + i * head_dim;
     }
   }

@@ -89,18 +89,15 @@ void serve_fp8_prefix(const Decode& a, const c10::Float8_e4m3fn* k_head, const c
 template <int NP, typename Serve>
 void serve_int4_prefix(const Decode& a, const Int4Rows& rows, int64_t T, Serve&& serve) {
   constexpr int64_t D = NP * 32;
-  const int64_t bytes = rows.num_kv_heads * D / 2, groups = rows.num_kv_heads * D / rows.group;
   auto widen = [&](c10::BFloat16* k_rows, c10::BFloat16* v_rows) {
     int64_t slots[kW];
     for (int64_t t0 = 0; t0 < T; t0 += kW) {
       const int64_t n = std::min<int64_t>(kW, T - t0);
       tile_slots(rows.table, a.block_size, t0, n, 1, slots);
       for (int64_t i = 0; i < n; ++i) {
-        const int64_t slot = slots[i], t = t0 + i;
-        int4_row_as_bf16(rows.k_head + slot * bytes, rows.k_scale + slot * groups, rows.k_min + slot * groups, D,
-                         rows.group, k_rows + t * D);
-        int4_row_as_bf16(rows.v_head + slot * bytes, rows.v_scale + slot * groups, rows.v_min + slot * groups, D,
-                         rows.group, v_rows + t * D);
+        const Int4Rows::Row k = rows.row(slots[i], false), v = rows.row(slots[i], true);
+        int4_row_as_bf16(k.codes, k.scale, k.minimum, D, rows.group, k_rows + (t0 + i) * D);
+        int4_row_as_bf16(v.codes, v.scale, v.minimum, D, rows.group, v_rows + (t0 + i) * D);
       }
     }
   };
