@@ -15,9 +15,11 @@ from .model_ref import LoadedModel
 from .simulate import simulated_model
 
 
-def load_artifact_model(path: Path, int8_activations: bool = False) -> LoadedModel:
-    """int8_activations: as served with that option (simulate.simulated_model)."""
-    verify_artifact(path, check_target=False)  # evaluation runs anywhere; serving checks the target
+def load_artifact_model(path: Path, int8_activations: bool = False, verify: bool = True) -> LoadedModel:
+    """int8_activations: as served with that option (simulate.simulated_model). verify=False is for
+    a caller that has just verified or written the artifact (a build checking its own engine)."""
+    if verify:
+        verify_artifact(path, check_target=False)  # evaluation runs anywhere; serving checks the target
     manifest = read_manifest(path)
     config = ModelConfig.from_dict(manifest.architecture)
     scheme = QuantScheme.from_dict(manifest.recipe["scheme"])

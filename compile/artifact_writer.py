@@ -34,10 +34,12 @@ _SAFETENSORS_METADATA = {"format": "pt"}
 
 def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: dict[str, bytes],
                    reports: dict[str, bytes | dict], engines: dict[str, bytes] | None = None,
-                   shard_bytes: int = 2 * GiB, overwrite: bool = False) -> Path:
+                   shard_bytes: int = 2 * GiB, overwrite: bool = False, check=None) -> Path:
     """Write a complete artifact at `out_dir` or nothing there; `manifest.files` is filled in here.
 
-    `engines` maps paths relative to engines/ ("onnx/model.onnx") to bytes. Returns the path.
+    `engines` maps paths relative to engines/ ("onnx/model.onnx") to bytes. `check(path)` runs on
+    the complete artifact before it takes `out_dir`'s name; what it raises aborts the write.
+    Returns the path.
     """
     out = Path(out_dir).absolute()
     check_destination(out, overwrite)
@@ -52,6 +54,8 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
                  for rel in sorted(list_artifact_files(tmp))}  # hashed from disk: what verify will see
         _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
         _fsync_dirs(tmp)
+        if check is not None:
+            check(tmp)
         _move_into_place(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it

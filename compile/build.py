@@ -5,6 +5,7 @@
     weights, layer by layer (cached per layer)    calibrate.py + layer_cache.py
     KV-cache scales                               kv_calibrate.py
     accuracy vs the unquantized model            evaluate.py (reference results cached)
+    engines (--engine onnx), checked in place     export_onnx.py
     write the artifact atomically                 artifact_tensors.py + artifact_writer.py
 """
 
@@ -26,6 +27,7 @@ from .artifact_tensors import to_tensors
 from .artifact_writer import check_destination, write_artifact
 from .calibrate import linear_shapes, quantize_model
 from .evaluate import evaluate
+from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
 from .kv_calibrate import calibrate_kv
 from .layer_cache import LayerCache, default_cache_dir, layer_key
 from .recipe import Recipe
@@ -47,10 +49,13 @@ class BuildResult:
 
 
 def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, use_cache: bool = True,
-          progress: bool = True, log=print) -> BuildResult:
+          progress: bool = True, log=print, engines: tuple[str, ...] = ()) -> BuildResult:
+    """engines: ("onnx",) also writes engines/onnx/, checked against the artifact before it is
+    published (compile/export_onnx.py)."""
     start = time.perf_counter()
     check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
     _check_evaluation_data(recipe)
+    _check_engines(engines)
     source = load_source(source_name)
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
@@ -80,9 +85,23 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
     tokenizer_files = _tokenizer_files(source)
-    path = write_artifact(out, manifest, tensors, tokenizer_files, reports, overwrite=overwrite)
+    engine_files, check = {}, None
+    if "onnx" in engines:
+        engine_files = onnx_engine_files(manifest, tensors)
+        check = lambda tmp: log(f"onnx engine checked: {check_artifact_engine(tmp).summary()}")  # noqa: E731
+    path = write_artifact(out, manifest, tensors, tokenizer_files, reports, engines=engine_files,
+                          overwrite=overwrite, check=check)
     seconds = time.perf_counter() - start
     return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers), calibration_seconds)
+
+
+def _check_engines(engines: tuple[str, ...]) -> None:
+    unknown = set(engines) - set(ENGINES)
+    if unknown:
+        raise RecipeError(f"unknown engine {', '.join(sorted(unknown))}; qkiln writes {', '.join(ENGINES)} "
+                          "(TensorRT plans are built from the ONNX engine where TensorRT is installed)")
+    if "onnx" in engines:
+        require_onnx()
 
 
 def _check_evaluation_data(recipe: Recipe) -> None:

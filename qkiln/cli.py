@@ -76,6 +76,7 @@ def build_cmd(
     archive: Annotated[Optional[Path], typer.Option(help="also write the artifact as one .tar/.tar.gz")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace an existing artifact")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="ignore the per-layer build cache")] = False,
+    engine: Annotated[Optional[list[str]], typer.Option(help="also write engines/NAME/, checked against the artifact: onnx")] = None,
 ):
     """Calibrate, quantize, evaluate and write a verified artifact."""
     import dataclasses
@@ -93,7 +94,7 @@ def build_cmd(
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
         if archive:
             check_archive_path(archive)  # before the build, which takes minutes
-        result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log)
+        result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))
         if archive:
             write_archive(result.path, archive)
     except QkilnError as e:
@@ -183,22 +184,33 @@ app.add_typer(bench_app, name="bench")
 @app.command("export")
 def export_cmd(
     artifact: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Hugging Face directory to create")],
-    format: Annotated[str, typer.Option("--format", help="checkpoint format: compressed-tensors")] = "compressed-tensors",
-    drop_kv: Annotated[bool, typer.Option("--drop-kv", help="export the weights only, without the KV-cache scheme")] = False,
+    out: Annotated[Path, typer.Option("-o", "--out", help="directory to create")],
+    format: Annotated[str, typer.Option("--format", help="compressed-tensors (a Hugging Face checkpoint) or onnx (an engine)")] = "compressed-tensors",
+    drop_kv: Annotated[bool, typer.Option("--drop-kv", help="compressed-tensors: the weights only, without the KV-cache scheme")] = False,
     force: Annotated[bool, typer.Option("--force", help="replace an earlier export")] = False,
 ):
-    """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing."""
+    """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing,
+    or as an ONNX engine (paged-attention plugin nodes), checked against the artifact over two steps."""
     from qkiln.compile.export_compressed_tensors import export_compressed_tensors
+    from qkiln.compile.export_onnx import export_onnx
 
     try:
-        if format != "compressed-tensors":
-            raise QkilnError(f"unknown export format {format!r}; the one supported is compressed-tensors")
+        if format not in ("compressed-tensors", "onnx"):
+            raise QkilnError(f"unknown export format {format!r}; use compressed-tensors or onnx")
+        if format == "onnx" and drop_kv:
+            raise QkilnError("--drop-kv applies to compressed-tensors; an ONNX engine always holds its KV cache")
         with unpacked(str(artifact)) as path:
-            result = export_compressed_tensors(Path(path), out, drop_kv=drop_kv, overwrite=force)
+            if format == "onnx":
+                result = export_onnx(Path(path), out, overwrite=force)
+            else:
+                result = export_compressed_tensors(Path(path), out, drop_kv=drop_kv, overwrite=force)
     except QkilnError as e:
         _fail(e)
-    print(f"exported {result.num_linears} quantized linears to {result.path} (verified with compressed-tensors)")
+    if format == "onnx":
+        print(f"exported an ONNX engine ({result.num_nodes} nodes, {result.bytes / 2**20:.1f} MiB) to {result.path}; "
+              f"checked: {result.check.summary()}")
+    else:
+        print(f"exported {result.num_linears} quantized linears to {result.path} (verified with compressed-tensors)")
 
 
 @app.command("import")

@@ -1,0 +1,76 @@
+"""Export an artifact as an ONNX engine directory (`qkiln export --format onnx`), or give the
+engine files a build puts under the artifact's engines/onnx/ (`qkiln build --engine onnx`).
+
+The graph comes from onnx_graph.py and is checked by onnx_check.py: written, then run for two
+serving steps and held to the artifact's own numerics before the directory appears. The `onnx`
+package is an optional extra (`pip install 'qkiln[onnx]'`); nothing else imports it.
+"""
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qkiln.errors import ArtifactError, QkilnError
+
+from .artifact import Manifest, load_tensors, read_manifest, verify_artifact
+from .artifact_writer import fresh_partial_dir
+from .onnx_check import OnnxCheck, require_engine_matches
+from .onnx_graph import CONTRACT_FILE, build_onnx_engine, write_onnx_engine
+
+INSTALL_HINT = "pip install 'qkiln[onnx]' (or: pip install onnx==1.23.2)"
+ENGINE_DIR = "onnx"  # under the artifact's engines/
+ENGINES = ("onnx",)  # what `qkiln build --engine` writes
+
+
+@dataclass
+class OnnxExportResult:
+    path: Path
+    num_nodes: int
+    bytes: int
+    check: OnnxCheck | None
+
+
+def require_onnx() -> None:
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        raise QkilnError(f"the onnx package is not installed: {INSTALL_HINT}") from None
+
+
+def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = True) -> OnnxExportResult:
+    """Write the artifact's ONNX engine into `out_dir`: complete and checked, or not at all."""
+    require_onnx()
+    out = Path(out_dir).absolute()
+    if out.exists() and not (overwrite and (out / CONTRACT_FILE).is_file()):
+        raise ArtifactError(f"{out}: already exists; choose a new directory"
+                            + ("" if overwrite else " or pass --force to replace an earlier ONNX export"))
+    verify_artifact(artifact, check_target=False)  # an engine may be built anywhere
+    manifest = read_manifest(artifact)
+    engine = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
+    tmp = fresh_partial_dir(out)
+    try:
+        size = sum(f.stat().st_size for f in write_onnx_engine(engine, tmp))
+        check = require_engine_matches(Path(artifact), tmp) if verify else None
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return OnnxExportResult(out, len(engine.model.graph.node), size, check)
+
+
+def onnx_engine_files(manifest: Manifest, tensors: dict) -> dict[str, bytes]:
+    """The engine as {"onnx/model.onnx": bytes, ...} for write_artifact's `engines` (the build's
+    `--engine onnx`); the manifest then hashes them with the weights."""
+    require_onnx()
+    engine = build_onnx_engine(manifest, tensors)
+    with tempfile.TemporaryDirectory(prefix="qkiln-onnx-") as tmp:
+        return {f"{ENGINE_DIR}/{p.name}": p.read_bytes() for p in write_onnx_engine(engine, Path(tmp))}
+
+
+def check_artifact_engine(artifact: Path) -> OnnxCheck:
+    """Hold an artifact's engines/onnx/ to the artifact (onnx_check.py); ArtifactError if it misses."""
+    return require_engine_matches(Path(artifact), Path(artifact) / "engines" / ENGINE_DIR)

@@ -1,0 +1,171 @@
+"""Does an exported ONNX engine compute what the artifact computes? Two serving steps, three ways.
+
+The engine runs under `onnx.reference.ReferenceEvaluator` (numpy float32; the plugin nodes through
+plugins/onnx_nodes.reference_ops). What it is held to is the artifact's simulation
+(artifact_model.py: canonical weights dequantized exactly, fp8 activations fake-quantized) stepping
+over the same kind of paged caches through the plugins' reference cache write and attention, the
+spec every kernel is tested against.
+
+Why not equality: a quantized cache (bf16 included) rounds, so a float32 sum taken in another order
+moves a few stored values by a whole step, and on a model with large activations (SmolLM2) that
+grows layer by layer: numpy and torch, both float32, end ~1e-3 apart in logits on SmolLM2 with a
+bf16 cache, and several percent with int4. So the simulation runs twice, in float32 and in float64,
+and the engine must be about as close to the float64 run as torch's float32 run is (a few times
+that distance, for luck). A wrong graph (a missing norm, a swapped half in RoPE, a mis-blocked
+scale) misses by orders of magnitude.
+
+Step 1 prefills two sequences into scattered blocks; step 2 decodes one and prefills a chunk of
+the other, so attention reads what step 1 wrote.
+"""
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qkiln.errors import ArtifactError
+from qkiln.plugins import KVCache, allocate_kv_cache, onnx_nodes
+from qkiln.plugins.kv_cache import offset_key
+from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
+
+from .artifact import load_tensors, read_manifest
+from .artifact_model import load_artifact_model
+from .onnx_graph import MODEL_FILE
+
+BLOCK_SIZE = 4
+SLACK = 4.0  # how many times torch float32's distance from float64 the engine may be
+FLOOR = 1e-5  # distances below this are float32 rounding whatever the order
+
+
+class ReferencePagedAttention:
+    """runtime/paged_attention.PagedAttention's step, through the plugins' reference functions."""
+
+    def __init__(self, caches: list[KVCache], head_dim: int):
+        self.caches, self.scale, self.metadata = caches, head_dim ** -0.5, None
+
+    def attend(self, layer_id: int, q, k, v):
+        cache, (slots, tables, lens, qsl) = self.caches[layer_id], self.metadata
+        reference_cache_write(offset_key(k, cache), v, *cache.op_tensors(), slots)
+        return reference_paged_attention(q, *cache.op_tensors(), tables, lens, qsl, self.scale)
+
+
+@dataclass
+class OnnxCheck:
+    """Distances from the float64 simulation: logits (max |diff| / max |logit|, per step) and the
+    fraction of cache bytes that differ after both steps; for the engine and for torch float32."""
+
+    engine_logits: list[float]
+    float32_logits: list[float]
+    engine_cache: float
+    float32_cache: float
+
+    @property
+    def ok(self) -> bool:
+        return max(self.engine_logits) <= max(SLACK * max(self.float32_logits), FLOOR) \
+            and self.engine_cache <= max(SLACK * self.float32_cache, FLOOR)
+
+    def summary(self) -> str:
+        return (f"logits {max(self.engine_logits):.1e} from float64 (torch float32: "
+                f"{max(self.float32_logits):.1e}), cache bytes differing {self.engine_cache:.2%} "
+                f"(torch float32: {self.float32_cache:.2%})")
+
+
+def _steps(vocab: int, seed: int):
+    """(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) for two steps."""
+    g = torch.Generator().manual_seed(seed)
+    tables = torch.tensor([[5, 2, 7, 0], [3, 6, 1, 4]], dtype=torch.int32)
+
+    def slots(seq: int, positions: range):
+        return [int(tables[seq, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+    first = (range(0, 6), range(0, 9))  # prefills of 6 and 9 tokens
+    second = (range(6, 7), range(9, 13))  # a decode, and a chunk of 4 more prompt tokens
+    out = []
+    for ranges in (first, second):
+        positions = [p for r in ranges for p in r]
+        out.append((torch.randint(0, vocab, (len(positions),), generator=g), torch.tensor(positions),
+                    torch.tensor(slots(0, ranges[0]) + slots(1, ranges[1])), tables,
+                    torch.tensor([r.stop for r in ranges], dtype=torch.int32),
+                    torch.tensor([0, len(ranges[0]), len(positions)], dtype=torch.int32)))
+    return out
+
+
+def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCheck:
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    model = load_artifact_model(Path(artifact), verify=False).model  # the callers verify or just wrote it
+    config, manifest = model.config, read_manifest(artifact)
+    kv = manifest.kv_cache or {"dtype": "bf16"}  # the engine's cache for an artifact without one
+    tensors = load_tensors(artifact, manifest, verify=False)
+    p = "model.layers.{}.self_attn."
+    scales = {key: [tensors[p.format(i) + key] for i in range(config.num_hidden_layers)]
+              for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset") if p.format(0) + key in tensors}
+
+    def fresh_caches() -> list[KVCache]:
+        caches = allocate_kv_cache(config.num_hidden_layers, 8, BLOCK_SIZE, config.num_key_value_heads,
+                                   config.head_dim, kv["dtype"], kv.get("group_size", 32),
+                                   has_k_channel_scale="k_channel_scale" in scales, has_k_offset="k_offset" in scales)
+        for name, values in scales.items():
+            for cache, value in zip(caches, values):
+                getattr(cache, name).copy_(value)
+        return caches
+
+    steps = _steps(config.vocab_size, seed)
+    session = ReferenceEvaluator(onnx.load(str(Path(engine_dir) / MODEL_FILE)), new_ops=onnx_nodes.reference_ops())
+    engine_logits, engine_caches = _run_engine(session, fresh_caches(), steps)
+    float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
+    exact = copy.deepcopy(model).double()
+    exact.rope.inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
+    exact_logits, exact_caches = _run_simulation(exact, fresh_caches(), steps)
+    return OnnxCheck([_distance(a, b) for a, b in zip(engine_logits, exact_logits)],
+                     [_distance(a, b) for a, b in zip(float32_logits, exact_logits)],
+                     _bytes_differing(engine_caches, exact_caches), _bytes_differing(float32_caches, exact_caches))
+
+
+def _run_simulation(model, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
+    backend = ReferencePagedAttention(caches, model.config.head_dim)
+    logits = []
+    for ids, positions, *metadata in steps:
+        backend.metadata = metadata
+        with torch.no_grad():
+            logits.append(model.compute_logits(model.hidden_states(ids, positions, backend)).double())
+    return logits, caches
+
+
+def _run_engine(session, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
+    fields = onnx_nodes.written_fields(caches[0].kv_dtype)
+    state = {f"cache.{i}.{f}": onnx_nodes.to_numpy(getattr(c, f)) for i, c in enumerate(caches) for f in fields}
+    outputs = ["logits"] + [name.replace("cache.", "cache_out.", 1) for name in state]
+    logits = []
+    for step in steps:
+        feeds = {name: t.numpy() for name, t in zip(("input_ids", "positions", "slot_mapping", "block_tables",
+                                                    "seq_lens", "query_start_loc"), step)}
+        out, *written = session.run(outputs, feeds | state)
+        state = dict(zip(state, written))  # the next step reads what this one wrote
+        logits.append(torch.from_numpy(np.asarray(out)).double())
+    for name, value in state.items():
+        _, i, field = name.split(".")
+        getattr(caches[int(i)], field).copy_(onnx_nodes.to_torch(value))
+    return logits, caches
+
+
+def _distance(a: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((a - exact).abs().max() / exact.abs().max())
+
+
+def _bytes_differing(a: list[KVCache], b: list[KVCache]) -> float:
+    fields = onnx_nodes.written_fields(a[0].kv_dtype)
+    pairs = [(getattr(x, f), getattr(y, f)) for x, y in zip(a, b) for f in fields]
+    differing = sum(int((x.view(torch.uint8) != y.view(torch.uint8)).sum()) for x, y in pairs)
+    return differing / sum(x.view(torch.uint8).numel() for x, _ in pairs)
+
+
+def require_engine_matches(artifact: Path, engine_dir: Path) -> OnnxCheck:
+    check = check_onnx_engine(artifact, engine_dir)
+    if not check.ok:
+        raise ArtifactError(f"the ONNX engine in {engine_dir} does not compute what the artifact computes: "
+                            f"{check.summary()}; this is a qkiln bug, report it with the artifact's manifest")
+    return check

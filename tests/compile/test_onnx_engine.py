@@ -1,0 +1,136 @@
+"""ONNX engines on real files: tiny artifacts of every weight format and cache dtype are exported,
+passed through onnx's checker, run for two serving steps under onnx's reference evaluator (the
+plugin nodes through plugins/onnx_nodes.py) and held to the artifact's own computation; a graph
+with a bug fails that check; the CLI and `build --engine onnx` write complete, hashed engines."""
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+onnx = pytest.importorskip("onnx")
+
+from qkiln.compile import onnx_graph  # noqa: E402
+from qkiln.compile.artifact import read_manifest, verify_artifact  # noqa: E402
+from qkiln.compile.build import build  # noqa: E402
+from qkiln.compile.export_onnx import export_onnx  # noqa: E402
+from qkiln.compile.onnx_check import check_onnx_engine  # noqa: E402
+from qkiln.compile.recipe import preset  # noqa: E402
+from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
+from tiny_models import CALIBRATION_SENTENCE, write_tiny_hf_model  # noqa: E402
+
+# (preset, architecture, KV-cache options): every linear format, every cache dtype, both int4 zero
+# point kinds, static fp8 activations, key smoothing and offset, q/k norms (qwen3), biases (qwen2)
+CASES = {
+    "w4a16-rtn": ("w4a16-rtn", "llama", {}),
+    "gptq-kv-int4": ("w4a16-gptq+kv-int4", "llama", {}),
+    "awq-kv-fp8": ("w4a16-awq+kv-fp8", "llama", {}),
+    "fp8-static-kv-int4-smoothed": ("fp8-w8a8-static+kv-int4", "llama", {"key_smoothing": True, "key_offset": True}),
+    "fp8-dynamic": ("fp8-w8a8", "llama", {}),
+    "w8a16-qwen3": ("w8a16+kv-int4", "qwen3", {}),
+    "w4a16-qwen2": ("w4a16-rtn+kv-fp8", "qwen2", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("onnx")
+    (root / "calib.txt").write_text(CALIBRATION_SENTENCE * 200)
+    return root
+
+
+def _artifact(root: Path, case: str, engines=()) -> Path:
+    name, arch, kv_options = CASES[case]
+    out = root / (case + ("-engine" if engines else ""))
+    if out.exists():
+        return out
+    model = root / f"model-{arch}"
+    if not model.exists():
+        write_tiny_hf_model(model, arch)
+    text = str(root / "calib.txt")
+    r = preset(name)
+    scheme = r.scheme if not kv_options else dataclasses.replace(
+        r.scheme, kv_cache=dataclasses.replace(r.scheme.kv_cache, **kv_options))
+    r = dataclasses.replace(r, scheme=scheme,
+                            calibration=dataclasses.replace(r.calibration, source=text, num_samples=4, seq_len=64),
+                            evaluation=dataclasses.replace(r.evaluation, data=None))
+    build(str(model), r, out, use_cache=False, progress=False, log=lambda m: None, engines=engines)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_computes_what_the_artifact_computes(root, case):
+    artifact = _artifact(root, case)
+    result = export_onnx(artifact, root / f"engine-{case}")
+    assert result.check.ok, result.check.summary()
+    # tiny models are well conditioned: the engine sits at float32 rounding from the exact result
+    assert max(result.check.engine_logits) < 1e-5, result.check.summary()
+    model = onnx.load(str(result.path / onnx_graph.MODEL_FILE))
+    onnx.checker.check_model(model, full_check=True)
+    manifest = read_manifest(artifact)
+    layers = manifest.architecture["num_hidden_layers"]
+    plugins = [n for n in model.graph.node if n.domain == "qkiln"]
+    assert sorted(n.op_type for n in plugins) == ["CacheWrite"] * layers + ["PagedAttention"] * layers
+    for node in plugins:  # what TensorRT's parser looks a plugin up by
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_namespace"] == b"qkiln" and attrs["plugin_version"] == b"1"
+    dequantized = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dequantized) == len(manifest.quantization["linears"])
+    contract = json.loads((result.path / onnx_graph.CONTRACT_FILE).read_text())
+    assert contract["kv_cache"]["dtype"] == (manifest.kv_cache or {"dtype": "bf16"})["dtype"]
+    assert [i.name for i in model.graph.input][:6] == contract["inputs"]
+    assert {c["output"] for c in contract["cache"]} == {o.name for o in model.graph.output} - {"logits"}
+
+
+def test_a_wrong_graph_fails_the_check(root, monkeypatch):
+    artifact = _artifact(root, "gptq-kv-int4")
+    good = onnx_graph._Builder.rms_norm
+
+    def no_weight(self, x, weight):  # a norm that forgets its weight
+        return good(self, x, weight) if weight != "model.norm.weight" else self.g.op("Identity", [x])
+
+    monkeypatch.setattr(onnx_graph._Builder, "rms_norm", no_weight)
+    with pytest.raises(ArtifactError, match="does not compute what the artifact computes"):
+        export_onnx(artifact, root / "wrong")
+    assert not (root / "wrong").exists() and not list(root.glob(".wrong.partial-*"))
+
+
+def test_export_is_deterministic_and_refuses_a_taken_directory(root):
+    artifact = _artifact(root, "w4a16-rtn")
+    first = export_onnx(artifact, root / "det-a", verify=False).path
+    second = export_onnx(artifact, root / "det-b", verify=False).path
+    for name in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE, onnx_graph.CONTRACT_FILE):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    with pytest.raises(ArtifactError, match="already exists"):
+        export_onnx(artifact, first)
+    export_onnx(artifact, first, overwrite=True, verify=False)
+
+
+def test_build_writes_a_checked_engine_into_the_artifact(root):
+    artifact = _artifact(root, "gptq-kv-int4", engines=("onnx",))
+    listed = verify_artifact(artifact)
+    engine = [f for f in listed if f.startswith("engines/onnx/")]
+    assert sorted(engine) == [f"engines/onnx/{n}" for n in ("engine.json", "model.onnx", "model.onnx.data")]
+    data = (artifact / "engines/onnx/model.onnx.data").read_bytes()
+    assert read_manifest(artifact).files["engines/onnx/model.onnx.data"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert check_onnx_engine(artifact, artifact / "engines/onnx").ok
+    with pytest.raises(RecipeError, match="unknown engine tensorrt"):
+        build("unused", preset("w4a16-rtn"), root / "never", engines=("tensorrt",))
+    assert not (root / "never").exists()
+
+
+def test_cli_export_onnx(root):
+    artifact = _artifact(root, "w4a16-rtn")
+    out = root / "cli-engine"
+    cmd = [sys.executable, "-m", "qkiln", "export", str(artifact), "--format", "onnx", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "exported an ONNX engine" in done.stdout and "checked: logits" in done.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode != 0 and again.stderr.strip().startswith("error:") and "--force" in again.stderr
+    drop = subprocess.run(cmd[:-2] + ["-o", str(root / "x"), "--drop-kv"], capture_output=True, text=True)
+    assert drop.returncode != 0 and "--drop-kv applies to compressed-tensors" in drop.stderr
