@@ -17,7 +17,8 @@ Opted in (QKILN_AMX_CODES=1) on a CPU with AMX-BF16, native int4 / int8 weights 
 csrc/cpu_gemm_codes_amx.cpp reads their codes (exact, the copy's bits;
 cpu_native.codes_amx_available says why it is not the default).
 fp8 is a storage format on CPU: the weight arrives already dequantized to bf16 and activations
-are fake-quantized per token (quantize to fp8 and back) so results match the GPU path.
+are fake-quantized per token (quantize to fp8 and back), or with a static recipe's calibrated
+scale, so results match the GPU path.
 Opt-in int8 activations (W4A8Weight, many rows): csrc/cpu_gemm_w4a8.cpp, activations rounded to
 int8 per 32 channels, int4 or int8 weights; 1.5x the bf16 GEMM at 64 rows, 1.14-1.3x at 1024;
 not exact (packed_weights.py). An int4 weight's other rows (few rows; all rows on a CPU without
@@ -34,7 +35,7 @@ Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's b
 import torch
 
 from qkiln.plugins import cpu_native
-from qkiln.plugins.reference import fake_quantize_fp8_per_token
+from qkiln.plugins.reference import fake_quantize_fp8_per_token, quantize_fp8_static
 
 SMALL_M = 16
 # An int4 weight with a dequantized copy switches to the bf16 GEMM above this many rows, not above
@@ -149,11 +150,15 @@ def cpu_w8a8_gemv(x, weight, scales, bias=None):
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None):
-    """weight: bf16 [out, in] already scaled (weight_scale None) or fp8 with weight_scale [out]."""
+def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None, input_scale=None):
+    """weight: bf16 [out, in] already scaled (weight_scale None) or fp8 with weight_scale [out].
+    input_scale: the calibrated per-tensor activation scale (static); None quantizes per token."""
     out_features, in_features = weight.shape
     if weight_scale is not None:  # canonical fp8 passed directly: dequantize on the fly
         weight = (weight.float() * weight_scale[:, None]).to(torch.bfloat16)
-    x_q, x_scale = fake_quantize_fp8_per_token(x.reshape(-1, in_features))
+    if input_scale is None:
+        x_q, x_scale = fake_quantize_fp8_per_token(x.reshape(-1, in_features))
+    else:
+        x_q, x_scale = quantize_fp8_static(x.reshape(-1, in_features), input_scale), input_scale.float()
     rows = (x_q.float() * x_scale).to(torch.bfloat16)
     return _finish(dense_linear(rows, weight), x, bias, out_features)

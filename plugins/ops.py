@@ -51,6 +51,7 @@ from qkiln.plugins import cpu_attention, cpu_linear, cpu_native, reference
 from qkiln.plugins import reference_small_ops as small
 from qkiln.plugins.kv_cache import KVCache, offset_key
 from qkiln.plugins.packed_weights import FP8Weight, W4A8Weight, W4A16Weight, W8A16Weight
+from qkiln.plugins.reference import quantize_fp8_static
 
 # Registered through the low-level `torch.library.Library` rather than `@custom_op`: a decode
 # step makes ~300 op calls, and custom_op's Python wrapper measured ~17 us per call against
@@ -70,7 +71,8 @@ _LIB.define("w4a16_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros,
             "Tensor? amx_tables=None) -> Tensor")
 _LIB.define("w8a16_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, Tensor? dequantized, "
             "bool amx_codes=False) -> Tensor")
-_LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias) -> Tensor")
+_LIB.define("fp8_w8a8_linear(Tensor x, Tensor weight, Tensor? weight_scale, Tensor? bias, "
+            "Tensor? input_scale=None) -> Tensor")
 _LIB.define("w4a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor zero_scales, int group_size, "
             "int out_features, Tensor? bias) -> Tensor")
 _LIB.define("w4a8_gemv(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group_size, "
@@ -159,17 +161,21 @@ def _(x, weight, scales, bias, dequantized, amx_codes=False):
     return x.new_empty(*x.shape[:-1], scales.shape[-1])  # [out] on cpu, [1, out] on cuda
 
 
-def _cuda_fp8_w8a8_linear(x, weight, weight_scale, bias):
+def _cuda_fp8_w8a8_linear(x, weight, weight_scale, bias, input_scale=None):
     from qkiln.plugins import triton_fp8
 
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if 0 < rows.shape[0] <= triton_fp8.GEMV_MAX_ROWS:  # decode: quantize + GEMV in one launch
+    if input_scale is not None:  # static: one calibrated scale for every token
+        x_q = quantize_fp8_static(rows, input_scale)
+        x_scale = input_scale.float().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+    elif 0 < rows.shape[0] <= triton_fp8.GEMV_MAX_ROWS:  # decode: quantize + GEMV in one launch
         out = triton_fp8.triton_fp8_gemv(rows, weight, weight_scale, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
-    x_q, x_scale = triton_fp8.triton_quantize_fp8_per_token(rows)  # [M, in] fp8, [M, 1] fp32
+    else:
+        x_q, x_scale = triton_fp8.triton_quantize_fp8_per_token(rows)  # [M, in] fp8, [M, 1] fp32
     if in_features % 16 or out_features % 16:  # _scaled_mm's alignment rule; rare shapes
         out = (x_q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()
     else:  # row-wise scaled fp8 GEMM: scale_a per token, scale_b per output channel
@@ -185,7 +191,7 @@ _register("fp8_w8a8_linear", cpu_linear.cpu_fp8_w8a8_linear, _cuda_fp8_w8a8_line
 
 
 @torch.library.register_fake("qkiln::fp8_w8a8_linear")
-def _(x, weight, weight_scale, bias):
+def _(x, weight, weight_scale, bias, input_scale=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -305,7 +311,7 @@ def w8a16_linear(x: Tensor, weight: W8A16Weight, bias: Tensor | None = None) -> 
 
 
 def fp8_w8a8_linear(x: Tensor, weight: FP8Weight, bias: Tensor | None = None) -> Tensor:
-    return torch.ops.qkiln.fp8_w8a8_linear(x, weight.weight, weight.weight_scale, bias)
+    return torch.ops.qkiln.fp8_w8a8_linear(x, weight.weight, weight.weight_scale, bias, weight.input_scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

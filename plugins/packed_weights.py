@@ -148,6 +148,7 @@ class FP8Weight:
     weight: torch.Tensor
     weight_scale: torch.Tensor | None
     target: str
+    input_scale: torch.Tensor | None = None  # fp32 [] static activation scale; None: per token
 
 
 def onednn_bf16_available() -> bool:
@@ -360,12 +361,17 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
     return W8A16Weight(weight, scales.to(torch.bfloat16), "cpu", dequantized, int8_act)
 
 
-def prepare_fp8_w8a8(weight, weight_scale, target: str) -> FP8Weight:
-    """fp8 e4m3 weight [out, in] with per-channel scale [out] -> FP8Weight for `target`."""
+def prepare_fp8_w8a8(weight, weight_scale, target: str, input_scale=None) -> FP8Weight:
+    """fp8 e4m3 weight [out, in] with per-channel scale [out] -> FP8Weight for `target`.
+    input_scale: a static recipe's calibrated activation scale (one value); None: per token."""
     _check_target(target)
     if weight.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight.shape[0],):
         raise RecipeError("fp8_w8a8 needs float8_e4m3fn weights [out, in] and scales [out]")
+    if input_scale is not None:
+        if input_scale.numel() != 1:
+            raise RecipeError(f"a static fp8 activation scale is one value, got shape {tuple(input_scale.shape)}")
+        input_scale = input_scale.float().reshape(()).to(weight.device)
     if target == "cuda":
-        return FP8Weight(weight.contiguous(), weight_scale.float().contiguous(), "cuda")
+        return FP8Weight(weight.contiguous(), weight_scale.float().contiguous(), "cuda", input_scale)
     dequantized = (weight.float() * weight_scale.float()[:, None]).to(torch.bfloat16)
-    return FP8Weight(onednn_pack(dequantized), None, "cpu")
+    return FP8Weight(onednn_pack(dequantized), None, "cpu", input_scale)

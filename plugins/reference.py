@@ -151,9 +151,19 @@ def fake_quantize_fp8_per_token(x: torch.Tensor):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def reference_fp8_w8a8_linear(x, weight, weight_scale, bias=None):
-    """fp8 e4m3 weight [out, in] with per-channel scale [out]; activations quantized per token."""
-    x_q, x_scale = fake_quantize_fp8_per_token(x)
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static fp8 activations: x / scale (one calibrated fp32 scale), clipped to +-448 and cast;
+    quant/fp8.quantize_activation_static's rounding."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def reference_fp8_w8a8_linear(x, weight, weight_scale, bias=None, input_scale=None):
+    """fp8 e4m3 weight [out, in] with per-channel scale [out]; activations quantized per token, or
+    with the calibrated per-tensor `input_scale` (static)."""
+    if input_scale is None:
+        x_q, x_scale = fake_quantize_fp8_per_token(x)
+    else:
+        x_q, x_scale = quantize_fp8_static(x, input_scale), input_scale.float()
     w = weight.float() * weight_scale.float()[:, None]
     out = (x_q.float() * x_scale) @ w.t()
     if bias is not None:

@@ -52,8 +52,9 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
             packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target,
                                    keep_dequantized=target == "cpu", int8_activations=int8_activations)
         elif fmt == "fp8":
+            static = entry.get("activations") == "static"  # served with the scale it was evaluated with
             packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float().reshape(-1),
-                                      target)
+                                      target, tensors[name + ".input_scale"] if static else None)
         else:
             raise ArtifactError(f"linear {name} has unknown format {fmt!r}; rebuild with this qkiln version")
     except KeyError as e:

@@ -138,6 +138,10 @@ def test_gpu_w8a16_and_fp8_ops(rows):
     actual = fp8_w8a8_linear(x, prepare_fp8_w8a8(fp8, fp8_scale, "cuda"))
     expected = reference_fp8_w8a8_linear(x.float(), fp8, fp8_scale)
     assert rel_error(actual.float(), expected) < TOLERANCE[torch.bfloat16]
+    input_scale = x.float().abs().amax().cpu() / 448  # static activations
+    actual = fp8_w8a8_linear(x, prepare_fp8_w8a8(fp8, fp8_scale, "cuda", input_scale=input_scale))
+    expected = reference_fp8_w8a8_linear(x.float(), fp8, fp8_scale, input_scale=input_scale.cuda())
+    assert rel_error(actual.float(), expected) < TOLERANCE[torch.bfloat16]
 
 
 def test_gpu_opcheck_attention_and_w4a16():

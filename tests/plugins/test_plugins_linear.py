@@ -132,6 +132,24 @@ def test_cpu_fp8_w8a8_matches_reference(rows):
     assert rel_error(plain, expected) > 1e-4
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_cpu_fp8_w8a8_static_activations_use_the_calibrated_scale(rows):
+    w = torch.randn(48, 96)
+    weight_scale = w.abs().amax(dim=1) / 448
+    weight = (w / weight_scale[:, None]).to(torch.float8_e4m3fn)
+    x = torch.randn(rows, 96) * torch.rand(rows, 1) * 4
+    input_scale = torch.tensor(3.0 / 448)  # calibrated on smaller inputs: the largest values clip
+    expected = reference_fp8_w8a8_linear(x, weight, weight_scale, input_scale=input_scale)
+    prepared = prepare_fp8_w8a8(weight, weight_scale, "cpu", input_scale=input_scale)
+    assert rel_error(fp8_w8a8_linear(x, prepared), expected) < BF16_TOLERANCE
+    direct = torch.ops.qkiln.fp8_w8a8_linear(x, weight, weight_scale, None, input_scale)
+    assert rel_error(direct, expected) < BF16_TOLERANCE
+    # static is not per token: the same call without the scale computes something else
+    assert rel_error(reference_fp8_w8a8_linear(x, weight, weight_scale), expected) > 1e-3
+    with pytest.raises(RecipeError, match="one value"):
+        prepare_fp8_w8a8(weight, weight_scale, "cpu", input_scale=torch.ones(2))
+
+
 def _plain(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 

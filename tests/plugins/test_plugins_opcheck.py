@@ -42,3 +42,5 @@ def test_opcheck_linear_ops():
     plain = fp8.weight.to_dense() if fp8.weight.is_mkldnn else fp8.weight
     torch.library.opcheck(torch.ops.qkiln.fp8_w8a8_linear.default,
                           (x, plain, fp8.weight_scale, torch.randn(16)))
+    torch.library.opcheck(torch.ops.qkiln.fp8_w8a8_linear.default,
+                          (x, plain, fp8.weight_scale, None, torch.tensor(0.01)))
