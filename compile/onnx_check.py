@@ -10,9 +10,13 @@ Why not equality: a quantized cache (bf16 included) rounds, so a float32 sum tak
 moves a few stored values by a whole step, and on a model with large activations (SmolLM2) that
 grows layer by layer: numpy and torch, both float32, end ~1e-3 apart in logits on SmolLM2 with a
 bf16 cache, and several percent with int4. So the simulation runs twice, in float32 and in float64,
-and the engine must be about as close to the float64 run as torch's float32 run is (a few times
-that distance, for luck). A wrong graph (a missing norm, a swapped half in RoPE, a mis-blocked
-scale) misses by orders of magnitude.
+and the engine must be about as close to the float64 run as torch's float32 run is: within a few
+times that distance, or within floors that honest rounding stays under. Flips are chance events,
+so one float32 run can land on none while the engine lands on a few: on tiny models the engine
+measured up to 5e-5 of the largest logit and 0.02% of cache bytes where torch float32 was exact,
+and torch float32 up to 1.2e-4 and 0.26% over three seeds. The wrong graphs tried (a final norm
+without its weight, RoPE left out, dynamic fp8 activations for static ones) missed by 1.8e-2 to
+0.96 of the largest logit, and all but the norm by 24-27% of cache bytes.
 
 Step 1 prefills two sequences into scattered blocks; step 2 decodes one and prefills a chunk of
 the other, so attention reads what step 1 wrote.
@@ -36,7 +40,8 @@ from .onnx_graph import MODEL_FILE
 
 BLOCK_SIZE = 4
 SLACK = 4.0  # how many times torch float32's distance from float64 the engine may be
-FLOOR = 1e-5  # distances below this are float32 rounding whatever the order
+LOGITS_FLOOR = 1e-3  # of the largest logit: honest float32 rounding stays below (see above)
+CACHE_FLOOR = 0.02  # of cache bytes
 
 
 class ReferencePagedAttention:
@@ -63,8 +68,8 @@ class OnnxCheck:
 
     @property
     def ok(self) -> bool:
-        return max(self.engine_logits) <= max(SLACK * max(self.float32_logits), FLOOR) \
-            and self.engine_cache <= max(SLACK * self.float32_cache, FLOOR)
+        return max(self.engine_logits) <= max(SLACK * max(self.float32_logits), LOGITS_FLOOR) \
+            and self.engine_cache <= max(SLACK * self.float32_cache, CACHE_FLOOR)
 
     def summary(self) -> str:
         return (f"logits {max(self.engine_logits):.1e} from float64 (torch float32: "

@@ -14,9 +14,10 @@ nodes of plugins/onnx_nodes.py read and write:
 Activations are float32. Weights keep their stored precision: int4 / int8 / fp8 linears are
 DequantizeLinear (block-wise along in_features for groups, the weight-only pattern TensorRT and
 ONNX Runtime fuse into their quantized GEMMs) feeding Gemm(transB=1) on the [out, in] layout, so
-no weight is transposed or widened in the file; fp8 linears quantize activations per token as the
-runtime does; dense weights stay bf16 behind a Cast. Symmetric int4 is INT4 without a zero point
-(what TensorRT accepts); asymmetric int4 is UINT4 with its integral zero points.
+no weight is transposed or widened in the file; fp8 linears quantize activations per token, or
+with a static recipe's calibrated scale, as the runtime does; dense weights stay bf16 behind a
+Cast. Symmetric int4 is INT4 without a zero point; asymmetric int4 is UINT4 with its integral zero
+points, which ONNX Runtime takes and TensorRT's dequantize layer refuses (engine.json says which).
 
 The file: `model.onnx` with its weights in `model.onnx.data` (external data: protobuf's 2 GB limit)
 and `engine.json`, the input / output contract. Same artifact, same bytes.
@@ -42,6 +43,7 @@ OPSET = 21  # block-wise DequantizeLinear with INT4 / UINT4
 MODEL_FILE, DATA_FILE, CONTRACT_FILE = "model.onnx", "model.onnx.data", "engine.json"
 INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 _FP8_MIN_SCALE = 1e-12  # the runtime's per-token fp8 scale floor (plugins/reference.py)
+_FLOAT = 1  # onnx.TensorProto.FLOAT; onnx itself is imported where used (the extra is optional)
 
 
 @dataclass
@@ -113,6 +115,7 @@ def build_onnx_engine(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> O
         "kv_cache": {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
                      "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
                      "head_dim": config.head_dim},
+        "int4_zero_points": any(f"{n}.zeros" in tensors for n, e in linears.items() if e.get("format") == "int4"),
         "artifact": {"name": manifest.name, "recipe": manifest.recipe.get("name"),
                      "source_sha256": manifest.source.get("sha256")},
         "inputs": list(INPUTS), "outputs": ["logits"],
@@ -139,6 +142,7 @@ def write_onnx_engine(engine: OnnxEngine, out_dir: Path) -> list[Path]:
 class _Builder:
     def __init__(self, g: _Graph, config: ModelConfig, tensors: dict, linears: dict, kv: dict):
         self.g, self.config, self.tensors, self.linears, self.kv = g, config, tensors, linears, kv
+        self.rope: list[str] = []  # the step's (cos, signed sin) rows [N, 1, D], shared by every layer
 
     def cache_fields(self) -> dict:
         from onnx import TensorProto
@@ -162,9 +166,8 @@ class _Builder:
         table = self.weight("model.embed_tokens.weight")
         x = g.op("Cast", [g.op("Gather", [table, "input_ids"])], to=_FLOAT)
         cos, sin = RotaryEmbedding(c).tables(torch.device("cpu"), torch.float32)  # [max_pos, 1, D]
-        rope = [g.op("Gather", [g.const(name, t.numpy()), "positions"]) for name, t in (("rope.cos", cos),
-                                                                                        ("rope.signed_sin", sin))]
-        self.rope = rope  # [N, 1, D] each, shared by every layer
+        self.rope = [g.op("Gather", [g.const(name, t.numpy()), "positions"])
+                     for name, t in (("rope.cos", cos), ("rope.signed_sin", sin))]
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             x = g.op("Add", [x, self.attention(i, self.rms_norm(x, p + "input_layernorm.weight"))])
@@ -181,7 +184,7 @@ class _Builder:
 
     def rms_norm(self, x: str, weight: str) -> str:
         g = self.g
-        eps = g.const(f"{weight}.eps", np.array(self.config.rms_norm_eps, dtype=np.float32))
+        eps = g.const("rms_norm.eps", np.array(self.config.rms_norm_eps, dtype=np.float32))
         mean = g.op("ReduceMean", [g.op("Mul", [x, x]), self._axes_last()], keepdims=1)
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, eps])])])
         w = self.weight(weight)
@@ -330,5 +333,3 @@ def _qkiln_version() -> str:
 
     return md.version("qkiln")
 
-
-_FLOAT = 1  # TensorProto.FLOAT, without importing onnx at module level

@@ -23,16 +23,18 @@ from qkiln.compile.recipe import preset  # noqa: E402
 from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
 from tiny_models import CALIBRATION_SENTENCE, write_tiny_hf_model  # noqa: E402
 
-# (preset, architecture, KV-cache options): every linear format, every cache dtype, both int4 zero
-# point kinds, static fp8 activations, key smoothing and offset, q/k norms (qwen3), biases (qwen2)
+# (preset, architecture, weight / KV-cache scheme changes): every linear format, every cache dtype,
+# int4 with and without zero points, static fp8 activations, key smoothing and offset, q/k norms
+# (qwen3), biases (qwen2)
 CASES = {
-    "w4a16-rtn": ("w4a16-rtn", "llama", {}),
-    "gptq-kv-int4": ("w4a16-gptq+kv-int4", "llama", {}),
-    "awq-kv-fp8": ("w4a16-awq+kv-fp8", "llama", {}),
-    "fp8-static-kv-int4-smoothed": ("fp8-w8a8-static+kv-int4", "llama", {"key_smoothing": True, "key_offset": True}),
-    "fp8-dynamic": ("fp8-w8a8", "llama", {}),
-    "w8a16-qwen3": ("w8a16+kv-int4", "qwen3", {}),
-    "w4a16-qwen2": ("w4a16-rtn+kv-fp8", "qwen2", {}),
+    "w4a16-rtn": ("w4a16-rtn", "llama", {}, {}),
+    "gptq-symmetric-kv-int4": ("w4a16-gptq+kv-int4", "llama", {"symmetric": True}, {}),
+    "awq-kv-fp8": ("w4a16-awq+kv-fp8", "llama", {}, {}),
+    "fp8-static-kv-int4-smoothed": ("fp8-w8a8-static+kv-int4", "llama", {},
+                                    {"key_smoothing": True, "key_offset": True}),
+    "fp8-dynamic": ("fp8-w8a8", "llama", {}, {}),
+    "w8a16-qwen3": ("w8a16+kv-int4", "qwen3", {}, {}),
+    "w4a16-qwen2": ("w4a16-rtn+kv-fp8", "qwen2", {}, {}),
 }
 
 
@@ -44,7 +46,7 @@ def root(tmp_path_factory):
 
 
 def _artifact(root: Path, case: str, engines=()) -> Path:
-    name, arch, kv_options = CASES[case]
+    name, arch, weight_changes, kv_changes = CASES[case]
     out = root / (case + ("-engine" if engines else ""))
     if out.exists():
         return out
@@ -53,8 +55,9 @@ def _artifact(root: Path, case: str, engines=()) -> Path:
         write_tiny_hf_model(model, arch)
     text = str(root / "calib.txt")
     r = preset(name)
-    scheme = r.scheme if not kv_options else dataclasses.replace(
-        r.scheme, kv_cache=dataclasses.replace(r.scheme.kv_cache, **kv_options))
+    scheme = dataclasses.replace(r.scheme, weights=dataclasses.replace(r.scheme.weights, **weight_changes))
+    if kv_changes:
+        scheme = dataclasses.replace(scheme, kv_cache=dataclasses.replace(scheme.kv_cache, **kv_changes))
     r = dataclasses.replace(r, scheme=scheme,
                             calibration=dataclasses.replace(r.calibration, source=text, num_samples=4, seq_len=64),
                             evaluation=dataclasses.replace(r.evaluation, data=None))
@@ -67,8 +70,9 @@ def test_engine_computes_what_the_artifact_computes(root, case):
     artifact = _artifact(root, case)
     result = export_onnx(artifact, root / f"engine-{case}")
     assert result.check.ok, result.check.summary()
-    # tiny models are well conditioned: the engine sits at float32 rounding from the exact result
-    assert max(result.check.engine_logits) < 1e-5, result.check.summary()
+    # tiny models are well conditioned: the engine sits at float32 rounding from the exact result,
+    # or a few int4 / fp8 / bf16 cache codes that float32 rounded to the other side (onnx_check.py)
+    assert max(result.check.engine_logits) < 2e-4, result.check.summary()
     model = onnx.load(str(result.path / onnx_graph.MODEL_FILE))
     onnx.checker.check_model(model, full_check=True)
     manifest = read_manifest(artifact)
@@ -81,13 +85,15 @@ def test_engine_computes_what_the_artifact_computes(root, case):
     dequantized = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
     assert len(dequantized) == len(manifest.quantization["linears"])
     contract = json.loads((result.path / onnx_graph.CONTRACT_FILE).read_text())
+    has_zeros = any(n.op_type == "DequantizeLinear" and len(n.input) == 3 for n in model.graph.node)
+    assert contract["int4_zero_points"] == has_zeros == (case in ("w4a16-rtn", "awq-kv-fp8", "w4a16-qwen2"))
     assert contract["kv_cache"]["dtype"] == (manifest.kv_cache or {"dtype": "bf16"})["dtype"]
     assert [i.name for i in model.graph.input][:6] == contract["inputs"]
     assert {c["output"] for c in contract["cache"]} == {o.name for o in model.graph.output} - {"logits"}
 
 
 def test_a_wrong_graph_fails_the_check(root, monkeypatch):
-    artifact = _artifact(root, "gptq-kv-int4")
+    artifact = _artifact(root, "gptq-symmetric-kv-int4")
     good = onnx_graph._Builder.rms_norm
 
     def no_weight(self, x, weight):  # a norm that forgets its weight
@@ -111,7 +117,7 @@ def test_export_is_deterministic_and_refuses_a_taken_directory(root):
 
 
 def test_build_writes_a_checked_engine_into_the_artifact(root):
-    artifact = _artifact(root, "gptq-kv-int4", engines=("onnx",))
+    artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
     listed = verify_artifact(artifact)
     engine = [f for f in listed if f.startswith("engines/onnx/")]
     assert sorted(engine) == [f"engines/onnx/{n}" for n in ("engine.json", "model.onnx", "model.onnx.data")]
