@@ -108,6 +108,11 @@ def summarize_artifact(path) -> dict:
                          2 * num_parameters if isinstance(num_parameters, int) else None)
     linears = m.quantization.get("linears", {})  # per-linear entries, see compile/artifact_tensors.py
     schemes = Counter(str(v.get("scheme")) for v in linears.values() if isinstance(v, dict) and "scheme" in v)
+    engines: dict[str, int] = {}  # engines/<name>/...: bytes per engine
+    for rel, entry in m.files.items():
+        if rel.startswith("engines/") and rel.count("/") >= 2:
+            name = rel.split("/")[1]
+            engines[name] = engines.get(name, 0) + entry["size"]
     return {
         "name": m.name,
         "format_version": m.format_version,
@@ -125,6 +130,7 @@ def summarize_artifact(path) -> dict:
             "source_bytes_bf16": source_bf16,
             "compression_ratio": round(source_bf16 / weights_bytes, 3) if source_bf16 and weights_bytes else None,
         },
+        "engines": dict(sorted(engines.items())),
         "accuracy": m.accuracy,
         "calibration": m.calibration,
         "source": m.source,
@@ -156,6 +162,7 @@ def _format_summary(s: dict) -> list[str]:
         f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
         f"{sizes['num_tensors']} tensors ({dtypes})",
         f"compression:  {ratio}",
+        f"engines:      {', '.join(f'{k} ({_size(v)})' for k, v in s['engines'].items()) or 'none'}",
         f"accuracy:     {json.dumps(s['accuracy'], sort_keys=True)}",
         f"calibration:  {json.dumps(s['calibration'], sort_keys=True)}",
         f"source:       {json.dumps(s['source'], sort_keys=True)}",

@@ -16,6 +16,7 @@ onnx = pytest.importorskip("onnx")
 
 from qkiln.compile import onnx_graph  # noqa: E402
 from qkiln.compile.artifact import read_manifest, verify_artifact  # noqa: E402
+from qkiln.compile.artifact_cli import summarize_artifact  # noqa: E402
 from qkiln.compile.build import build  # noqa: E402
 from qkiln.compile.export_onnx import export_onnx  # noqa: E402
 from qkiln.compile.onnx_check import check_onnx_engine  # noqa: E402
@@ -124,6 +125,8 @@ def test_build_writes_a_checked_engine_into_the_artifact(root):
     data = (artifact / "engines/onnx/model.onnx.data").read_bytes()
     assert read_manifest(artifact).files["engines/onnx/model.onnx.data"]["sha256"] == hashlib.sha256(data).hexdigest()
     assert check_onnx_engine(artifact, artifact / "engines/onnx").ok
+    assert summarize_artifact(artifact)["engines"] == {"onnx": sum(
+        (artifact / f).stat().st_size for f in engine)}  # what `qkiln inspect` lists
     with pytest.raises(RecipeError, match="unknown engine tensorrt"):
         build("unused", preset("w4a16-rtn"), root / "never", engines=("tensorrt",))
     assert not (root / "never").exists()
