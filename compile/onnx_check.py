@@ -36,7 +36,7 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_graph import MODEL_FILE
+from .onnx_graph import INPUTS, MODEL_FILE
 
 BLOCK_SIZE = 4
 SLACK = 4.0  # how many times torch float32's distance from float64 the engine may be
@@ -78,7 +78,7 @@ class OnnxCheck:
 
 
 def _steps(vocab: int, seed: int):
-    """(ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) for two steps."""
+    """Two steps' graph inputs (onnx_graph.INPUTS order) as torch tensors."""
     g = torch.Generator().manual_seed(seed)
     tables = torch.tensor([[5, 2, 7, 0], [3, 6, 1, 4]], dtype=torch.int32)
 
@@ -146,8 +146,7 @@ def _run_engine(session, caches: list[KVCache], steps) -> tuple[list[torch.Tenso
     outputs = ["logits"] + [name.replace("cache.", "cache_out.", 1) for name in state]
     logits = []
     for step in steps:
-        feeds = {name: t.numpy() for name, t in zip(("input_ids", "positions", "slot_mapping", "block_tables",
-                                                    "seq_lens", "query_start_loc"), step)}
+        feeds = {name: t.numpy() for name, t in zip(INPUTS, step)}
         out, *written = session.run(outputs, feeds | state)
         state = dict(zip(state, written))  # the next step reads what this one wrote
         logits.append(torch.from_numpy(np.asarray(out)).double())
