@@ -98,9 +98,6 @@ def _steps(vocab: int, seed: int):
 
 
 def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCheck:
-    import onnx
-    from onnx.reference import ReferenceEvaluator
-
     model = load_artifact_model(Path(artifact), verify=False).model  # the callers verify or just wrote it
     config, manifest = model.config, read_manifest(artifact)
     kv = manifest.kv_cache or {"dtype": "bf16"}  # the engine's cache for an artifact without one
@@ -119,8 +116,7 @@ def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCh
         return caches
 
     steps = _steps(config.vocab_size, seed)
-    session = ReferenceEvaluator(onnx.load(str(Path(engine_dir) / MODEL_FILE)), new_ops=onnx_nodes.reference_ops())
-    engine_logits, engine_caches = _run_engine(session, fresh_caches(), steps)
+    engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
     float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
     exact = copy.deepcopy(model).double()
     exact.rope.inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
@@ -140,20 +136,35 @@ def _run_simulation(model, caches: list[KVCache], steps) -> tuple[list[torch.Ten
     return logits, caches
 
 
-def _run_engine(session, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
-    fields = onnx_nodes.written_fields(caches[0].kv_dtype)
-    state = {f"cache.{i}.{f}": onnx_nodes.to_numpy(getattr(c, f)) for i, c in enumerate(caches) for f in fields}
-    outputs = ["logits"] + [name.replace("cache.", "cache_out.", 1) for name in state]
-    logits = []
-    for step in steps:
-        feeds = {name: t.numpy() for name, t in zip(INPUTS, step)}
-        out, *written = session.run(outputs, feeds | state)
-        state = dict(zip(state, written))  # the next step reads what this one wrote
-        logits.append(torch.from_numpy(np.asarray(out)).double())
-    for name, value in state.items():
-        _, i, field = name.split(".")
-        getattr(caches[int(i)], field).copy_(onnx_nodes.to_torch(value))
-    return logits, caches
+class ReferenceEngine:
+    """An engine directory under onnx's reference evaluator, stepping over paged caches it keeps
+    (each step's cache_out.* become the next step's cache.*, as a runtime binding them would)."""
+
+    def __init__(self, engine_dir: Path, caches: list[KVCache]):
+        import onnx
+        from onnx.reference import ReferenceEvaluator
+
+        self.session = ReferenceEvaluator(onnx.load(str(Path(engine_dir) / MODEL_FILE)),
+                                          new_ops=onnx_nodes.reference_ops())
+        self.caches = caches
+        fields = onnx_nodes.written_fields(caches[0].kv_dtype)
+        self.state = {f"cache.{i}.{f}": onnx_nodes.to_numpy(getattr(c, f)) for i, c in enumerate(caches)
+                      for f in fields}
+        self.outputs = ["logits"] + [name.replace("cache.", "cache_out.", 1) for name in self.state]
+
+    def step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """INPUTS as torch tensors -> logits [num_tokens, vocab] float32; the caches advance."""
+        logits, *written = self.session.run(self.outputs, {n: t.numpy() for n, t in zip(INPUTS, inputs)} | self.state)
+        self.state = dict(zip(self.state, written))
+        for name, value in self.state.items():
+            _, i, field = name.split(".")
+            getattr(self.caches[int(i)], field).copy_(onnx_nodes.to_torch(value))
+        return torch.from_numpy(np.asarray(logits))
+
+
+def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
+    engine = ReferenceEngine(engine_dir, caches)
+    return [engine.step(*step).double() for step in steps], caches
 
 
 def _distance(a: torch.Tensor, exact: torch.Tensor) -> float:

@@ -156,3 +156,40 @@ def test_smollm2_engine(smollm2, root):
     result = export_onnx(artifact.path, root / "smollm2-engine")
     assert result.check.ok, result.check.summary()
     assert max(result.check.engine_logits) < 1e-2, result.check.summary()
+
+
+def test_engine_generates_what_the_artifact_generates(root):
+    """Greedy decoding through the engine (a prefill, then one token a step, the caches carried
+    from step to step) gives the tokens the artifact's simulation gives."""
+    import torch
+
+    from qkiln.compile.artifact_model import load_artifact_model
+    from qkiln.compile.onnx_check import ReferenceEngine
+    from qkiln.plugins import allocate_kv_cache
+
+    artifact = _artifact(root, "gptq-symmetric-kv-int4")
+    engine_dir = root / "engine-gptq-symmetric-kv-int4"
+    if not engine_dir.exists():
+        export_onnx(artifact, engine_dir, verify=False)
+    simulated = load_artifact_model(artifact)
+    config, kv = simulated.model.config, read_manifest(artifact).kv_cache
+    caches = allocate_kv_cache(config.num_hidden_layers, 6, 4, config.num_key_value_heads, config.head_dim,
+                               kv["dtype"], kv["group_size"])
+    engine = ReferenceEngine(engine_dir, caches)
+    table = torch.tensor([[4, 1, 5, 0, 2, 3]], dtype=torch.int32)  # scattered blocks of 4 slots
+    prompt = list(b"It was a bright")
+    tokens, position = [], 0
+    ids = prompt
+    for _ in range(8):
+        positions = torch.arange(position, position + len(ids))
+        slots = table[0, positions // 4].long() * 4 + positions % 4
+        logits = engine.step(torch.tensor(ids), positions, slots, table,
+                             torch.tensor([position + len(ids)], dtype=torch.int32),
+                             torch.tensor([0, len(ids)], dtype=torch.int32))
+        position += len(ids)
+        ids = [int(logits[-1].argmax())]
+        tokens += ids
+    expected = list(prompt)
+    for _ in range(8):
+        expected.append(int(simulated(torch.tensor([expected]))[0, -1].argmax()))
+    assert tokens == expected[len(prompt):]
