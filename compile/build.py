@@ -55,7 +55,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     start = time.perf_counter()
     check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
     _check_evaluation_data(recipe)
-    _check_engines(engines)
+    _check_engines(engines, recipe)
     source = load_source(source_name)
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
@@ -95,13 +95,18 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers), calibration_seconds)
 
 
-def _check_engines(engines: tuple[str, ...]) -> None:
+def _check_engines(engines: tuple[str, ...], recipe: Recipe) -> None:
+    """Refuse, before any work, an engine this build could not write."""
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise RecipeError(f"unknown engine {', '.join(sorted(unknown))}; qkiln writes {', '.join(ENGINES)} "
                           "(TensorRT plans are built from the ONNX engine where TensorRT is installed)")
     if "onnx" in engines:
         require_onnx()
+        w = recipe.scheme.weights
+        if w is not None and w.type == "int" and not w.symmetric and w.zero_point == "float":
+            raise RecipeError("an ONNX engine holds integer zero points only (DequantizeLinear); this recipe's "
+                              "weights use zero_point: float: set zero_point: int, or drop --engine onnx")
 
 
 def _check_evaluation_data(recipe: Recipe) -> None:

@@ -127,8 +127,13 @@ def test_build_writes_a_checked_engine_into_the_artifact(root):
     assert check_onnx_engine(artifact, artifact / "engines/onnx").ok
     assert summarize_artifact(artifact)["engines"] == {"onnx": sum(
         (artifact / f).stat().st_size for f in engine)}  # what `qkiln inspect` lists
+    # refused before any work (the source "unused" is never opened)
     with pytest.raises(RecipeError, match="unknown engine tensorrt"):
         build("unused", preset("w4a16-rtn"), root / "never", engines=("tensorrt",))
+    r = preset("w4a16-rtn")
+    float_zeros = dataclasses.replace(r.scheme, weights=dataclasses.replace(r.scheme.weights, zero_point="float"))
+    with pytest.raises(RecipeError, match="zero_point: float"):
+        build("unused", dataclasses.replace(r, scheme=float_zeros), root / "never", engines=("onnx",))
     assert not (root / "never").exists()
 
 
