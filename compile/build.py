@@ -85,12 +85,13 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
     tokenizer_files = _tokenizer_files(source)
-    engine_files, check = {}, None
-    if "onnx" in engines:
-        engine_files = onnx_engine_files(manifest, tensors)
-        check = lambda tmp: log(f"onnx engine checked: {check_artifact_engine(tmp).summary()}")  # noqa: E731
+    engine_files = onnx_engine_files(manifest, tensors) if "onnx" in engines else {}
+
+    def check_engine(artifact: Path) -> None:  # on the complete artifact, before it is published
+        log(f"onnx engine checked: {check_artifact_engine(artifact).summary()}")
+
     path = write_artifact(out, manifest, tensors, tokenizer_files, reports, engines=engine_files,
-                          overwrite=overwrite, check=check)
+                          overwrite=overwrite, check=check_engine if engine_files else None)
     seconds = time.perf_counter() - start
     return BuildResult(path, manifest, seconds, cache.num_hits, len(model.model.layers), calibration_seconds)
 
