@@ -40,6 +40,9 @@ from qkiln.runtime.rope import RotaryEmbedding
 from .artifact import Manifest
 
 OPSET = 21  # block-wise DequantizeLinear with INT4 / UINT4
+# IR 10 came with opset 21 and the 4-bit types: the oldest that holds this graph, so the widest
+# range of runtimes reads it (onnx 1.23 writes IR 14 by default, which ONNX Runtime 1.31 refuses)
+IR_VERSION = 10
 MODEL_FILE, DATA_FILE, CONTRACT_FILE = "model.onnx", "model.onnx.data", "engine.json"
 INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 _FP8_MIN_SCALE = 1e-12  # the runtime's per-token fp8 scale floor (plugins/reference.py)
@@ -103,13 +106,13 @@ def build_onnx_engine(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> O
                              "dtype": TensorProto.DataType.Name(dtype), "shape": shape})
     builder.step()
     graph = helper.make_graph(g.nodes, f"qkiln_{manifest.name}_step", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, producer_name="qkiln", producer_version=_qkiln_version(),
+    model = helper.make_model(graph, ir_version=IR_VERSION, producer_name="qkiln", producer_version=_qkiln_version(),
                               opset_imports=[helper.make_opsetid("", OPSET),
                                              helper.make_opsetid(onnx_nodes.DOMAIN, onnx_nodes.DOMAIN_VERSION)])
     model.doc_string = "one serving step of a qkiln artifact over its paged KV cache; see engine.json"
     onnx.helper.set_model_props(model, {"qkiln.artifact": manifest.name, "qkiln.kv_cache": kv["dtype"]})
     contract = {
-        "format": "onnx", "opset": OPSET, "plugin_domain": onnx_nodes.DOMAIN,
+        "format": "onnx", "ir_version": IR_VERSION, "opset": OPSET, "plugin_domain": onnx_nodes.DOMAIN,
         "plugin_version": onnx_nodes.PLUGIN_VERSION, "plugins": ["CacheWrite", "PagedAttention"],
         "model": MODEL_FILE, "external_data": DATA_FILE, "activation_dtype": "float32",
         "kv_cache": {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
