@@ -77,7 +77,7 @@ class OnnxCheck:
                 f"(torch float32: {self.float32_cache:.2%})")
 
 
-def _steps(vocab: int, seed: int):
+def two_steps(vocab: int, seed: int):
     """Two steps' graph inputs (onnx_graph.INPUTS order) as torch tensors."""
     g = torch.Generator().manual_seed(seed)
     tables = torch.tensor([[5, 2, 7, 0], [3, 6, 1, 4]], dtype=torch.int32)
@@ -115,7 +115,7 @@ def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCh
                 getattr(cache, name).copy_(value)
         return caches
 
-    steps = _steps(config.vocab_size, seed)
+    steps = two_steps(config.vocab_size, seed)
     engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
     float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
     exact = copy.deepcopy(model).double()

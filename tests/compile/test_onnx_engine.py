@@ -210,7 +210,7 @@ def test_onnx_runtime_runs_every_standard_node(root, case):
     import torch
 
     from onnx_hybrid import HybridSession
-    from qkiln.compile.onnx_check import LOGITS_FLOOR, ReferenceEngine, _steps
+    from qkiln.compile.onnx_check import LOGITS_FLOOR, ReferenceEngine, two_steps
     from qkiln.plugins import allocate_kv_cache
 
     artifact = _artifact(root, case)
@@ -226,7 +226,7 @@ def test_onnx_runtime_runs_every_standard_node(root, case):
                                  kv.get("group_size", 32))
 
     reference = ReferenceEngine(engine_dir, caches())
-    inputs = _steps(a["vocab_size"], seed=0)[0]
+    inputs = two_steps(a["vocab_size"], seed=0)[0]
     feeds = {n: t.numpy() for n, t in zip(onnx_graph.INPUTS, inputs)} | reference.state
     hybrid = HybridSession(onnx.load(str(engine_dir / onnx_graph.MODEL_FILE))).run(reference.outputs, feeds)
     want = reference.step(*inputs)
