@@ -35,7 +35,7 @@ Every bf16 GEMM goes through `dense_linear`, which reads the weight in qkiln's b
 import torch
 
 from qkiln.plugins import cpu_native
-from qkiln.plugins.reference import fake_quantize_fp8_per_token, quantize_fp8_static
+from qkiln.plugins.reference import fake_quantize_fp8_activations
 
 SMALL_M = 16
 # An int4 weight with a dequantized copy switches to the bf16 GEMM above this many rows, not above
@@ -156,9 +156,5 @@ def cpu_fp8_w8a8_linear(x, weight, weight_scale, bias=None, input_scale=None):
     out_features, in_features = weight.shape
     if weight_scale is not None:  # canonical fp8 passed directly: dequantize on the fly
         weight = (weight.float() * weight_scale[:, None]).to(torch.bfloat16)
-    if input_scale is None:
-        x_q, x_scale = fake_quantize_fp8_per_token(x.reshape(-1, in_features))
-    else:
-        x_q, x_scale = quantize_fp8_static(x.reshape(-1, in_features), input_scale), input_scale.float()
-    rows = (x_q.float() * x_scale).to(torch.bfloat16)
+    rows = fake_quantize_fp8_activations(x.reshape(-1, in_features), input_scale).to(torch.bfloat16)
     return _finish(dense_linear(rows, weight), x, bias, out_features)

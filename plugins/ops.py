@@ -51,7 +51,7 @@ from qkiln.plugins import cpu_attention, cpu_linear, cpu_native, reference
 from qkiln.plugins import reference_small_ops as small
 from qkiln.plugins.kv_cache import KVCache, offset_key
 from qkiln.plugins.packed_weights import FP8Weight, W4A8Weight, W4A16Weight, W8A16Weight
-from qkiln.plugins.reference import quantize_fp8_static
+from qkiln.plugins.reference import fake_quantize_fp8_activations, quantize_fp8_static
 
 # Registered through the low-level `torch.library.Library` rather than `@custom_op`: a decode
 # step makes ~300 op calls, and custom_op's Python wrapper measured ~17 us per call against
@@ -162,10 +162,14 @@ def _(x, weight, scales, bias, dequantized, amx_codes=False):
 
 
 def _cuda_fp8_w8a8_linear(x, weight, weight_scale, bias, input_scale=None):
-    from qkiln.plugins import triton_fp8
-
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
+    if weight_scale is None:  # group-wise weight scales: the weight arrives dequantized (bf16)
+        out = fake_quantize_fp8_activations(rows, input_scale).to(weight.dtype) @ weight.t()
+        out = out if bias is None else out + bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    from qkiln.plugins import triton_fp8
+
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if input_scale is not None:  # static: one calibrated scale for every token

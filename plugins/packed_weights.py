@@ -361,17 +361,30 @@ def prepare_w8a16(qweight, scales, target: str, use_native: bool = True,
     return W8A16Weight(weight, scales.to(torch.bfloat16), "cpu", dequantized, int8_act)
 
 
-def prepare_fp8_w8a8(weight, weight_scale, target: str, input_scale=None) -> FP8Weight:
-    """fp8 e4m3 weight [out, in] with per-channel scale [out] -> FP8Weight for `target`.
-    input_scale: a static recipe's calibrated activation scale (one value); None: per token."""
+def prepare_fp8_w8a8(weight, weight_scale, target: str, input_scale=None, group_size: int | None = None) -> FP8Weight:
+    """fp8 e4m3 weight [out, in] with per-channel scale [out] (or [out, 1]), or group-wise scales
+    [out, ceil(in / group_size)] -> FP8Weight for `target`. Group-wise weights are kept dequantized
+    (bf16) on either target: no fp8 GEMM here takes per-group weight scales (the CPU keeps every fp8
+    weight that way). input_scale: a static recipe's calibrated activation scale (one value);
+    None: per token."""
     _check_target(target)
-    if weight.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight.shape[0],):
-        raise RecipeError("fp8_w8a8 needs float8_e4m3fn weights [out, in] and scales [out]")
+    out_features, in_features = weight.shape
+    if weight_scale.dim() == 2 and weight_scale.shape[1] == 1:
+        weight_scale = weight_scale.reshape(-1)
+    grouped = weight_scale.dim() == 2
+    if weight.dtype != torch.float8_e4m3fn or weight_scale.shape[0] != out_features or (
+            grouped and (not group_size or weight_scale.shape[1] != -(-in_features // group_size))):
+        raise RecipeError("fp8_w8a8 needs float8_e4m3fn weights [out, in] and scales [out] or "
+                          f"[out, ceil(in / group_size)]; got scales {tuple(weight_scale.shape)}, group_size {group_size}")
     if input_scale is not None:
         if input_scale.numel() != 1:
             raise RecipeError(f"a static fp8 activation scale is one value, got shape {tuple(input_scale.shape)}")
         input_scale = input_scale.float().reshape(()).to(weight.device)
-    if target == "cuda":
+    if target == "cuda" and not grouped:
         return FP8Weight(weight.contiguous(), weight_scale.float().contiguous(), "cuda", input_scale)
-    dequantized = (weight.float() * weight_scale.float()[:, None]).to(torch.bfloat16)
+    scale = weight_scale.float().repeat_interleave(group_size, dim=1)[:, :in_features] if grouped \
+        else weight_scale.float()[:, None]
+    dequantized = (weight.float() * scale).to(torch.bfloat16)
+    if target == "cuda":
+        return FP8Weight(dequantized.contiguous(), None, "cuda", input_scale)
     return FP8Weight(onednn_pack(dequantized), None, "cpu", input_scale)

@@ -157,15 +157,20 @@ def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def reference_fp8_w8a8_linear(x, weight, weight_scale, bias=None, input_scale=None):
-    """fp8 e4m3 weight [out, in] with per-channel scale [out]; activations quantized per token, or
-    with the calibrated per-tensor `input_scale` (static)."""
+def fake_quantize_fp8_activations(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values x rounds to as fp8: per token, or with the calibrated per-tensor `input_scale`."""
     if input_scale is None:
         x_q, x_scale = fake_quantize_fp8_per_token(x)
     else:
         x_q, x_scale = quantize_fp8_static(x, input_scale), input_scale.float()
+    return x_q.float() * x_scale
+
+
+def reference_fp8_w8a8_linear(x, weight, weight_scale, bias=None, input_scale=None):
+    """fp8 e4m3 weight [out, in] with per-channel scale [out]; activations quantized per token, or
+    with the calibrated per-tensor `input_scale` (static)."""
     w = weight.float() * weight_scale.float()[:, None]
-    out = (x_q.float() * x_scale) @ w.t()
+    out = fake_quantize_fp8_activations(x, input_scale) @ w.t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

@@ -53,8 +53,8 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
                                    keep_dequantized=target == "cpu", int8_activations=int8_activations)
         elif fmt == "fp8":
             static = entry.get("activations") == "static"  # served with the scale it was evaluated with
-            packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float().reshape(-1),
-                                      target, tensors[name + ".input_scale"] if static else None)
+            packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float(), target,
+                                      tensors[name + ".input_scale"] if static else None, entry.get("group_size"))
         else:
             raise ArtifactError(f"linear {name} has unknown format {fmt!r}; rebuild with this qkiln version")
     except KeyError as e:

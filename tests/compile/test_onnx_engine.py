@@ -25,8 +25,8 @@ from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
 from tiny_models import CALIBRATION_SENTENCE, write_tiny_hf_model  # noqa: E402
 
 # (preset, architecture, weight / KV-cache scheme changes): every linear format, every cache dtype,
-# int4 with and without zero points, static fp8 activations, key smoothing and offset, q/k norms
-# (qwen3), biases (qwen2)
+# int4 with and without zero points, static fp8 activations, group-wise fp8 scales, key smoothing
+# and offset, q/k norms (qwen3), biases (qwen2)
 CASES = {
     "w4a16-rtn": ("w4a16-rtn", "llama", {}, {}),
     "gptq-symmetric-kv-int4": ("w4a16-gptq+kv-int4", "llama", {"symmetric": True}, {}),
@@ -34,6 +34,7 @@ CASES = {
     "fp8-static-kv-int4-smoothed": ("fp8-w8a8-static+kv-int4", "llama", {},
                                     {"key_smoothing": True, "key_offset": True}),
     "fp8-dynamic": ("fp8-w8a8", "llama", {}, {}),
+    "fp8-grouped": ("fp8-w8a8-rtn", "llama", {"group_size": 32}, {}),
     "w8a16-qwen3": ("w8a16+kv-int4", "qwen3", {}, {}),
     "w4a16-qwen2": ("w4a16-rtn+kv-fp8", "qwen2", {}, {}),
 }

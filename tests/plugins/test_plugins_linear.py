@@ -132,6 +132,29 @@ def test_cpu_fp8_w8a8_matches_reference(rows):
     assert rel_error(plain, expected) > 1e-4
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_w8a8_group_wise_weight_scales(static):
+    """Group-wise fp8 weight scales ([out, ceil(in / group)], the last group shorter): served from the
+    dequantized weight on the CPU and by the CUDA op's device-agnostic branch (run here on CPU tensors)."""
+    from qkiln.plugins.ops import _cuda_fp8_w8a8_linear
+    from qkiln.plugins.reference import fake_quantize_fp8_activations
+
+    w = torch.randn(48, 80) * torch.linspace(0.1, 4, 80)  # column ranges differ: groups matter
+    group = 32
+    scales = torch.stack([w[:, g:g + group].abs().amax(dim=1) / 448 for g in range(0, 80, group)], dim=1)
+    full = scales.repeat_interleave(group, dim=1)[:, :80]
+    weight = (w / full).to(torch.float8_e4m3fn)
+    x, bias = torch.randn(5, 80) * 3, torch.randn(48)
+    input_scale = torch.tensor(2.0 / 448) if static else None
+    expected = fake_quantize_fp8_activations(x, input_scale) @ (weight.float() * full).t() + bias
+    prepared = prepare_fp8_w8a8(weight, scales, "cpu", input_scale=input_scale, group_size=group)
+    assert rel_error(fp8_w8a8_linear(x, prepared, bias), expected) < BF16_TOLERANCE
+    dequantized = (weight.float() * full).to(torch.bfloat16)
+    assert rel_error(_cuda_fp8_w8a8_linear(x, dequantized, None, bias, input_scale), expected) < BF16_TOLERANCE
+    with pytest.raises(RecipeError, match="group_size"):
+        prepare_fp8_w8a8(weight, scales, "cpu")  # group-wise scales without their group size
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_cpu_fp8_w8a8_static_activations_use_the_calibrated_scale(rows):
     w = torch.randn(48, 96)

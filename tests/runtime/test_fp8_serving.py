@@ -1,6 +1,7 @@
-"""A static-activation fp8 artifact is served as it was evaluated: every fp8 linear quantizes its
-input with the calibrated per-tensor scale the artifact stores, not per token; greedy tokens
-served equal the simulated (evaluated) model's."""
+"""fp8 artifacts are served as they were evaluated: a static-activation recipe's linears quantize
+their inputs with the calibrated per-tensor scale the artifact stores, not per token; group-wise
+weight scales are served, not refused at load; greedy tokens served equal the simulated
+(evaluated) model's."""
 
 import dataclasses
 
@@ -17,15 +18,24 @@ from qkiln.runtime.sampling_params import SamplingParams
 from tiny_models import write_tiny_model_and_text
 
 
+def _build(root, name: str, group_size: int | None = None):
+    model, text = write_tiny_model_and_text(root)
+    r = preset(name)
+    r = dataclasses.replace(r, scheme=dataclasses.replace(
+        r.scheme, weights=dataclasses.replace(r.scheme.weights, group_size=group_size)),
+        calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=4, seq_len=64),
+        evaluation=dataclasses.replace(r.evaluation, data=None))
+    return build(str(model), r, root / "a", use_cache=False, progress=False, log=lambda m: None).path
+
+
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8static")
-    model, text = write_tiny_model_and_text(root)
-    r = preset("fp8-w8a8-static")
-    r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=4,
-                                                                  seq_len=64),
-                            evaluation=dataclasses.replace(r.evaluation, data=None))
-    return build(str(model), r, root / "a", use_cache=False, progress=False, log=lambda m: None).path
+    return _build(tmp_path_factory.mktemp("fp8static"), "fp8-w8a8-static")
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    return _build(tmp_path_factory.mktemp("fp8grouped"), "fp8-w8a8-rtn", group_size=32)
 
 
 def test_fp8_linears_carry_the_calibrated_scale(artifact):
@@ -48,7 +58,9 @@ def _rel_error(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_served_greedy_tokens_equal_simulated(artifact):
+@pytest.mark.parametrize("which", ["artifact", "grouped"])
+def test_served_greedy_tokens_equal_simulated(which, request):
+    artifact = request.getfixturevalue(which)
     llm = LLM(str(artifact), dtype="fp32", num_kv_blocks=16)
     prompt = list(b"It was a bright")
     got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
