@@ -15,6 +15,7 @@ Everything else is a high-precision tensor under its HF name, stored in bf16 (fp
 
 import torch
 
+from qkiln.errors import ArtifactError
 from qkiln.quant import Fp8Weight, KVCalibration, QuantizedWeight, QuantScheme
 from qkiln.quant.pack import pack_int4, unpack_int4
 from qkiln.runtime.config import ModelConfig
@@ -48,6 +49,9 @@ def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
             if not symmetric:
                 tensors[name + ".zeros"] = w.zeros.float().contiguous()
         else:
+            if w.zeros is not None or w.num_groups != 1:
+                raise ArtifactError(f"{name}: int8 weights are stored symmetric with one scale per row; this one "
+                                    "has zero points or groups: re-quantize it symmetric per channel")
             entry |= {"format": "int8", "scheme": "w8a16", "symmetric": True}
             tensors[name + ".qweight"] = w.qweight.to(torch.int8).contiguous()
             tensors[name + ".scales"] = w.scales.float().reshape(out_features, 1).contiguous()

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from qkiln.errors import RecipeError
+from qkiln.plugins.packed_weights import CPU_GROUP_SIZES
 from qkiln.quant.scheme import (ActivationScheme, AWQOptions, GPTQOptions, KVCacheScheme, QuantScheme,
                                 WeightScheme)
 
@@ -109,6 +110,17 @@ class Recipe:
 
     def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int) -> None:
         self.scheme.validate(linear_shapes, head_dim)
+        w = self.scheme.weights
+        if w is not None and w.type == "int" and w.num_bits == 8 and (not w.symmetric or w.group_size is not None):
+            # an artifact stores int8 codes with one scale a row, which is what the w8a16 kernels read
+            raise RecipeError("8-bit integer weights are symmetric with one scale per output channel: set "
+                              "symmetric true and group_size null (or use 4 bits for group-wise or asymmetric weights)")
+        if self.target == "cpu" and w is not None and w.type == "int" and w.num_bits == 4 \
+                and w.group_size is not None and w.group_size % CPU_GROUP_SIZES[-1]:
+            # the native int4 kernels take groups of whole 32-channel blocks (plugins/packed_weights.py)
+            raise RecipeError(f"target cpu serves int4 groups of a multiple of {CPU_GROUP_SIZES[-1]} channels "
+                              f"(e.g. {', '.join(map(str, CPU_GROUP_SIZES))}) or one group per row (group_size null), "
+                              f"got {w.group_size}")
 
     @property
     def needs_calibration(self) -> bool:

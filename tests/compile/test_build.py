@@ -12,6 +12,7 @@ from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.recipe import load_recipe, preset
 from qkiln.errors import ArtifactError, CalibrationDataError, RecipeError
+from qkiln.quant.scheme import WeightScheme
 from tiny_models import write_tiny_model_and_text
 
 SHARED_TEXT = Path(__file__).resolve().parents[2] / "../shared/data/janeausten/emma.txt"
@@ -112,6 +113,17 @@ def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(CalibrationDataError, match="nope.txt: no such file"):
         build(str(model), missing, tmp_path / "y", progress=False, log=logged.append)
     assert logged == [] and not (tmp_path / "y").exists()
+    # schemes an artifact could not store or the target could not serve: int8 weights with zero
+    # points or groups (the artifact used to crash, or to store asymmetric codes as int8 without
+    # their zero points), int4 groups the CPU kernels do not take (served used to fail at load)
+    rtn = _recipe("w4a16-rtn", text)
+    for weights, message in ((WeightScheme(8, symmetric=False, group_size=None), "8-bit integer weights"),
+                             (WeightScheme(8, symmetric=True, group_size=32), "8-bit integer weights"),
+                             (WeightScheme(4, symmetric=False, group_size=48), "multiple of 32")):
+        r = dataclasses.replace(rtn, scheme=dataclasses.replace(rtn.scheme, weights=weights))
+        with pytest.raises(RecipeError, match=message):
+            build(str(model), r, tmp_path / "z", progress=False, log=logged.append)
+        assert logged == [] and not (tmp_path / "z").exists()
 
 
 def test_recipe_file_round_trip(tmp_path):
