@@ -88,7 +88,9 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     engine_files = onnx_engine_files(manifest, tensors) if "onnx" in engines else {}
 
     def check_engine(artifact: Path) -> None:  # on the complete artifact, before it is published
-        log(f"onnx engine checked: {check_artifact_engine(artifact).summary()}")
+        check = check_artifact_engine(artifact, log)
+        if check is not None:
+            log(f"onnx engine checked: {check.summary()}")
 
     path = write_artifact(out, manifest, tensors, tokenizer_files, reports, engines=engine_files,
                           overwrite=overwrite, check=check_engine if engine_files else None)

@@ -39,6 +39,10 @@ from .artifact_model import load_artifact_model
 from .onnx_graph import INPUTS, MODEL_FILE
 
 BLOCK_SIZE = 4
+# Peak resident memory of a check per model parameter: the float32 simulation, its float64 copy,
+# the reference evaluator's dequantized weights and numpy's temporaries. Measured: 3.2 GB peak RSS
+# checking SmolLM2-135M (24 bytes a parameter, the process's ~0.5 GB included).
+CHECK_BYTES_PER_PARAMETER = 24
 SLACK = 4.0  # how many times torch float32's distance from float64 the engine may be
 LOGITS_FLOOR = 1e-3  # of the largest logit: honest float32 rounding stays below (see above)
 CACHE_FLOOR = 0.02  # of cache bytes
@@ -176,6 +180,18 @@ def _bytes_differing(a: list[KVCache], b: list[KVCache]) -> float:
     pairs = [(getattr(x, f), getattr(y, f)) for x, y in zip(a, b) for f in fields]
     differing = sum(int((x.view(torch.uint8) != y.view(torch.uint8)).sum()) for x, y in pairs)
     return differing / sum(x.view(torch.uint8).numel() for x, _ in pairs)
+
+
+def check_fits_in_memory(num_parameters: int | None) -> str | None:
+    """None when a check fits in the memory available now; else why it would not."""
+    import psutil
+
+    need = (num_parameters or 0) * CHECK_BYTES_PER_PARAMETER
+    have = psutil.virtual_memory().available
+    if need <= have:
+        return None
+    return (f"checking needs ~{need / 2**30:.0f} GiB (float32 and float64 simulations of "
+            f"{num_parameters / 1e9:.1f}B parameters), {have / 2**30:.0f} GiB is available")
 
 
 def require_engine_matches(artifact: Path, engine_dir: Path) -> OnnxCheck:

@@ -188,6 +188,7 @@ def export_cmd(
     format: Annotated[str, typer.Option("--format", help="compressed-tensors (a Hugging Face checkpoint) or onnx (an engine)")] = "compressed-tensors",
     drop_kv: Annotated[bool, typer.Option("--drop-kv", help="compressed-tensors: the weights only, without the KV-cache scheme")] = False,
     force: Annotated[bool, typer.Option("--force", help="replace an earlier export")] = False,
+    no_check: Annotated[bool, typer.Option("--no-check", help="onnx: skip running the engine against the artifact")] = False,
 ):
     """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing,
     or as an ONNX engine (paged-attention plugin nodes), checked against the artifact over two steps."""
@@ -201,14 +202,16 @@ def export_cmd(
             raise QkilnError("--drop-kv applies to compressed-tensors; an ONNX engine always holds its KV cache")
         with unpacked(str(artifact)) as path:
             if format == "onnx":
-                result = export_onnx(Path(path), out, overwrite=force)
+                result = export_onnx(Path(path), out, overwrite=force, verify=not no_check,
+                                     log=lambda msg: print(msg, file=sys.stderr))
             else:
                 result = export_compressed_tensors(Path(path), out, drop_kv=drop_kv, overwrite=force)
     except QkilnError as e:
         _fail(e)
     if format == "onnx":
+        checked = f"checked: {result.check.summary()}" if result.check else "not checked"
         print(f"exported an ONNX engine ({result.num_nodes} nodes, {result.bytes / 2**20:.1f} MiB) to {result.path}; "
-              f"checked: {result.check.summary()}")
+              + checked)
     else:
         print(f"exported {result.num_linears} quantized linears to {result.path} (verified with compressed-tensors)")
 

@@ -107,6 +107,17 @@ def test_a_wrong_graph_fails_the_check(root, monkeypatch):
     assert not (root / "wrong").exists() and not list(root.glob(".wrong.partial-*"))
 
 
+def test_a_check_that_does_not_fit_in_memory_is_skipped_and_said(root, monkeypatch):
+    from qkiln.compile import onnx_check
+
+    artifact = _artifact(root, "w4a16-rtn")
+    monkeypatch.setattr(onnx_check, "CHECK_BYTES_PER_PARAMETER", 1 << 50)  # as if the model were huge
+    said = []
+    result = export_onnx(artifact, root / "unchecked", log=said.append)
+    assert result.check is None and (result.path / onnx_graph.MODEL_FILE).is_file()
+    assert len(said) == 1 and said[0].startswith("onnx engine not checked: checking needs")
+
+
 def test_export_is_deterministic_and_refuses_a_taken_directory(root):
     artifact = _artifact(root, "w4a16-rtn")
     first = export_onnx(artifact, root / "det-a", verify=False).path
@@ -149,6 +160,9 @@ def test_cli_export_onnx(root):
     assert again.returncode != 0 and again.stderr.strip().startswith("error:") and "--force" in again.stderr
     drop = subprocess.run(cmd[:-2] + ["-o", str(root / "x"), "--drop-kv"], capture_output=True, text=True)
     assert drop.returncode != 0 and "--drop-kv applies to compressed-tensors" in drop.stderr
+    unchecked = subprocess.run(cmd[:-2] + ["-o", str(root / "cli-unchecked"), "--no-check"], capture_output=True,
+                               text=True)
+    assert unchecked.returncode == 0 and unchecked.stdout.rstrip().endswith("not checked"), unchecked.stderr
 
 
 @pytest.mark.smollm2
