@@ -17,9 +17,10 @@ com.microsoft.PagedAttention does the same): a runtime binds each output to its 
 and the write happens in place; the graph's outputs are the updated caches.
 
 Who runs them: TensorRT's ONNX parser resolves a node it does not know to the plugin registered
-under its op_type with the `plugin_namespace` / `plugin_version` attributes written here; ONNX
-Runtime through a custom-op library for the domain; `onnx.reference.ReferenceEvaluator` through
-`reference_ops()`, which run plugins/reference.py (the spec every kernel is tested against).
+under its op_type with the `plugin_namespace` / `plugin_version` attributes written here, and ONNX
+Runtime takes a custom-op library for the domain; qkiln provides neither kernel yet (TensorRT
+cannot be installed here). What runs them today is `onnx.reference.ReferenceEvaluator` through
+`reference_ops()`, which call plugins/reference.py (the spec every kernel is tested against).
 """
 
 import numpy as np
