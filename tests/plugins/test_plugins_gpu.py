@@ -142,6 +142,10 @@ def test_gpu_w8a16_and_fp8_ops(rows):
     actual = fp8_w8a8_linear(x, prepare_fp8_w8a8(fp8, fp8_scale, "cuda", input_scale=input_scale))
     expected = reference_fp8_w8a8_linear(x.float(), fp8, fp8_scale, input_scale=input_scale.cuda())
     assert rel_error(actual.float(), expected) < TOLERANCE[torch.bfloat16]
+    # group-wise weight scales (128 channels a group): served from the dequantized weight
+    group_scale = fp8_scale[:, None].expand(-1, 1024 // 128).contiguous()
+    actual = fp8_w8a8_linear(x, prepare_fp8_w8a8(fp8, group_scale, "cuda", group_size=128))
+    assert rel_error(actual.float(), reference_fp8_w8a8_linear(x.float(), fp8, fp8_scale)) < TOLERANCE[torch.bfloat16]
 
 
 def test_gpu_opcheck_attention_and_w4a16():
