@@ -296,7 +296,7 @@ class _Builder:
         else:
             if not torch.equal(zeros, zeros.round()) or zeros.min() < 0 or zeros.max() > 15:
                 raise ArtifactError(f"linear {name} has zero points that are not integers in 0..15, which "
-                                    "ONNX's DequantizeLinear cannot hold; rebuild with zero_point int")
+                                    "ONNX's DequantizeLinear cannot hold; rebuild with weights.zero_point: int")
             inputs = [self.g.const(name + ".qweight", codes.numpy().astype(ml_dtypes.uint4)),
                       self.g.const(name + ".scales", scales.numpy()),
                       self.g.const(name + ".zeros", zeros.to(torch.uint8).numpy().astype(ml_dtypes.uint4))]
