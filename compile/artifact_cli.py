@@ -9,13 +9,13 @@ import json
 import sys
 import tempfile
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from qkiln.errors import QkilnError
+from qkiln.errors import ArtifactError, QkilnError
 
 from .artifact import read_manifest, read_tensor_index, verify_artifact, weight_shards
 
@@ -51,17 +51,31 @@ def unpacked(model: str, check_target: bool = False):
 def verify_cmd(
     path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
     check_target: Annotated[bool, typer.Option(help="also refuse an artifact this machine cannot run")] = True,
+    engines: Annotated[bool, typer.Option("--engines", help="also run the ONNX engine against the artifact's weights")] = False,
 ):
-    """Check the manifest version, target and every file's size and sha256 (no weights loaded)."""
+    """Check the manifest version, target and every file's size and sha256 (no weights loaded);
+    with --engines, also that engines/onnx/ computes what the weights compute (two paged steps)."""
     try:
-        if _is_archive(path):
-            with unpacked(str(path), check_target=check_target) as artifact:  # verified as it unpacks
-                num_files = len(read_manifest(Path(artifact)).files)
-        else:
-            num_files = len(verify_artifact(path, check_target=check_target))
+        with ExitStack() as stack:
+            if _is_archive(path):  # verified as it unpacks
+                artifact = Path(stack.enter_context(unpacked(str(path), check_target=check_target)))
+                num_files = len(read_manifest(artifact).files)
+            else:
+                artifact, num_files = Path(path), len(verify_artifact(path, check_target=check_target))
+            checked = _check_onnx_engine(artifact) if engines else ""
     except QkilnError as e:
         _fail(e)
-    print(f"ok: {num_files} files verified")
+    print(f"ok: {num_files} files verified{checked}")
+
+
+def _check_onnx_engine(artifact: Path) -> str:
+    from .export_onnx import ENGINE_DIR, check_artifact_engine, require_onnx
+
+    if not (artifact / "engines" / ENGINE_DIR).is_dir():
+        raise ArtifactError(f"{artifact}: has no engines/{ENGINE_DIR}/ to check; build with --engine onnx")
+    require_onnx()
+    check = check_artifact_engine(artifact, log=lambda msg: print(msg, file=sys.stderr))
+    return f"; onnx engine checked: {check.summary()}" if check else "; onnx engine not checked"
 
 
 def inspect_cmd(

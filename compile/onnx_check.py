@@ -36,7 +36,7 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_graph import INPUTS, MODEL_FILE
+from .onnx_graph import CONTRACT_FILE, INPUTS, MODEL_FILE
 
 BLOCK_SIZE = 4
 # Peak resident memory of a check per model parameter: the float32 simulation, its float64 copy,
@@ -119,8 +119,15 @@ def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCh
                 getattr(cache, name).copy_(value)
         return caches
 
+    _check_contract(Path(engine_dir), {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
+                                       "num_layers": config.num_hidden_layers,
+                                       "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim})
     steps = two_steps(config.vocab_size, seed)
-    engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
+    try:
+        engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
+    except Exception as e:  # a damaged or foreign graph: say so rather than show the evaluator's stack
+        raise ArtifactError(f"the ONNX engine in {engine_dir} failed to run ({type(e).__name__}: {e}); "
+                            "rebuild or re-export it from this artifact") from None
     float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
     exact = copy.deepcopy(model).double()
     exact.rope.inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
@@ -169,6 +176,21 @@ class ReferenceEngine:
 def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
     engine = ReferenceEngine(engine_dir, caches)
     return [engine.step(*step).double() for step in steps], caches
+
+
+def _check_contract(engine_dir: Path, kv_cache: dict) -> None:
+    """The engine's engine.json must describe this artifact's cache (an engine of other weights
+    would otherwise fail deep inside the evaluator, or worse, run)."""
+    import json
+
+    try:
+        contract = json.loads((engine_dir / CONTRACT_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{engine_dir / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
+    theirs = {key: contract.get("kv_cache", {}).get(key) for key in kv_cache}
+    if theirs != kv_cache:
+        raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache "
+                            f"(engine.json kv_cache {theirs}, this artifact {kv_cache}); re-export it from this artifact")
 
 
 def _distance(a: torch.Tensor, exact: torch.Tensor) -> float:

@@ -250,3 +250,32 @@ def test_onnx_runtime_runs_every_standard_node(root, case):
     written = [np.ascontiguousarray(v).view(np.uint8) for v in hybrid[1:]]
     expected = [np.ascontiguousarray(v).view(np.uint8) for v in reference.state.values()]
     assert sum(int((x != y).sum()) for x, y in zip(written, expected)) <= 0.02 * sum(x.size for x in written)
+
+
+def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
+    """`qkiln verify --engines` runs the engine against the artifact's weights: an engine swapped in
+    from another artifact, with the manifest's hashes redone to match, passes the hash check and
+    fails this one: its engine.json names another cache, or (graph swapped alone) it cannot run on
+    this artifact's caches; both are typed errors, not the evaluator's stack."""
+    import shutil
+
+    artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
+    cmd = [sys.executable, "-m", "qkiln", "verify", "--engines"]
+    done = subprocess.run(cmd + [str(artifact)], capture_output=True, text=True)
+    assert done.returncode == 0 and "onnx engine checked: logits" in done.stdout, done.stderr
+    other = _artifact(root, "w4a16-rtn")
+    export_onnx(other, tmp_path / "other", verify=False)
+    for files, message in (((onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE, onnx_graph.CONTRACT_FILE),
+                            "was built for another model or cache"),
+                           ((onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE), "failed to run")):
+        swapped = tmp_path / f"swapped-{len(files)}"
+        shutil.copytree(artifact, swapped)
+        manifest = json.loads((swapped / "manifest.json").read_text())
+        for name in files:
+            data = (tmp_path / "other" / name).read_bytes()
+            (swapped / "engines/onnx" / name).write_bytes(data)
+            manifest["files"][f"engines/onnx/{name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        (swapped / "manifest.json").write_text(json.dumps(manifest))
+        assert subprocess.run([sys.executable, "-m", "qkiln", "verify", str(swapped)]).returncode == 0
+        done = subprocess.run(cmd + [str(swapped)], capture_output=True, text=True)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
