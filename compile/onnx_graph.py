@@ -122,6 +122,16 @@ def build_onnx_engine(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> O
         "artifact": {"name": manifest.name, "recipe": manifest.recipe.get("name"),
                      "source_sha256": manifest.source.get("sha256")},
         "inputs": list(INPUTS), "outputs": ["logits"],
+        "semantics": {  # what the runtime feeds (runtime/paged_attention.py, plugins/kv_cache.py)
+            "input_ids": "the step's tokens, all sequences flattened: sequence s owns rows "
+                         "query_start_loc[s] .. query_start_loc[s + 1], its last positions",
+            "positions": "each token's position in its sequence (RoPE)",
+            "slot_mapping": "where each token's K/V is written: block_id * block_size + offset; -1: not written",
+            "block_tables": "each sequence's cache blocks in order; rows padded with any valid block id",
+            "seq_lens": "each sequence's context length including this step's tokens",
+            "query_start_loc": "prefix sums of the sequences' token counts, starting at 0",
+            "cache": "layout and quantization per kv dtype: plugins/kv_cache.py; node inputs: plugins/onnx_nodes.py",
+        },
         "cache": cache_io,
         "aliasing": "each cache_out.* is its cache.* written in place: bind them to one buffer",
     }
