@@ -47,23 +47,25 @@ def root(tmp_path_factory):
     return root
 
 
-def _artifact(root: Path, case: str, engines=()) -> Path:
+def _model_and_recipe(root: Path, case: str):
     name, arch, weight_changes, kv_changes = CASES[case]
-    out = root / (case + ("-engine" if engines else ""))
-    if out.exists():
-        return out
     model = root / f"model-{arch}"
     if not model.exists():
         write_tiny_hf_model(model, arch)
-    text = str(root / "calib.txt")
     r = preset(name)
     scheme = dataclasses.replace(r.scheme, weights=dataclasses.replace(r.scheme.weights, **weight_changes))
     if kv_changes:
         scheme = dataclasses.replace(scheme, kv_cache=dataclasses.replace(scheme.kv_cache, **kv_changes))
-    r = dataclasses.replace(r, scheme=scheme,
-                            calibration=dataclasses.replace(r.calibration, source=text, num_samples=4, seq_len=64),
-                            evaluation=dataclasses.replace(r.evaluation, data=None))
-    build(str(model), r, out, use_cache=False, progress=False, log=lambda m: None, engines=engines)
+    return model, dataclasses.replace(r, scheme=scheme, calibration=dataclasses.replace(
+        r.calibration, source=str(root / "calib.txt"), num_samples=4, seq_len=64),
+        evaluation=dataclasses.replace(r.evaluation, data=None))
+
+
+def _artifact(root: Path, case: str, engines=()) -> Path:
+    out = root / (case + ("-engine" if engines else ""))
+    if not out.exists():
+        model, recipe = _model_and_recipe(root, case)
+        build(str(model), recipe, out, use_cache=False, progress=False, log=lambda m: None, engines=engines)
     return out
 
 
@@ -279,3 +281,16 @@ def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
         assert subprocess.run([sys.executable, "-m", "qkiln", "verify", str(swapped)]).returncode == 0
         done = subprocess.run(cmd + [str(swapped)], capture_output=True, text=True)
         assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_builds_with_an_engine_are_byte_identical(root, tmp_path):
+    """`build --engine onnx` keeps builds reproducible: the same inputs under the same name give the
+    same bytes, engine included (the engine records the artifact's name, as the manifest does)."""
+    first = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
+    model, recipe = _model_and_recipe(root, "gptq-symmetric-kv-int4")
+    again = build(str(model), recipe, tmp_path / first.name, use_cache=False, progress=False,
+                  log=lambda m: None, engines=("onnx",)).path
+    files = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file())
+    assert any(f.startswith("engines/onnx/") for f in files)
+    for f in files:
+        assert (first / f).read_bytes() == (again / f).read_bytes(), f
