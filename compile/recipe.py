@@ -20,7 +20,6 @@ from typing import Any
 import yaml
 
 from qkiln.errors import RecipeError
-from qkiln.plugins.packed_weights import CPU_GROUP_SIZES
 from qkiln.quant.scheme import (ActivationScheme, AWQOptions, GPTQOptions, KVCacheScheme, QuantScheme,
                                 WeightScheme)
 
@@ -109,6 +108,8 @@ class Recipe:
             raise RecipeError(f"target must be one of {TARGETS}, got {self.target!r}")
 
     def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int) -> None:
+        from qkiln.plugins.packed_weights import CPU_GROUP_SIZES  # imports torch: not at recipe load
+
         self.scheme.validate(linear_shapes, head_dim)
         w = self.scheme.weights
         if w is not None and w.type == "int" and w.num_bits == 8 and (not w.symmetric or w.group_size is not None):
