@@ -101,27 +101,47 @@ def two_steps(vocab: int, seed: int):
     return out
 
 
-def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCheck:
-    model = load_artifact_model(Path(artifact), verify=False).model  # the callers verify or just wrote it
-    config, manifest = model.config, read_manifest(artifact)
-    kv = manifest.kv_cache or {"dtype": "bf16"}  # the engine's cache for an artifact without one
-    tensors = load_tensors(artifact, manifest, verify=False)
-    p = "model.layers.{}.self_attn."
-    scales = {key: [tensors[p.format(i) + key] for i in range(config.num_hidden_layers)]
-              for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset") if p.format(0) + key in tensors}
+class ArtifactCaches:
+    """Fresh paged caches as the artifact's engine takes them: its kv dtype (bf16 without a KV
+    scheme, as the runtime's default), its static scales installed."""
 
-    def fresh_caches() -> list[KVCache]:
-        caches = allocate_kv_cache(config.num_hidden_layers, 8, BLOCK_SIZE, config.num_key_value_heads,
-                                   config.head_dim, kv["dtype"], kv.get("group_size", 32),
-                                   has_k_channel_scale="k_channel_scale" in scales, has_k_offset="k_offset" in scales)
-        for name, values in scales.items():
+    def __init__(self, artifact: Path, config, block_size: int = BLOCK_SIZE):
+        manifest = read_manifest(artifact)
+        self.config, self.block_size = config, block_size
+        self.kv = manifest.kv_cache or {"dtype": "bf16"}
+        tensors = load_tensors(artifact, manifest, verify=False)
+        p = "model.layers.{}.self_attn."
+        self.scales = {key: [tensors[p.format(i) + key] for i in range(config.num_hidden_layers)]
+                       for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset")
+                       if p.format(0) + key in tensors}
+
+    def contract(self) -> dict:
+        """engine.json's kv_cache entry an engine of this artifact has."""
+        c = self.config
+        return {"dtype": self.kv["dtype"], "group_size": self.kv.get("group_size"), "num_layers": c.num_hidden_layers,
+                "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
+
+    def new(self, num_blocks: int) -> list[KVCache]:
+        c = self.config
+        caches = allocate_kv_cache(c.num_hidden_layers, num_blocks, self.block_size, c.num_key_value_heads,
+                                   c.head_dim, self.kv["dtype"], self.kv.get("group_size", 32),
+                                   has_k_channel_scale="k_channel_scale" in self.scales,
+                                   has_k_offset="k_offset" in self.scales)
+        for name, values in self.scales.items():
             for cache, value in zip(caches, values):
                 getattr(cache, name).copy_(value)
         return caches
 
-    _check_contract(Path(engine_dir), {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
-                                       "num_layers": config.num_hidden_layers,
-                                       "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim})
+
+def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCheck:
+    model = load_artifact_model(Path(artifact), verify=False).model  # the callers verify or just wrote it
+    config = model.config
+    caches = ArtifactCaches(Path(artifact), config)
+
+    def fresh_caches() -> list[KVCache]:
+        return caches.new(8)
+
+    check_contract(Path(engine_dir), caches.contract())
     steps = two_steps(config.vocab_size, seed)
     try:
         engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
@@ -178,7 +198,7 @@ def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[to
     return [engine.step(*step).double() for step in steps], caches
 
 
-def _check_contract(engine_dir: Path, kv_cache: dict) -> None:
+def check_contract(engine_dir: Path, kv_cache: dict) -> None:
     """The engine's engine.json must describe this artifact's cache (an engine of other weights
     would otherwise fail deep inside the evaluator, or worse, run)."""
     import json

@@ -40,19 +40,29 @@ def eval_cmd(
     batch_size: Annotated[int, typer.Option(help="windows per forward pass")] = 4,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the report here")] = None,
     int8_activations: Annotated[bool, typer.Option("--int8-activations", help="score an artifact as served with --int8-activations")] = False,
+    engine: Annotated[Optional[str], typer.Option(help="score the artifact's engine instead of its simulation: onnx")] = None,
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
     from qkiln.compile.evaluate import evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
+        if engine not in (None, "onnx") or (engine and int8_activations):
+            raise QkilnError("--engine takes onnx, without --int8-activations (the engine computes the recipe exactly)")
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
-            m = open_model(path, int8_activations)
+            if engine:
+                from qkiln.compile.onnx_eval import open_engine
+
+                m = open_engine(Path(path))
+            else:
+                m = open_model(path, int8_activations)
             ref = open_model(ref_path) if reference else None
             report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
         _fail(e)
     report["model"] = model
+    if engine:
+        report["engine"] = engine
     if int8_activations:
         report["int8_activations"] = True
     if reference:

@@ -294,3 +294,25 @@ def test_builds_with_an_engine_are_byte_identical(root, tmp_path):
     assert any(f.startswith("engines/onnx/") for f in files)
     for f in files:
         assert (first / f).read_bytes() == (again / f).read_bytes(), f
+
+
+def test_eval_scores_the_engine_as_the_simulation(root, tmp_path):
+    """`qkiln eval ARTIFACT --engine onnx` scores the deployed graph (windows batched as sequences of
+    one engine step over paged caches): its perplexity is the simulation's, to float32 rounding."""
+    from qkiln.compile.evaluate import evaluate
+    from qkiln.compile.model_ref import open_model
+
+    artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
+    text = str(root / "calib.txt")
+    cmd = [sys.executable, "-m", "qkiln", "eval", str(artifact), "--engine", "onnx", "--data", text,
+           "--seq-len", "64", "--max-tokens", "512", "--json", str(tmp_path / "engine.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "engine.json").read_text())
+    simulated = open_model(str(artifact))
+    expected = evaluate(simulated, simulated.tokenizer, text, 64, 512, progress=False)
+    assert report["engine"] == "onnx" and report["num_tokens"] == expected["num_tokens"]
+    assert abs(report["perplexity"] / expected["perplexity"] - 1) < 1e-4
+    bare = _artifact(root, "w4a16-rtn")  # no engines/onnx/: a typed error, not a stack
+    done = subprocess.run(cmd[:4] + [str(bare)] + cmd[5:], capture_output=True, text=True)
+    assert done.returncode != 0 and "has no engines/onnx/" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,59 @@
+"""Score an artifact's ONNX engine on the evaluation protocol (`qkiln eval ARTIFACT --engine onnx`):
+what the deployed graph does to accuracy, beside what the artifact's simulation reports.
+
+Each batch of windows is one engine step: every window a sequence prefilled from position 0 into
+fresh paged caches (its own blocks, `block_size` tokens each), all windows flattened into one
+`input_ids`, as the runtime batches prefills. The engine runs under onnx's reference evaluator
+(onnx_check.ReferenceEngine), so this is slow (seconds a window on SmolLM2) and meant for
+accuracy jobs, not serving.
+"""
+
+from pathlib import Path
+
+import torch
+
+from qkiln.errors import ArtifactError
+
+from qkiln.runtime.config import ModelConfig
+from qkiln.runtime.tokenizer import Tokenizer
+
+from .artifact import read_manifest, verify_artifact
+from .export_onnx import ENGINE_DIR, require_onnx
+from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract
+
+BLOCK_SIZE = 16  # the runtime's default
+
+
+class EngineScorer:
+    """ids [B, T] -> logits [B, T, V] float32 through the engine in `engine_dir`."""
+
+    def __init__(self, artifact: Path, engine_dir: Path, config: ModelConfig):
+        self.engine_dir, self.config, self.tokenizer = engine_dir, config, None
+        self.caches = ArtifactCaches(artifact, config, BLOCK_SIZE)
+        check_contract(engine_dir, self.caches.contract())
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        batch, length = ids.shape
+        per_seq = -(-length // BLOCK_SIZE)
+        engine = ReferenceEngine(self.engine_dir, self.caches.new(batch * per_seq))
+        tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
+        positions = torch.arange(length).repeat(batch)
+        seq = torch.arange(batch).repeat_interleave(length)
+        slots = tables[seq, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+        lens = torch.full((batch,), length, dtype=torch.int32)
+        starts = torch.arange(batch + 1, dtype=torch.int32) * length
+        logits = engine.step(ids.reshape(-1), positions, slots, tables, lens, starts)
+        return logits.reshape(batch, length, -1)
+
+
+def open_engine(artifact: Path) -> EngineScorer:
+    """The artifact's engines/onnx/ as an evaluation scorer; `.tokenizer` is the artifact's."""
+    require_onnx()
+    verify_artifact(artifact, check_target=False)  # evaluation runs anywhere
+    engine_dir = Path(artifact) / "engines" / ENGINE_DIR
+    if not engine_dir.is_dir():
+        raise ArtifactError(f"{artifact}: has no engines/{ENGINE_DIR}/ to score; build with --engine onnx")
+    config = ModelConfig.from_dict(read_manifest(artifact).architecture)
+    scorer = EngineScorer(Path(artifact), engine_dir, config)
+    scorer.tokenizer = Tokenizer.from_dir(Path(artifact) / "tokenizer")
+    return scorer
