@@ -25,7 +25,7 @@ from .quantized_model import QuantizedModel
 
 def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
     """-> (tensors, manifest.quantization)."""
-    tensors = {k: _high_precision(k, v) for k, v in qm.fp_tensors.items()}
+    tensors = {k: stored_precision(k, v) for k, v in qm.fp_tensors.items()}
     linears = {}
     for name, w in sorted(qm.weights.items()):
         out_features, in_features = (w.qweight if isinstance(w, QuantizedWeight) else w.weight).shape
@@ -65,7 +65,8 @@ def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, {"linears": linears}
 
 
-def _high_precision(name: str, t: torch.Tensor) -> torch.Tensor:
+def stored_precision(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A high-precision tensor as the artifact stores it."""
     # norms are tiny and sensitive (AWQ folds scales into them): keep fp32; the rest bf16
     return t.float().contiguous() if "norm" in name or t.dim() == 1 else t.to(torch.bfloat16).contiguous()
 

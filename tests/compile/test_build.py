@@ -215,3 +215,19 @@ def test_awq_options_build_and_are_recorded(tiny, tmp_path, monkeypatch):
     entry = manifest.quantization["linears"]["model.layers.1.self_attn.o_proj"]
     assert entry["algorithm"] == "awq" and entry["format"] == "int4"
     assert manifest.accuracy["perplexity_change"] < 0.5
+
+
+def test_the_accuracy_report_describes_the_artifact(tiny, tmp_path, monkeypatch):
+    """The build scores the model as the artifact stores it (bf16 embeddings and unquantized
+    weights), so `qkiln eval ARTIFACT` on the same protocol gives the report's numbers."""
+    from qkiln.compile.evaluate import evaluate
+    from qkiln.compile.model_ref import open_model
+
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(str(model), _recipe("w4a16-gptq+kv-int4", text), tmp_path / "a", progress=False,
+                   log=lambda m: None)
+    artifact = open_model(str(result.path))
+    report = evaluate(artifact, artifact.tokenizer, str(text), 64, 256, progress=False)
+    assert report["num_tokens"] == result.manifest.accuracy["num_tokens"]
+    assert report["perplexity"] == pytest.approx(result.manifest.accuracy["perplexity"], rel=1e-6)
