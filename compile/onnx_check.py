@@ -177,6 +177,10 @@ class ReferenceEngine:
 
         self.session = ReferenceEvaluator(onnx.load(str(Path(engine_dir) / MODEL_FILE)),
                                           new_ops=onnx_nodes.reference_ops())
+        self.use(caches)
+
+    def use(self, caches: list[KVCache]) -> None:
+        """Step over these caches from now on (the graph is loaded once)."""
         self.caches = caches
         fields = onnx_nodes.written_fields(caches[0].kv_dtype)
         self.state = {f"cache.{i}.{f}": onnx_nodes.to_numpy(getattr(c, f)) for i, c in enumerate(caches)

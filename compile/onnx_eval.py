@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from qkiln.errors import ArtifactError
-
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.tokenizer import Tokenizer
 
@@ -31,11 +30,16 @@ class EngineScorer:
         self.engine_dir, self.config, self.tokenizer = engine_dir, config, None
         self.caches = ArtifactCaches(artifact, config, BLOCK_SIZE)
         check_contract(engine_dir, self.caches.contract())
+        self.engine: ReferenceEngine | None = None  # loaded at the first batch
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         batch, length = ids.shape
         per_seq = -(-length // BLOCK_SIZE)
-        engine = ReferenceEngine(self.engine_dir, self.caches.new(batch * per_seq))
+        caches = self.caches.new(batch * per_seq)  # fresh: each window starts at position 0
+        if self.engine is None:
+            self.engine = ReferenceEngine(self.engine_dir, caches)
+        self.engine.use(caches)
+        engine = self.engine
         tables = torch.arange(batch * per_seq, dtype=torch.int32).reshape(batch, per_seq)
         positions = torch.arange(length).repeat(batch)
         seq = torch.arange(batch).repeat_interleave(length)
