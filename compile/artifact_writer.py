@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import tarfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
@@ -85,6 +86,22 @@ def fresh_partial_dir(out: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
+
+
+@contextmanager
+def staged_directory(out: Path):
+    """Yield an empty partial sibling of `out` to write into. When the block ends without error it
+    takes `out`'s name, replacing what was there (the caller has agreed to replace it); when the
+    block raises, it is removed. Exports use it; artifacts go through write_artifact."""
+    tmp = fresh_partial_dir(out)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def remove_stale_partials(out: Path) -> list[Path]:

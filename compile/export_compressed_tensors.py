@@ -30,7 +30,6 @@ int4 KV and key smoothing (no CT equivalent) unless `drop_kv`, which exports the
 import dataclasses
 import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +45,7 @@ from qkiln.runtime.model import CausalLM
 
 from .artifact import load_tensors, read_manifest
 from .artifact_tensors import from_tensors
-from .artifact_writer import fresh_partial_dir
+from .artifact_writer import staged_directory
 from .quantized_model import QuantizedModel
 
 INSTALL_HINT = "install the interop extra: pip install 'qkiln[interop]' (compressed-tensors==0.20.0)"
@@ -84,8 +83,7 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
     # as the artifact stores them (bf16, norms fp32); a dequantized head as computed
     tensors.update({k: stored.get(k, qm.fp_tensors[k]) for k in qm.fp_tensors})
-    tmp = fresh_partial_dir(out)
-    try:
+    with staged_directory(out) as tmp:
         config = qm.config
         if config.tie_word_embeddings and "lm_head.weight" in qm.fp_tensors:
             # the head was quantized as its own copy: an untied checkpoint carries it
@@ -93,12 +91,6 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
         _write_checkpoint(tmp, config, tensors, quant_config, Path(artifact) / "tokenizer")
         if verify:
             check_export(artifact, tmp, qm)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ExportResult(out, len(qm.weights), *info)
 
 

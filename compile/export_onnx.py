@@ -6,8 +6,6 @@ serving steps and held to the artifact's own numerics before the directory appea
 package is an optional extra (`pip install 'qkiln[onnx]'`); nothing else imports it.
 """
 
-import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 from qkiln.errors import ArtifactError, QkilnError
 
 from .artifact import Manifest, load_tensors, read_manifest, verify_artifact
-from .artifact_writer import fresh_partial_dir
+from .artifact_writer import staged_directory
 from .onnx_check import OnnxCheck, check_fits_in_memory, require_engine_matches
 from .onnx_graph import CONTRACT_FILE, build_onnx_engine, write_onnx_engine
 
@@ -51,16 +49,9 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     manifest = read_manifest(artifact)
     verify = verify and _check_fits(manifest, log)
     engine = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
-    tmp = fresh_partial_dir(out)
-    try:
+    with staged_directory(out) as tmp:
         size = sum(f.stat().st_size for f in write_onnx_engine(engine, tmp))
         check = require_engine_matches(Path(artifact), tmp) if verify else None
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return OnnxExportResult(out, len(engine.model.graph.node), size, check)
 
 
