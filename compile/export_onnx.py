@@ -64,12 +64,22 @@ def onnx_engine_files(manifest: Manifest, tensors: dict) -> dict[str, bytes]:
         return {f"{ENGINE_DIR}/{p.name}": p.read_bytes() for p in write_onnx_engine(engine, Path(tmp))}
 
 
+def artifact_engine_dir(artifact: Path, purpose: str) -> Path:
+    """An artifact's engines/onnx/, or an ArtifactError saying it has none to `purpose`."""
+    engine_dir = Path(artifact) / "engines" / ENGINE_DIR
+    if not engine_dir.is_dir():
+        raise ArtifactError(f"{artifact}: has no engines/{ENGINE_DIR}/ to {purpose}; build with --engine onnx")
+    return engine_dir
+
+
 def check_artifact_engine(artifact: Path, log=print) -> OnnxCheck | None:
     """Hold an artifact's engines/onnx/ to the artifact (onnx_check.py); ArtifactError if it misses,
     None when the check would not fit in memory (said through `log`)."""
+    engine_dir = artifact_engine_dir(artifact, "check")
+    require_onnx()
     if not _check_fits(read_manifest(artifact), log):
         return None
-    return require_engine_matches(Path(artifact), Path(artifact) / "engines" / ENGINE_DIR)
+    return require_engine_matches(Path(artifact), engine_dir)
 
 
 def _check_fits(manifest: Manifest, log) -> bool:

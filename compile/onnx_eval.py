@@ -12,12 +12,11 @@ from pathlib import Path
 
 import torch
 
-from qkiln.errors import ArtifactError
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import read_manifest, verify_artifact
-from .export_onnx import ENGINE_DIR, require_onnx
+from .export_onnx import artifact_engine_dir, require_onnx
 from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract
 
 BLOCK_SIZE = 16  # the runtime's default
@@ -54,9 +53,7 @@ def open_engine(artifact: Path) -> EngineScorer:
     """The artifact's engines/onnx/ as an evaluation scorer; `.tokenizer` is the artifact's."""
     require_onnx()
     verify_artifact(artifact, check_target=False)  # evaluation runs anywhere
-    engine_dir = Path(artifact) / "engines" / ENGINE_DIR
-    if not engine_dir.is_dir():
-        raise ArtifactError(f"{artifact}: has no engines/{ENGINE_DIR}/ to score; build with --engine onnx")
+    engine_dir = artifact_engine_dir(artifact, "score")
     config = ModelConfig.from_dict(read_manifest(artifact).architecture)
     scorer = EngineScorer(Path(artifact), engine_dir, config)
     scorer.tokenizer = Tokenizer.from_dir(Path(artifact) / "tokenizer")
