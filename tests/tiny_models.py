@@ -81,3 +81,15 @@ def write_tiny_model_and_text(root: Path, text: str = CALIBRATION_SENTENCE * 200
     calib = root / "calib.txt"
     calib.write_text(text)
     return model, calib
+
+
+def simulated_greedy(artifact: Path, prompt: list[int], num_tokens: int) -> list[int]:
+    """The tokens greedy decoding gives through an artifact's simulation (what its accuracy report
+    measures): the reference that served or exported forms are compared with."""
+    from qkiln.compile.artifact_model import load_artifact_model
+
+    simulated = load_artifact_model(artifact)
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(simulated(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]

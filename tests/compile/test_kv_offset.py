@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from qkiln.compile.artifact import load_tensors, read_manifest
-from qkiln.compile.artifact_model import load_artifact_model
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
 from qkiln.plugins import allocate_kv_cache, cache_write, paged_attention
@@ -14,7 +13,7 @@ from qkiln.quant.scheme import KVCacheScheme
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
-from tiny_models import write_tiny_model_and_text
+from tiny_models import simulated_greedy, write_tiny_model_and_text
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +51,7 @@ def test_served_greedy_tokens_equal_simulated(artifact):
     while engine.has_unfinished():
         for out in engine.step():
             got = out.token_ids
-    simulated = load_artifact_model(artifact)
-    ids = list(prompt)
-    for _ in range(12):
-        ids.append(int(simulated(torch.tensor([ids]))[0, -1].argmax()))
-    assert got == ids[len(prompt):]
+    assert got == simulated_greedy(artifact, prompt, 12)
 
 
 def test_cache_stores_keys_minus_offset_and_attention_ignores_it():

@@ -22,7 +22,7 @@ from qkiln.compile.export_onnx import export_onnx  # noqa: E402
 from qkiln.compile.onnx_check import check_onnx_engine  # noqa: E402
 from qkiln.compile.recipe import preset  # noqa: E402
 from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
-from tiny_models import CALIBRATION_SENTENCE, write_tiny_hf_model  # noqa: E402
+from tiny_models import CALIBRATION_SENTENCE, simulated_greedy, write_tiny_hf_model  # noqa: E402
 
 # (preset, architecture, weight / KV-cache scheme changes): every linear format, every cache dtype,
 # int4 with and without zero points, static fp8 activations, group-wise fp8 scales, key smoothing
@@ -185,16 +185,16 @@ def test_engine_generates_what_the_artifact_generates(root):
     from step to step) gives the tokens the artifact's simulation gives."""
     import torch
 
-    from qkiln.compile.artifact_model import load_artifact_model
     from qkiln.compile.onnx_check import ReferenceEngine
     from qkiln.plugins import allocate_kv_cache
+    from qkiln.runtime.config import ModelConfig
 
     artifact = _artifact(root, "gptq-symmetric-kv-int4")
     engine_dir = root / "engine-gptq-symmetric-kv-int4"
     if not engine_dir.exists():
         export_onnx(artifact, engine_dir, verify=False)
-    simulated = load_artifact_model(artifact)
-    config, kv = simulated.model.config, read_manifest(artifact).kv_cache
+    manifest = read_manifest(artifact)
+    config, kv = ModelConfig.from_dict(manifest.architecture), manifest.kv_cache
     caches = allocate_kv_cache(config.num_hidden_layers, 6, 4, config.num_key_value_heads, config.head_dim,
                                kv["dtype"], kv["group_size"])
     engine = ReferenceEngine(engine_dir, caches)
@@ -211,10 +211,7 @@ def test_engine_generates_what_the_artifact_generates(root):
         position += len(ids)
         ids = [int(logits[-1].argmax())]
         tokens += ids
-    expected = list(prompt)
-    for _ in range(8):
-        expected.append(int(simulated(torch.tensor([expected]))[0, -1].argmax()))
-    assert tokens == expected[len(prompt):]
+    assert tokens == simulated_greedy(artifact, prompt, 8)
 
 
 @pytest.mark.parametrize("case", list(CASES))

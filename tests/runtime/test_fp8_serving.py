@@ -8,14 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from qkiln.compile.artifact_model import load_artifact_model
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
 from qkiln.plugins.reference import reference_fp8_w8a8_linear
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.quantized_linear import QuantizedLinear
 from qkiln.runtime.sampling_params import SamplingParams
-from tiny_models import write_tiny_model_and_text
+from tiny_models import simulated_greedy, write_tiny_model_and_text
 
 
 def _build(root, name: str, group_size: int | None = None):
@@ -64,8 +63,4 @@ def test_served_greedy_tokens_equal_simulated(which, request):
     llm = LLM(str(artifact), dtype="fp32", num_kv_blocks=16)
     prompt = list(b"It was a bright")
     got = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
-    simulated = load_artifact_model(artifact)
-    ids = list(prompt)
-    for _ in range(12):
-        ids.append(int(simulated(torch.tensor([ids]))[0, -1].argmax()))
-    assert got == ids[len(prompt):]
+    assert got == simulated_greedy(artifact, prompt, 12)
