@@ -11,12 +11,13 @@ nodes of plugins/onnx_nodes.py read and write:
              dtype (k, v; int4 adds k_group_scale, k_group_min, v_group_scale, v_group_min)
     outputs  logits [N, vocab] float32; `cache_out.{i}.{field}`, the caches after this step's write
 
-Activations are float32. Weights keep their stored precision: int4 / int8 / fp8 linears are
-DequantizeLinear (block-wise along in_features for groups, the weight-only pattern TensorRT and
-ONNX Runtime fuse into their quantized GEMMs) feeding Gemm(transB=1) on the [out, in] layout, so
-no weight is transposed or widened in the file; fp8 linears quantize activations per token, or
-with a static recipe's calibrated scale, as the runtime does; dense weights stay bf16 behind a
-Cast. Symmetric int4 is INT4 without a zero point; asymmetric int4 is UINT4 with its integral zero
+Activations are float32. Weights keep their stored precision. int4 and fp8 linears are
+DequantizeLinear of codes laid out [in, out] (block-wise along in_features for groups) feeding
+MatMul: the weight-only pattern ONNX Runtime fuses into MatMulNBits and TensorRT Model Optimizer
+writes for TensorRT. int8 linears dequantize per channel into Gemm(transB=1) on the stored
+[out, in] codes; dense weights stay bf16 [out, in] behind a Cast into Gemm(transB=1). fp8 linears
+quantize activations per token, or with a static recipe's calibrated scale, as the runtime does.
+Symmetric int4 is INT4 without a zero point; asymmetric int4 is UINT4 with its integral zero
 points, which ONNX Runtime takes and TensorRT's dequantize layer refuses (engine.json says which).
 
 The file: `model.onnx` with its weights in `model.onnx.data` (external data: protobuf's 2 GB limit)
@@ -268,6 +269,12 @@ class _Builder:
         return self.linear(p + "down_proj", act)
 
     def linear(self, name: str, x: str, outputs: int | list[str] = 1) -> str:
+        """Dense and int8 linears are Gemm(transB=1) on the stored [out, in] weight. int4 and fp8 ones
+        are DequantizeLinear of the codes laid out [in, out] (blocks along in_features, axis 0) into
+        MatMul: the weight-only pattern ONNX Runtime fuses into MatMulNBits, which reads the 4-bit
+        codes packed (an int4 DequantizeLinear -> Gemm(transB=1) is not fused: it dequantized the
+        whole weight every step, 44x as long for a 576 x 1536 linear), and the layout TensorRT Model
+        Optimizer writes."""
         g = self.g
         bias = [] if name + ".bias" not in self.tensors else [self.float_weight(name + ".bias")]
         entry = self.linears.get(name)
@@ -276,30 +283,42 @@ class _Builder:
         fmt = entry.get("format")
         if fmt == "int4":
             weight = self.int4_weight(name, entry)
-        elif fmt == "int8":
+        elif fmt == "int8":  # [out, in] into Gemm, which ONNX Runtime does not fuse: its 8-bit MatMulNBits
+            # at float accuracy took 8x as long as dequantize + Gemm (SmolLM2's lm_head, ORT 1.31)
             weight = g.op("DequantizeLinear", [g.const(name + ".qweight", self.tensor(name + ".qweight").numpy()),
                                                g.const(name + ".scales", self.tensor(name + ".scales").reshape(-1)
                                                        .float().numpy())], axis=0)
+            return g.op("Gemm", [x, weight, *bias], outputs=outputs, transB=1)
         elif fmt == "fp8":
             weight = self.fp8_weight(name, entry)
             x = self.fp8_activation(x, name + ".input_scale" if entry.get("activations") == "static" else None)
         else:
             raise ArtifactError(f"linear {name} has format {fmt!r}, which the ONNX export does not know; "
                                 "export with the qkiln version that built the artifact")
-        return g.op("Gemm", [x, weight, *bias], outputs=outputs, transB=1)
+        if not bias:
+            return g.op("MatMul", [x, weight], outputs=outputs)
+        return g.op("Add", [g.op("MatMul", [x, weight]), *bias], outputs=outputs)
 
     def float_weight(self, name: str) -> str:
         w = self.weight(name)
         return w if self.tensors[name].dtype == torch.float32 else self.g.op("Cast", [w], to=_FLOAT)
 
     def int4_weight(self, name: str, entry: dict) -> str:
+        """[in, out] INT4 codes (UINT4 with zero points) and [blocks, out] scales. A per-channel
+        weight is written as blocks of the largest power of two (16..256) dividing in_features,
+        each with its row's scale: the same numbers, in the block shape MatMulNBits takes."""
         import ml_dtypes
 
         in_features = entry["in_features"]
-        codes = unpack_int4(self.tensor(name + ".qweight"))[:, :in_features]  # [out, in] 0..15
-        scales = self.tensor(name + ".scales").float()
-        block = entry.get("group_size") or in_features
+        codes = unpack_int4(self.tensor(name + ".qweight"))[:, :in_features].T  # [in, out] 0..15
+        scales = self.tensor(name + ".scales").float().T  # [groups, out]
         zeros = self.tensors.get(name + ".zeros")
+        zeros = None if zeros is None else zeros.T
+        block = entry.get("group_size")
+        if not block:
+            block = next((b for b in (256, 128, 64, 32, 16) if in_features % b == 0), in_features)
+            scales = scales.repeat(in_features // block, 1)
+            zeros = None if zeros is None else zeros.repeat(in_features // block, 1)
         if zeros is None:  # stored +8: INT4 codes, no zero point
             inputs = [self.g.const(name + ".qweight", (codes.to(torch.int8) - 8).numpy().astype(ml_dtypes.int4)),
                       self.g.const(name + ".scales", scales.numpy())]
@@ -310,15 +329,16 @@ class _Builder:
             inputs = [self.g.const(name + ".qweight", codes.numpy().astype(ml_dtypes.uint4)),
                       self.g.const(name + ".scales", scales.numpy()),
                       self.g.const(name + ".zeros", zeros.to(torch.uint8).numpy().astype(ml_dtypes.uint4))]
-        return self.g.op("DequantizeLinear", inputs, axis=1, block_size=block)
+        return self.g.op("DequantizeLinear", inputs, axis=0, block_size=block)
 
     def fp8_weight(self, name: str, entry: dict) -> str:
+        """[in, out] e4m3 codes; per-channel scales along out (axis 1), group scales [groups, out]."""
         scales = self.tensor(name + ".weight_scale").float()  # [out, groups]
-        q = self.g.const(name + ".weight", onnx_nodes.to_numpy(self.tensor(name + ".weight")))
+        q = self.g.const(name + ".weight", onnx_nodes.to_numpy(self.tensor(name + ".weight").T))
         if scales.shape[1] == 1:
             return self.g.op("DequantizeLinear", [q, self.g.const(name + ".weight_scale", scales.reshape(-1).numpy())],
-                             axis=0)
-        return self.g.op("DequantizeLinear", [q, self.g.const(name + ".weight_scale", scales.numpy())], axis=1,
+                             axis=1)
+        return self.g.op("DequantizeLinear", [q, self.g.const(name + ".weight_scale", scales.T.numpy())], axis=0,
                          block_size=entry.get("group_size") or entry["in_features"])
 
     def fp8_activation(self, x: str, static_scale: str | None) -> str:

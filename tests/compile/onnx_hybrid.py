@@ -4,7 +4,12 @@
 The graph is cut at each plugin node: the standard nodes between two plugin nodes become one ONNX
 Runtime session (with the initializers they read), so ONNX Runtime must accept every standard node
 the export writes (block-wise INT4 / UINT4 DequantizeLinear, FP8 casts, the IR version) and compute
-it as the specification says. For tests; a deployment registers real kernels for the plugins."""
+it as the specification says. For tests; a deployment registers real kernels for the plugins.
+
+ONNX Runtime fuses DequantizeLinear -> MatMul of 4-bit weights into MatMulNBits, which by default
+(accuracy level 4) quantizes activations to int8 on the fly; the sessions here ask for level 0,
+float activations, so they compute what the graph says. `fused_op_counts` tells what ONNX Runtime
+made of the standard nodes."""
 
 import numpy as np
 import onnx
@@ -20,8 +25,8 @@ def _value_info(name: str, value: np.ndarray):
 
 
 class HybridSession:
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
+    def __init__(self, model: onnx.ModelProto, optimized_dir=None):
+        self.model, self.optimized_dir = model, optimized_dir
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.segments: list[list] = [[]]  # runs of standard nodes, split by plugin nodes
         self.plugins: list = []
@@ -56,7 +61,12 @@ class HybridSession:
             types = {v.name: v.type.tensor_type.elem_type
                      for v in onnx.shape_inference.infer_shapes(sub).graph.value_info}
             sub.graph.output.extend(helper.make_tensor_value_info(o, types[o], None) for o in needed)
-            self._sessions[index] = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+            options = ort.SessionOptions()
+            options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+            if self.optimized_dir is not None:
+                options.optimized_model_filepath = str(self.optimized_dir / f"segment_{index}.onnx")
+            self._sessions[index] = ort.InferenceSession(sub.SerializeToString(), options,
+                                                         providers=["CPUExecutionProvider"])
         results = self._sessions[index].run(needed, {i: values[i] for i in inputs})
         values.update(zip(needed, results))
 
@@ -69,6 +79,14 @@ class HybridSession:
                                 opset_imports=self.opsets + [helper.make_opsetid(onnx_nodes.DOMAIN, 1)])
         results = ReferenceEvaluator(one, new_ops=onnx_nodes.reference_ops()).run(None, feeds)
         values.update(zip(node.output, results))
+
+    def fused_op_counts(self) -> dict[str, int]:
+        """op type -> count over the segments ONNX Runtime optimized (needs optimized_dir and a run)."""
+        counts: dict[str, int] = {}
+        for path in sorted(self.optimized_dir.glob("segment_*.onnx")):
+            for node in onnx.load(str(path), load_external_data=False).graph.node:
+                counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        return counts
 
     def run(self, output_names: list[str], feeds: dict) -> list[np.ndarray]:
         values = dict(feeds)

@@ -215,10 +215,11 @@ def test_engine_generates_what_the_artifact_generates(root):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_onnx_runtime_runs_every_standard_node(root, case):
+def test_onnx_runtime_runs_every_standard_node(root, case, tmp_path):
     """ONNX Runtime loads and computes the engine's standard nodes (the plugin nodes through the
     reference ops in between): what it gives equals onnx's reference evaluator up to float32
-    rounding, so the export writes nothing a production runtime refuses or reads otherwise."""
+    rounding, so the export writes nothing a production runtime refuses or reads otherwise; and
+    every int4 linear runs as ONNX Runtime's packed MatMulNBits, not a dequantized weight."""
     pytest.importorskip("onnxruntime")
     import numpy as np
     import torch
@@ -242,7 +243,10 @@ def test_onnx_runtime_runs_every_standard_node(root, case):
     reference = ReferenceEngine(engine_dir, caches())
     inputs = two_steps(a["vocab_size"], seed=0)[0]
     feeds = {n: t.numpy() for n, t in zip(onnx_graph.INPUTS, inputs)} | reference.state
-    hybrid = HybridSession(onnx.load(str(engine_dir / onnx_graph.MODEL_FILE))).run(reference.outputs, feeds)
+    session = HybridSession(onnx.load(str(engine_dir / onnx_graph.MODEL_FILE)), optimized_dir=tmp_path)
+    hybrid = session.run(reference.outputs, feeds)
+    int4 = sum(e["format"] == "int4" for e in manifest.quantization["linears"].values())  # int8 stays Gemm
+    assert session.fused_op_counts().get("MatMulNBits", 0) == int4
     want = reference.step(*inputs)
     got = torch.from_numpy(np.asarray(hybrid[0]))
     assert float((got - want).abs().max() / want.abs().max()) < LOGITS_FLOOR
