@@ -25,10 +25,11 @@ from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
 from tiny_models import CALIBRATION_SENTENCE, simulated_greedy, write_tiny_hf_model  # noqa: E402
 
 # (preset, architecture, weight / KV-cache scheme changes): every linear format, every cache dtype,
-# int4 with and without zero points, static fp8 activations, group-wise fp8 scales, key smoothing
+# int4 with and without zero points, grouped and per channel, static fp8 activations, group-wise fp8 scales, key smoothing
 # and offset, q/k norms (qwen3), biases (qwen2)
 CASES = {
     "w4a16-rtn": ("w4a16-rtn", "llama", {}, {}),
+    "w4a16-per-channel": ("w4a16-rtn", "llama", {"group_size": None}, {}),
     "gptq-symmetric-kv-int4": ("w4a16-gptq+kv-int4", "llama", {"symmetric": True}, {}),
     "awq-kv-fp8": ("w4a16-awq+kv-fp8", "llama", {}, {}),
     "fp8-static-kv-int4-smoothed": ("fp8-w8a8-static+kv-int4", "llama", {},
@@ -90,7 +91,8 @@ def test_engine_computes_what_the_artifact_computes(root, case):
     assert len(dequantized) == len(manifest.quantization["linears"])
     contract = json.loads((result.path / onnx_graph.CONTRACT_FILE).read_text())
     has_zeros = any(n.op_type == "DequantizeLinear" and len(n.input) == 3 for n in model.graph.node)
-    assert contract["int4_zero_points"] == has_zeros == (case in ("w4a16-rtn", "awq-kv-fp8", "w4a16-qwen2"))
+    assert contract["int4_zero_points"] == has_zeros == (case in ("w4a16-rtn", "w4a16-per-channel", "awq-kv-fp8",
+                                                                          "w4a16-qwen2"))
     assert contract["kv_cache"]["dtype"] == (manifest.kv_cache or {"dtype": "bf16"})["dtype"]
     assert [i.name for i in model.graph.input][:6] == contract["inputs"]
     assert {c["output"] for c in contract["cache"]} == {o.name for o in model.graph.output} - {"logits"}
