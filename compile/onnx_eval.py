@@ -4,8 +4,10 @@ what the deployed graph does to accuracy, beside what the artifact's simulation 
 Each batch of windows is one engine step: every window a sequence prefilled from position 0 into
 fresh paged caches (its own blocks, `block_size` tokens each), all windows flattened into one
 `input_ids`, as the runtime batches prefills. The engine runs under onnx's reference evaluator
-(onnx_check.ReferenceEngine), so this is slow (seconds a window on SmolLM2) and meant for
-accuracy jobs, not serving.
+(`--engine onnx`, onnx_check.ReferenceEngine: the specification's arithmetic, seconds a window on
+SmolLM2) or under ONNX Runtime (`--engine onnxruntime`, onnx_ort.OrtEngine: what a production
+runtime's kernels make of the file, MatMulNBits at the accuracy level a deployment picks, the
+plugin nodes through qkiln's own kernels). Both are for accuracy jobs, not serving.
 """
 
 from pathlib import Path
@@ -20,22 +22,29 @@ from .export_onnx import artifact_engine_dir, require_onnx
 from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract
 
 BLOCK_SIZE = 16  # the runtime's default
+RUNNERS = ("onnx", "onnxruntime")
 
 
 class EngineScorer:
     """ids [B, T] -> logits [B, T, V] float32 through the engine in `engine_dir`."""
 
-    def __init__(self, artifact: Path, engine_dir: Path, config: ModelConfig):
+    def __init__(self, artifact: Path, engine_dir: Path, config: ModelConfig, runner: str = "onnx",
+                 accuracy_level: int = 0):
         self.engine_dir, self.config, self.tokenizer = engine_dir, config, None
+        self.runner, self.accuracy_level = runner, accuracy_level
         self.caches = ArtifactCaches(artifact, config, BLOCK_SIZE)
         check_contract(engine_dir, self.caches.contract())
-        self.engine: ReferenceEngine | None = None  # loaded at the first batch
+        self.engine = None  # loaded at the first batch
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         batch, length = ids.shape
         per_seq = -(-length // BLOCK_SIZE)
         caches = self.caches.new(batch * per_seq)  # fresh: each window starts at position 0
-        if self.engine is None:
+        if self.engine is None and self.runner == "onnxruntime":
+            from .onnx_ort import OrtEngine
+
+            self.engine = OrtEngine(self.engine_dir, caches, self.accuracy_level)
+        elif self.engine is None:
             self.engine = ReferenceEngine(self.engine_dir, caches)
         self.engine.use(caches)
         engine = self.engine
@@ -49,12 +58,17 @@ class EngineScorer:
         return logits.reshape(batch, length, -1)
 
 
-def open_engine(artifact: Path) -> EngineScorer:
-    """The artifact's engines/onnx/ as an evaluation scorer; `.tokenizer` is the artifact's."""
+def open_engine(artifact: Path, runner: str = "onnx", accuracy_level: int = 0) -> EngineScorer:
+    """The artifact's engines/onnx/ as an evaluation scorer run by `runner` (RUNNERS); `.tokenizer`
+    is the artifact's. accuracy_level: ONNX Runtime's MatMulNBits level (onnx_ort.py)."""
     require_onnx()
+    if runner == "onnxruntime":
+        from .onnx_ort import require_onnxruntime
+
+        require_onnxruntime()
     verify_artifact(artifact, check_target=False)  # evaluation runs anywhere
     engine_dir = artifact_engine_dir(artifact, "score")
     config = ModelConfig.from_dict(read_manifest(artifact).architecture)
-    scorer = EngineScorer(Path(artifact), engine_dir, config)
+    scorer = EngineScorer(Path(artifact), engine_dir, config, runner, accuracy_level)
     scorer.tokenizer = Tokenizer.from_dir(Path(artifact) / "tokenizer")
     return scorer

@@ -40,20 +40,24 @@ def eval_cmd(
     batch_size: Annotated[int, typer.Option(help="windows per forward pass")] = 4,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the report here")] = None,
     int8_activations: Annotated[bool, typer.Option("--int8-activations", help="score an artifact as served with --int8-activations")] = False,
-    engine: Annotated[Optional[str], typer.Option(help="score the artifact's engine instead of its simulation: onnx")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="score the artifact's engines/onnx/ instead of its simulation, run by onnx (the reference evaluator) or onnxruntime")] = None,
+    ort_accuracy_level: Annotated[int, typer.Option(help="--engine onnxruntime: MatMulNBits accuracy level, 0 float activations .. 4 int8 (ONNX Runtime's default)")] = 0,
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
     from qkiln.compile.evaluate import evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
-        if engine not in (None, "onnx") or (engine and int8_activations):
-            raise QkilnError("--engine takes onnx, without --int8-activations (the engine computes the recipe exactly)")
+        if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
+            raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
+                             "(the engine computes the recipe exactly)")
+        if ort_accuracy_level and engine != "onnxruntime" or not 0 <= ort_accuracy_level <= 4:
+            raise QkilnError("--ort-accuracy-level takes 0..4 and applies to --engine onnxruntime")
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             if engine:
                 from qkiln.compile.onnx_eval import open_engine
 
-                m = open_engine(Path(path))
+                m = open_engine(Path(path), engine, ort_accuracy_level)
             else:
                 m = open_model(path, int8_activations)
             ref = open_model(ref_path) if reference else None
@@ -63,6 +67,8 @@ def eval_cmd(
     report["model"] = model
     if engine:
         report["engine"] = engine
+    if engine == "onnxruntime":
+        report["ort_accuracy_level"] = ort_accuracy_level
     if int8_activations:
         report["int8_activations"] = True
     if reference:

@@ -217,18 +217,18 @@ def test_engine_generates_what_the_artifact_generates(root):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_onnx_runtime_runs_every_standard_node(root, case, tmp_path):
-    """ONNX Runtime loads and computes the engine's standard nodes (the plugin nodes through the
-    reference ops in between): what it gives equals onnx's reference evaluator up to float32
-    rounding, so the export writes nothing a production runtime refuses or reads otherwise; and
-    every int4 linear runs as ONNX Runtime's packed MatMulNBits, not a dequantized weight."""
+def test_onnx_runtime_runs_the_engine(root, case, tmp_path):
+    """ONNX Runtime loads and computes the engine's standard nodes, the plugin nodes running as
+    qkiln's registered ops on the caches in place (compile/onnx_ort.py): two steps give what onnx's
+    reference evaluator gives up to float32 rounding, so the export writes nothing a production
+    runtime refuses or reads otherwise; and every int4 linear runs as ONNX Runtime's packed
+    MatMulNBits, not a dequantized weight."""
     pytest.importorskip("onnxruntime")
-    import numpy as np
     import torch
 
-    from onnx_hybrid import HybridSession
     from qkiln.compile.onnx_check import LOGITS_FLOOR, ReferenceEngine, two_steps
-    from qkiln.plugins import allocate_kv_cache
+    from qkiln.compile.onnx_ort import OrtEngine
+    from qkiln.plugins import allocate_kv_cache, onnx_nodes
 
     artifact = _artifact(root, case)
     engine_dir = root / f"engine-{case}"
@@ -242,19 +242,17 @@ def test_onnx_runtime_runs_every_standard_node(root, case, tmp_path):
         return allocate_kv_cache(a["num_hidden_layers"], 8, 4, a["num_key_value_heads"], head_dim, kv["dtype"],
                                  kv.get("group_size", 32))
 
-    reference = ReferenceEngine(engine_dir, caches())
-    inputs = two_steps(a["vocab_size"], seed=0)[0]
-    feeds = {n: t.numpy() for n, t in zip(onnx_graph.INPUTS, inputs)} | reference.state
-    session = HybridSession(onnx.load(str(engine_dir / onnx_graph.MODEL_FILE)), optimized_dir=tmp_path)
-    hybrid = session.run(reference.outputs, feeds)
+    reference, ort_caches = ReferenceEngine(engine_dir, caches()), caches()
+    engine = OrtEngine(engine_dir, ort_caches, accuracy_level=0, optimized_dir=tmp_path)
+    for inputs in two_steps(a["vocab_size"], seed=0):
+        want, got = reference.step(*inputs), engine.step(*inputs)
+        assert float((got - want).abs().max() / want.abs().max()) < LOGITS_FLOOR
+    fields = onnx_nodes.written_fields(kv["dtype"])
+    written = [getattr(c, f).view(torch.uint8) for c in ort_caches for f in fields]
+    expected = [getattr(c, f).view(torch.uint8) for c in reference.caches for f in fields]
+    assert sum(int((x != y).sum()) for x, y in zip(written, expected)) <= 0.02 * sum(x.numel() for x in written)
     int4 = sum(e["format"] == "int4" for e in manifest.quantization["linears"].values())  # int8 stays Gemm
-    assert session.fused_op_counts().get("MatMulNBits", 0) == int4
-    want = reference.step(*inputs)
-    got = torch.from_numpy(np.asarray(hybrid[0]))
-    assert float((got - want).abs().max() / want.abs().max()) < LOGITS_FLOOR
-    written = [np.ascontiguousarray(v).view(np.uint8) for v in hybrid[1:]]
-    expected = [np.ascontiguousarray(v).view(np.uint8) for v in reference.state.values()]
-    assert sum(int((x != y).sum()) for x, y in zip(written, expected)) <= 0.02 * sum(x.size for x in written)
+    assert engine.fused_op_counts().get("MatMulNBits", 0) == int4
 
 
 def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
@@ -299,23 +297,33 @@ def test_builds_with_an_engine_are_byte_identical(root, tmp_path):
         assert (first / f).read_bytes() == (again / f).read_bytes(), f
 
 
-def test_eval_scores_the_engine_as_the_simulation(root, tmp_path):
-    """`qkiln eval ARTIFACT --engine onnx` scores the deployed graph (windows batched as sequences of
-    one engine step over paged caches): its perplexity is the simulation's, to float32 rounding."""
+@pytest.mark.parametrize("runner", ["onnx", "onnxruntime"])
+def test_eval_scores_the_engine_as_the_simulation(root, tmp_path, runner):
+    """`qkiln eval ARTIFACT --engine onnx|onnxruntime` scores the deployed graph (windows batched as
+    sequences of one engine step over paged caches), under onnx's reference evaluator or ONNX
+    Runtime with float activations: its perplexity is the simulation's, to float32 rounding."""
+    if runner == "onnxruntime":
+        pytest.importorskip("onnxruntime")
     from qkiln.compile.evaluate import evaluate
     from qkiln.compile.model_ref import open_model
 
     artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
     text = str(root / "calib.txt")
-    cmd = [sys.executable, "-m", "qkiln", "eval", str(artifact), "--engine", "onnx", "--data", text,
+    cmd = [sys.executable, "-m", "qkiln", "eval", str(artifact), "--engine", runner, "--data", text,
            "--seq-len", "64", "--max-tokens", "512", "--json", str(tmp_path / "engine.json")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "engine.json").read_text())
     simulated = open_model(str(artifact))
     expected = evaluate(simulated, simulated.tokenizer, text, 64, 512, progress=False)
-    assert report["engine"] == "onnx" and report["num_tokens"] == expected["num_tokens"]
+    assert report["engine"] == runner and report["num_tokens"] == expected["num_tokens"]
     assert abs(report["perplexity"] / expected["perplexity"] - 1) < 1e-4
+    if runner == "onnxruntime":  # ONNX Runtime's default: int8 activations in MatMulNBits, scored as such
+        done = subprocess.run(cmd + ["--ort-accuracy-level", "4"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        coarse = json.loads((tmp_path / "engine.json").read_text())
+        assert coarse["ort_accuracy_level"] == 4 and coarse["perplexity"] != report["perplexity"]
+        return
     bare = _artifact(root, "w4a16-rtn")  # no engines/onnx/: a typed error, not a stack
     done = subprocess.run(cmd[:4] + [str(bare)] + cmd[5:], capture_output=True, text=True)
     assert done.returncode != 0 and "has no engines/onnx/" in done.stderr and "Traceback" not in done.stderr
