@@ -68,6 +68,15 @@ def test_int8_activations_on_a_source_model(tmp_path):
         assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build")
 
 
+def test_engine_options_that_do_not_go_together(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello")
+    base = ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"))
+    assert_one_line_error(run_cli(*base, "--engine", "tensorrt"), "onnx or onnxruntime")
+    assert_one_line_error(run_cli(*base, "--engine", "onnx", "--ort-accuracy-level", "4"), "--engine onnxruntime")
+    assert_one_line_error(run_cli(*base, "--engine", "onnxruntime", "--ort-accuracy-level", "7"), "0..4")
+
+
 def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
     result = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"),
