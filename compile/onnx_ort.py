@@ -31,7 +31,7 @@ def require_onnxruntime():
         import onnxruntime
     except ImportError:
         raise ArtifactError("running an engine under ONNX Runtime needs onnxruntime: "
-                            "pip install 'qkiln[onnx]' onnxruntime") from None
+                            "pip install 'qkiln[onnx]'") from None
     return onnxruntime
 
 
