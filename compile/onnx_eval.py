@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qkiln.errors import ArtifactError
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.tokenizer import Tokenizer
 
@@ -61,6 +62,8 @@ class EngineScorer:
 def open_engine(artifact: Path, runner: str = "onnx", accuracy_level: int = 0) -> EngineScorer:
     """The artifact's engines/onnx/ as an evaluation scorer run by `runner` (RUNNERS); `.tokenizer`
     is the artifact's. accuracy_level: ONNX Runtime's MatMulNBits level (onnx_ort.py)."""
+    if runner not in RUNNERS:
+        raise ArtifactError(f"engine runner {runner!r} is not one of {RUNNERS}")
     require_onnx()
     if runner == "onnxruntime":
         from .onnx_ort import require_onnxruntime

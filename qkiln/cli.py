@@ -51,7 +51,7 @@ def eval_cmd(
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
                              "(the engine computes the recipe exactly)")
-        if ort_accuracy_level and engine != "onnxruntime" or not 0 <= ort_accuracy_level <= 4:
+        if (ort_accuracy_level and engine != "onnxruntime") or not 0 <= ort_accuracy_level <= 4:
             raise QkilnError("--ort-accuracy-level takes 0..4 and applies to --engine onnxruntime")
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             if engine:
