@@ -287,6 +287,11 @@ class AsyncLLMEngine:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
                 self._streams.pop(request_id).put(error)
+            # a sequence nobody waits for would fail every later step the same way: drop it too
+            scheduler = self.engine.scheduler
+            for seq in [*scheduler.waiting, *scheduler.running]:
+                if seq.seq_id not in self.engine.requests:
+                    scheduler.abort(seq.seq_id)
             return
         self._publish()  # before delivery: a client that saw its output also sees it in the metrics
         for out in outputs:

@@ -105,9 +105,11 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it")
         seq = Sequence(request_id, ids, params)
-        self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
+        # everything that can fail comes before the scheduler holds the sequence: a sequence it
+        # holds without a record here would break every later step
         generator = make_generator(params.seed, self.config.device) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens)
+        self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
         self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter())
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
@@ -151,9 +153,9 @@ class LLMEngine:
         self.stats["num_generated_tokens"] += 1
         logprobs = []
         if s.seq.sampling_params.logprobs is not None and out.logprobs is not None:
-            n = s.seq.sampling_params.logprobs
-            logprobs = [{"token_id": token_id, "logprob": float(out.logprobs[row]),
-                         "top": dict(zip(out.top_token_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))}]
+            n = s.seq.sampling_params.logprobs  # 0: the sampled token's logprob only (no top tensors then)
+            top = {} if n == 0 else dict(zip(out.top_token_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))
+            logprobs = [{"token_id": token_id, "logprob": float(out.logprobs[row]), "top": top}]
         result = RequestOutput(
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,

@@ -6,7 +6,8 @@ translation of a request into `SamplingParams`. Must not know about the engine t
 it reads `RequestOutput`s and returns plain dicts. Validation is
 strict (a string "5" is not an integer, `true` is not a number): a wrong type is the client's
 bug and gets a 400 naming the field rather than a silent coercion. Unknown fields are ignored,
-as OpenAI clients send many optional ones (user, presence_penalty: 0, ...).
+as OpenAI clients send many optional ones (user, ...); known ones that would change the answer
+(penalties, logit_bias, tools, JSON mode) are refused unless at their no-op values.
 """
 
 import time
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from qkiln.errors import RequestError
 
 from .engine import RequestOutput
-from .sampling_params import MAX_LOGPROBS, SamplingParams
+from .sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 
 class InvalidRequestError(RequestError):
@@ -39,16 +40,23 @@ class SamplingFields(BaseModel):
 
     model: str | None = None  # absent: the served model (as vLLM does; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension, for benchmarks
     min_tokens: int = Field(default=0, ge=0)  # extension
+    # accepted at their no-op values, which OpenAI clients send by default; anything else would
+    # change the answer, and is refused rather than ignored
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    tools: list | None = None
+    response_format: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -57,6 +65,16 @@ class SamplingFields(BaseModel):
     def check_supported(self) -> None:
         if self.n != 1:
             raise InvalidRequestError("n > 1 is not supported; send n separate requests (with different seeds)", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported; send 0 or leave it out", param=name)
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported; leave it out", param="logit_bias")
+        if self.tools:
+            raise InvalidRequestError("tools (function calling) are not supported; leave them out", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
+                                      param="response_format")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -12,6 +12,8 @@ from qkiln.errors import RequestError
 
 # Above this the sampler would have to sort and gather a very wide top-n per step; OpenAI caps at 20.
 MAX_LOGPROBS = 20
+# what torch.Generator.manual_seed takes: a seed outside it failed only after the request was queued
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass
@@ -50,14 +52,14 @@ class SamplingParams:
         """Raise `RequestError` naming the bad field and its allowed range; return self."""
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0.0,
-               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature < float("inf"),
+               f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
                f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer or null, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),

@@ -103,6 +103,8 @@ def test_refused_requests_raise_and_the_engine_keeps_serving(engine):
             await engine.add_request("x", SamplingParams(max_tokens=0))
         with pytest.raises(RequestError, match="empty"):
             await engine.add_request("", SamplingParams(max_tokens=4))
+        with pytest.raises(RequestError, match="seed"):  # once queued before seeding failed: every step broke
+            await engine.add_request("x", SamplingParams(max_tokens=4, seed=2**64))
         first = await engine.add_request("same id", SamplingParams(max_tokens=30, **GREEDY), "dup")
         with pytest.raises(RequestError, match="already in use"):
             await engine.add_request("same id", SamplingParams(max_tokens=4), "dup")

@@ -118,7 +118,8 @@ def test_banned_tokens_are_never_sampled():
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(temperature=-0.1), dict(top_k=-2), dict(logprobs=100),
-                                 dict(min_tokens=20, max_tokens=5), dict(stop=("",)), dict(temperature=float("nan"))])
+                                 dict(min_tokens=20, max_tokens=5), dict(stop=("",)), dict(temperature=float("nan")),
+                                 dict(temperature=float("inf")), dict(seed=2**64), dict(seed=-(2**63) - 1)])
 def test_validate_rejects_bad_params(bad):
     with pytest.raises(RequestError):
         SamplingParams(**bad).validate()

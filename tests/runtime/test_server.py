@@ -125,6 +125,11 @@ def test_completion_logprobs_and_stop(client):
     assert all(len(top) <= 3 and max(top.values()) >= chosen - 1e-4
                for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"]))
     assert "".join(lp["tokens"]) == r["choices"][0]["text"]
+    only_chosen = completion(client, prompt="abc", max_tokens=3, logprobs=0)  # once a 500 for every request in flight
+    assert only_chosen.status_code == 200, only_chosen.text
+    assert len(only_chosen.json()["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    chat = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True))
+    assert chat.status_code == 200 and len(chat.json()["choices"][0]["logprobs"]["content"]) == 3, chat.text
     text = r["choices"][0]["text"]
     stop = text[2:4]  # a stop string the greedy continuation is known to contain
     cut = completion(client, prompt="abc", max_tokens=6, stop=stop).json()["choices"][0]
@@ -233,6 +238,13 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "chat messages missing role": ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]},
                                    "messages.0.role"),
     "stop wrong type": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, "stop"),
+    # a seed torch cannot take once broke every later step (the request was queued before seeding)
+    "seed beyond 64 bits": ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": 2**64}, "seed"),
+    "temperature infinite": ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 1e400}',
+                             "temperature"),
+    "penalty that is not a no-op": ("/v1/chat/completions", chat_body(presence_penalty=0.5), "presence_penalty"),
+    "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    "json mode": ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), "response_format"),
 }
 
 
