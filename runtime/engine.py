@@ -150,6 +150,8 @@ class LLMEngine:
         if stop_str is not None and not is_done:
             self.scheduler.finish(s.seq_id, "stop")
             is_done = True
+        elif stop_str is not None and s.seq.finish_reason == "length":  # the stop string came with the last token
+            s.seq.set_finished("stop")
         self.stats["num_generated_tokens"] += 1
         logprobs = []
         if s.seq.sampling_params.logprobs is not None and out.logprobs is not None:

@@ -134,6 +134,11 @@ def test_completion_logprobs_and_stop(client):
     stop = text[2:4]  # a stop string the greedy continuation is known to contain
     cut = completion(client, prompt="abc", max_tokens=6, stop=stop).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+    # a stop string completed by the last allowed token is still a stop, as in OpenAI's API
+    tokens = lp["tokens"]
+    k = next(k for k in range(1, 6) if tokens[k] and text.find(tokens[k]) == len("".join(tokens[:k])))
+    last = completion(client, prompt="abc", max_tokens=k + 1, stop=tokens[k]).json()["choices"][0]
+    assert last["finish_reason"] == "stop" and last["text"] == "".join(tokens[:k])
 
 
 def test_chat_uses_the_template_and_equals_offline_generate(client, reference, engine):
