@@ -27,7 +27,8 @@ from pathlib import Path
 
 from qkiln.errors import ArtifactError
 
-FORMAT_VERSION = "1.0"
+# 1.1: manifest.json carries `digest`, the sha256 of its own canonical JSON (1.0 manifests have none)
+FORMAT_VERSION = "1.1"
 _MAJOR, _MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_DIR = "weights"
@@ -56,6 +57,7 @@ class Manifest:
     source_bytes_bf16: int | None = None
     created: int | None = None  # only a fixed epoch (SOURCE_DATE_EPOCH), never "now"
     format_version: str = FORMAT_VERSION
+    digest: str | None = None  # set by to_json: manifest_digest() of everything else
     extra: dict = field(default_factory=dict)  # fields from a newer minor version, kept verbatim
 
     def to_dict(self) -> dict:
@@ -67,9 +69,11 @@ class Manifest:
     def to_json(self) -> str:
         """Deterministic text: sorted keys, indent 2, trailing newline. Validates first."""
         d = self.to_dict()
+        d.pop("digest")  # recomputed below from what is written now
         is_newer = _is_newer_minor(d, "manifest")
         _validate(d, "manifest", allow_unknown=is_newer or bool(self.extra))
         try:
+            d["digest"] = manifest_digest(d)
             return json.dumps(d, sort_keys=True, indent=2, allow_nan=False) + "\n"
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"manifest: not plain JSON ({e}); store numbers, strings, lists, dicts, "
@@ -85,6 +89,7 @@ class Manifest:
             raise ArtifactError(f"{where}: expected a JSON object; the artifact is corrupt, rebuild it")
         newer = _is_newer_minor(d, where)
         _validate(d, where, allow_unknown=newer)
+        _check_digest(d, where)
         known = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in d.items() if k in known},
                    extra={k: v for k, v in d.items() if k not in known})
@@ -97,8 +102,27 @@ _SCHEMA = {
     "calibration": ((dict, type(None)), True), "source": ((dict,), True), "toolchain": ((dict,), True),
     "target": ((dict,), True), "accuracy": ((dict,), True), "files": ((dict,), True),
     "num_parameters": ((int, type(None)), False), "source_bytes_bf16": ((int, type(None)), False),
-    "created": ((int, type(None)), False),
+    "created": ((int, type(None)), False), "digest": ((str,), False),
 }
+
+
+def manifest_digest(d: dict) -> str:
+    """sha256 of the manifest's canonical JSON (sorted keys, indent 2) without its `digest`. The
+    files are hashed in `files`; this covers the rest (architecture, recipe, quantization, ...),
+    so an edited manifest is refused rather than served with, say, another rms_norm_eps."""
+    text = json.dumps({k: v for k, v in d.items() if k != "digest"}, sort_keys=True, indent=2, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_digest(d: dict, where: str) -> None:
+    if "digest" not in d:
+        if d["format_version"] != "1.0":  # 1.0 manifests were written before the digest
+            raise ArtifactError(f"{where}: missing field 'digest'; the manifest was edited or is corrupt, "
+                                "rebuild the artifact")
+        return
+    if d["digest"] != manifest_digest(d):
+        raise ArtifactError(f"{where}: its contents do not match its digest: the manifest was edited after the "
+                            "build; restore it from the artifact's archive or rebuild the artifact")
 
 
 def _is_newer_minor(d: dict, where: str) -> bool:

@@ -67,15 +67,47 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
 def check_destination(out: Path, overwrite: bool) -> None:
     """Raise ArtifactError unless `out` may be written (absent, or a qkiln artifact and `overwrite`).
     build() calls it before any work too, so a taken path fails in a second, not after calibration."""
-    if not (out.exists() or out.is_symlink()):
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise ArtifactError(f"{out}: exists and is not a directory; choose another output path")
-    if not overwrite:
-        raise ArtifactError(f"{out}: already exists; pass --force (overwrite=True) to replace it")
-    if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-        raise ArtifactError(f"{out}: exists and is not a qkiln artifact, refusing to replace it; "
-                            "choose another output path")
+    check_replaceable(out, overwrite, "a qkiln artifact", _is_artifact_dir)
+
+
+def check_replaceable(out: Path, overwrite: bool, kind: str, is_kind) -> None:
+    """Raise ArtifactError unless `out` may be written: absent, or with `overwrite` an empty
+    directory or one `is_kind(out)` recognizes as an earlier output of this kind. --force replaces
+    what qkiln wrote, never a folder that merely has a file of the same name (a web project's
+    manifest.json, a Hugging Face checkpoint's config.json). The parent must be writable: found
+    out now, not after minutes of calibration."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise ArtifactError(f"{out}: exists and is not a directory; choose another output path")
+        if not overwrite:
+            raise ArtifactError(f"{out}: already exists; pass --force (overwrite=True) to replace {kind}")
+        if any(out.iterdir()) and not is_kind(out):
+            raise ArtifactError(f"{out}: exists and is not {kind}, refusing to replace it; choose another output path")
+    check_writable_dir(out.parent)
+
+
+def check_writable_dir(directory: Path) -> None:
+    """Create `directory` if needed and prove a file can be made in it, or raise ArtifactError."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".qkiln-write-test-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise ArtifactError(f"{directory}: cannot write there ({e.strerror or e}); choose another output path") from None
+
+
+def _is_artifact_dir(path: Path) -> bool:
+    return read_json_field(path / MANIFEST_NAME, "format_version") is not None
+
+
+def read_json_field(path: Path, key: str):
+    """`key` of the JSON object in `path`, or None when the file is absent, not JSON or lacks it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value.get(key) if isinstance(value, dict) else None
 
 
 def fresh_partial_dir(out: Path) -> Path:
@@ -249,8 +281,12 @@ def _archive_mode(path: Path) -> str:
 
 
 def check_archive_path(path) -> None:
-    """Raise ArtifactError now for an archive name write_archive would refuse (after a whole build)."""
-    _archive_mode(Path(path))
+    """Raise ArtifactError now for an archive path write_archive would refuse (after a whole build)."""
+    path = Path(path).absolute()
+    _archive_mode(path)
+    if path.is_dir():
+        raise ArtifactError(f"{path}: is a directory; give the archive a file name")
+    check_writable_dir(path.parent)
 
 
 def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:

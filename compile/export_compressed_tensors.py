@@ -45,11 +45,12 @@ from qkiln.runtime.model import CausalLM
 
 from .artifact import load_tensors, read_manifest
 from .artifact_tensors import from_tensors
-from .artifact_writer import staged_directory
+from .artifact_writer import check_replaceable, read_json_field, staged_directory
 from .quantized_model import QuantizedModel
 
 INSTALL_HINT = "install the interop extra: pip install 'qkiln[interop]' (compressed-tensors==0.20.0)"
 _SAFETENSORS_METADATA = {"format": "pt"}
+EXPORT_NOTE = "qkiln_export.json"  # beside the checkpoint's files; Hugging Face loaders ignore it
 
 
 @dataclass
@@ -76,9 +77,8 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     """
     _require_compressed_tensors()
     out = Path(out_dir).absolute()
-    if out.exists() and not (overwrite and (out / "config.json").is_file()):
-        raise ArtifactError(f"{out}: already exists; choose a new directory"
-                            + ("" if overwrite else " or pass --force to replace an export"))
+    check_replaceable(out, overwrite, "a checkpoint qkiln exported",
+                      lambda d: read_json_field(d / EXPORT_NOTE, "producer") == "qkiln")
     qm, stored = _load(artifact)
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
     # as the artifact stores them (bf16, norms fp32); a dequantized head as computed
@@ -89,6 +89,11 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
             # the head was quantized as its own copy: an untied checkpoint carries it
             config = dataclasses.replace(config, tie_word_embeddings=False)
         _write_checkpoint(tmp, config, tensors, quant_config, Path(artifact) / "tokenizer")
+        manifest = read_manifest(artifact)  # provenance, and what lets --force know its own export
+        (tmp / EXPORT_NOTE).write_text(json.dumps({"producer": "qkiln", "artifact": manifest.name,
+                                                   "recipe": manifest.recipe.get("name"),
+                                                   "source_sha256": manifest.source.get("sha256")},
+                                                  indent=2, sort_keys=True) + "\n")
         if verify:
             check_export(artifact, tmp, qm)
     return ExportResult(out, len(qm.weights), *info)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkiln.errors import ArtifactError, QkilnError
+from qkiln.plugins import onnx_nodes
 
 from .artifact import Manifest, load_tensors, read_manifest, verify_artifact
-from .artifact_writer import staged_directory
+from .artifact_writer import check_replaceable, read_json_field, staged_directory
 from .onnx_check import OnnxCheck, check_fits_in_memory, require_engine_matches
 from .onnx_graph import CONTRACT_FILE, build_onnx_engine, write_onnx_engine
 
@@ -42,9 +43,8 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     A check that would not fit in memory is skipped and said so (`log`); verify=False skips it."""
     require_onnx()
     out = Path(out_dir).absolute()
-    if out.exists() and not (overwrite and (out / CONTRACT_FILE).is_file()):
-        raise ArtifactError(f"{out}: already exists; choose a new directory"
-                            + ("" if overwrite else " or pass --force to replace an earlier ONNX export"))
+    check_replaceable(out, overwrite, "an ONNX engine qkiln exported",
+                      lambda d: read_json_field(d / CONTRACT_FILE, "plugin_domain") == onnx_nodes.DOMAIN)
     verify_artifact(artifact, check_target=False)  # an engine may be built anywhere
     manifest = read_manifest(artifact)
     verify = verify and _check_fits(manifest, log)

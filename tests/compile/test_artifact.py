@@ -16,8 +16,8 @@ import typer
 from typer.testing import CliRunner
 
 from qkiln.compile import artifact_writer
-from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, read_manifest, read_tensor_index,
-                                    toolchain_versions, verify_artifact)
+from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, manifest_digest, read_manifest,
+                                    read_tensor_index, toolchain_versions, verify_artifact)
 from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd
 from qkiln.compile.artifact_writer import extract_archive, write_archive, write_artifact
 from qkiln.errors import ArtifactError
@@ -134,10 +134,33 @@ def test_missing_file_and_extra_file(tmp_path):
         verify_artifact(out)
 
 
-def edit_manifest(out, **changes):
+def edit_manifest(out, restamp=True, **changes):
+    """Change manifest fields; restamp: as a writer would (a new digest), else as a hand edit."""
     d = json.loads((out / "manifest.json").read_text())
     d.update(changes)
+    if restamp:
+        d["digest"] = manifest_digest(d)
     (out / "manifest.json").write_text(json.dumps(d))
+
+
+def test_an_edited_manifest_is_refused(tmp_path):
+    out = build(tmp_path / "a")
+    assert read_manifest(out).digest == manifest_digest(json.loads((out / "manifest.json").read_text()))
+    architecture = read_manifest(out).architecture | {"rms_norm_eps": 0.5}
+    edit_manifest(out, restamp=False, architecture=architecture)  # valid JSON, valid schema, other numbers
+    with pytest.raises(ArtifactError, match="do not match its digest"):
+        verify_artifact(out)
+    edit_manifest(out, restamp=False, digest=None)
+    with pytest.raises(ArtifactError, match="'digest' must be str"):
+        read_manifest(out)
+    d = json.loads((out / "manifest.json").read_text())
+    del d["digest"]
+    (out / "manifest.json").write_text(json.dumps(d))
+    with pytest.raises(ArtifactError, match="missing field 'digest'"):
+        read_manifest(out)
+    d["format_version"] = "1.0"  # written before manifests carried a digest: still read
+    (out / "manifest.json").write_text(json.dumps(d))
+    assert read_manifest(out).architecture["rms_norm_eps"] == 0.5
 
 
 def test_unknown_major_refused_newer_minor_accepted(tmp_path):
@@ -231,6 +254,24 @@ def test_overwrite_semantics(tmp_path):
     with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
         build(precious, overwrite=True)
     assert (precious / "notes.txt").read_text() == "keep me"
+    (precious / "manifest.json").write_text('{"name": "a web app"}')  # a manifest.json, but not ours
+    with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
+        build(precious, overwrite=True)
+    assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_unwritable_destinations_fail_before_any_work(tmp_path):
+    from qkiln.compile.artifact_writer import check_archive_path, check_destination
+
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file" / "a", Path("/proc/qkiln-test")):
+        with pytest.raises(ArtifactError, match="cannot write there"):
+            check_destination(out, overwrite=False)
+    (tmp_path / "d.tar").mkdir()  # an existing directory is not an archive's file name
+    with pytest.raises(ArtifactError, match="is a directory"):
+        check_archive_path(tmp_path / "d.tar")
+    with pytest.raises(ArtifactError, match="cannot write there"):
+        check_archive_path(tmp_path / "file" / "a.tar")
 
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])

@@ -384,6 +384,14 @@ def test_cli_export_and_import(tiny, tmp_path):
     assert done.exit_code == 0 and "verified with compressed-tensors" in done.stdout, done.output
     again = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert again.exit_code == 2 and again.stderr.startswith("error:") and "already exists" in again.stderr
+    assert run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force").exit_code == 0
+    theirs = tmp_path / "hf"  # someone's Hugging Face checkpoint: --force must not delete it
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    (theirs / "pytorch_model.bin").write_bytes(b"weights")
+    refused = run_cli("export", artifact, "--format", "compressed-tensors", "-o", theirs, "--force")
+    assert refused.exit_code == 2 and "refusing to replace" in refused.stderr
+    assert (theirs / "pytorch_model.bin").read_bytes() == b"weights"
     bad = run_cli("export", artifact, "--format", "gguf", "-o", tmp_path / "x")
     assert bad.exit_code == 2 and "compressed-tensors" in bad.stderr and not (tmp_path / "x").exists()
     imported = run_cli("import", tmp_path / "ct", "-o", tmp_path / "a")

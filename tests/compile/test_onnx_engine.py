@@ -15,7 +15,7 @@ import pytest
 onnx = pytest.importorskip("onnx")
 
 from qkiln.compile import onnx_graph  # noqa: E402
-from qkiln.compile.artifact import read_manifest, verify_artifact  # noqa: E402
+from qkiln.compile.artifact import manifest_digest, read_manifest, verify_artifact  # noqa: E402
 from qkiln.compile.artifact_cli import summarize_artifact  # noqa: E402
 from qkiln.compile.build import build  # noqa: E402
 from qkiln.compile.export_onnx import export_onnx  # noqa: E402
@@ -131,6 +131,12 @@ def test_export_is_deterministic_and_refuses_a_taken_directory(root):
     with pytest.raises(ArtifactError, match="already exists"):
         export_onnx(artifact, first)
     export_onnx(artifact, first, overwrite=True, verify=False)
+    theirs = root / "their-engine"  # an engine.json qkiln did not write: --force must not delete it
+    theirs.mkdir(exist_ok=True)
+    (theirs / "engine.json").write_text('{"format": "tensorrt"}')
+    with pytest.raises(ArtifactError, match="refusing to replace"):
+        export_onnx(artifact, theirs, overwrite=True, verify=False)
+    assert (theirs / "engine.json").is_file()
 
 
 def test_build_writes_a_checked_engine_into_the_artifact(root):
@@ -278,6 +284,7 @@ def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
             data = (tmp_path / "other" / name).read_bytes()
             (swapped / "engines/onnx" / name).write_bytes(data)
             manifest["files"][f"engines/onnx/{name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        manifest["digest"] = manifest_digest(manifest)  # hashes redone, as a tamperer would
         (swapped / "manifest.json").write_text(json.dumps(manifest))
         assert subprocess.run([sys.executable, "-m", "qkiln", "verify", str(swapped)]).returncode == 0
         done = subprocess.run(cmd + [str(swapped)], capture_output=True, text=True)
