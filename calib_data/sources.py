@@ -47,6 +47,8 @@ def read_text_exact(path: Path) -> str:
         return Path(path).read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise CalibrationDataError(f"data file {path} does not exist; check the path") from None
+    except (IsADirectoryError, PermissionError) as e:
+        raise CalibrationDataError(f"data file {path} cannot be read ({e.strerror}); give a text file") from None
     except UnicodeDecodeError as e:
         raise CalibrationDataError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 

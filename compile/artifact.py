@@ -292,9 +292,12 @@ def _read_safetensors_header(path: Path) -> dict:
         if not 0 < length <= 100 << 20 or length + 8 > path.stat().st_size:
             raise ArtifactError(f"{path}: not a safetensors file (bad header length); rebuild the artifact")
         try:
-            return json.loads(f.read(length))
+            header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ArtifactError(f"{path}: unreadable safetensors header; rebuild the artifact") from None
+            header = None
+        if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+            raise ArtifactError(f"{path}: unreadable safetensors header; rebuild the artifact")
+        return header
 
 
 def read_tensor_index(path, manifest: Manifest | None = None) -> dict[str, TensorInfo]:
@@ -309,8 +312,12 @@ def read_tensor_index(path, manifest: Manifest | None = None) -> dict[str, Tenso
                 continue
             if name in index:
                 raise ArtifactError(f"{root / rel}: tensor {name!r} also in {index[name].shard}; rebuild the artifact")
-            begin, end = info["data_offsets"]
-            index[name] = TensorInfo(rel, info["dtype"], tuple(info["shape"]), end - begin)
+            try:
+                begin, end = info["data_offsets"]
+                index[name] = TensorInfo(rel, str(info["dtype"]), tuple(int(d) for d in info["shape"]), end - begin)
+            except (KeyError, TypeError, ValueError):
+                raise ArtifactError(f"{root / rel}: tensor {name!r} has a malformed header entry "
+                                    "(dtype, shape, data_offsets); the artifact is corrupt, rebuild it") from None
     return index
 
 

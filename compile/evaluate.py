@@ -75,8 +75,11 @@ def evaluate_many(
         raise CalibrationDataError("--seq-len and --max-tokens must be at least 2")
     text = read_text_exact(data_path)
     ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
-    if len(ids) < 2:
-        raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens; need at least 2 to score")
+    if len(ids) < min(seq_len, max_tokens):
+        raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens, fewer than one window of "
+                                   f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
+    if batch_size < 1:
+        raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
     protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos)
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)

@@ -84,6 +84,7 @@ class CalibrationSpec:
     seed: int = 0
 
     def __post_init__(self):
+        _check_types("calibration", self, {"source": str, "num_samples": int, "seq_len": int, "seed": int})
         if self.num_samples < 1 or self.seq_len < 2:
             raise RecipeError(f"calibration needs num_samples >= 1 and seq_len >= 2, got {self}")
 
@@ -93,6 +94,22 @@ class EvalSpec:
     data: str | None = None  # None: skip the accuracy report
     seq_len: int = 512
     max_tokens: int = 4096
+
+    def __post_init__(self):
+        _check_types("evaluation", self, {"data": (str, type(None)), "seq_len": int, "max_tokens": int})
+        if self.seq_len < 2 or self.max_tokens < 2:
+            raise RecipeError(f"evaluation needs seq_len >= 2 and max_tokens >= 2, got {self}")
+
+
+def _check_types(section: str, spec, types: dict) -> None:
+    """Recipe files are YAML/TOML: a quoted number or a list where a name belongs is refused here,
+    not met as a traceback (or a different seed) later."""
+    for key, allowed in types.items():
+        value = getattr(spec, key)
+        if not isinstance(value, allowed) or isinstance(value, bool):
+            want = " or ".join(t.__name__ for t in (allowed if isinstance(allowed, tuple) else (allowed,)))
+            raise RecipeError(f"{section}.{key} must be {want.replace('NoneType', 'null')}, "
+                              f"got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -143,17 +160,29 @@ class Recipe:
         unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset"}
         if unknown:
             raise RecipeError(f"unknown recipe keys {sorted(unknown)}; use scheme/calibration/evaluation/target")
+        if "preset" in d and not isinstance(d["preset"], str):
+            raise RecipeError(f"preset must be a name such as w4a16-gptq, got {d['preset']!r}")
         base = preset(d["preset"]) if "preset" in d else None
         scheme_dict = d.get("scheme", d.get("quantization"))
         if scheme_dict is None and base is None:
             raise RecipeError("a recipe needs a `scheme:` section or a `preset:` name")
+        if scheme_dict is not None and base is not None:
+            raise RecipeError("a recipe takes a `preset:` name or a `scheme:` section, not both "
+                              "(a scheme replaces the preset's whole scheme); keep one")
         scheme = QuantScheme.from_dict(scheme_dict) if scheme_dict is not None else base.scheme
-        try:
-            calibration = CalibrationSpec(**d.get("calibration", {}))
-            evaluation = EvalSpec(**d.get("evaluation", {}))
-        except TypeError as e:
-            raise RecipeError(f"bad calibration/evaluation section: {e}") from None
+        calibration = _spec(CalibrationSpec, "calibration", d.get("calibration", {}))
+        evaluation = _spec(EvalSpec, "evaluation", d.get("evaluation", {}))
         return cls(d.get("name", name), scheme, calibration, evaluation, d.get("target", "cpu"))
+
+
+def _spec(cls, section: str, d):
+    known = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(d, dict):
+        raise RecipeError(f"{section} must be a mapping with keys {known}, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise RecipeError(f"unknown {section} keys {unknown}; known: {known}")
+    return cls(**d)
 
 
 def preset(name: str) -> Recipe:
@@ -178,7 +207,10 @@ def load_recipe(spec: str) -> Recipe:
         if path.suffix in (".yaml", ".yml", ".toml", ".json"):
             raise RecipeError(f"recipe file {spec} does not exist")
         return preset(spec)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe file {spec} cannot be read as UTF-8 text ({e}); give a YAML, TOML or JSON file") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

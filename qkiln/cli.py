@@ -44,10 +44,13 @@ def eval_cmd(
     ort_accuracy_level: Annotated[int, typer.Option(help="--engine onnxruntime: MatMulNBits accuracy level, 0 float activations .. 4 int8 (ONNX Runtime's default)")] = 0,
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
+    from qkiln.compile.artifact_writer import check_writable_dir
     from qkiln.compile.evaluate import evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
+        if json_out is not None:  # found out now, not after the whole evaluation
+            check_writable_dir(json_out.absolute().parent)
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
                              "(the engine computes the recipe exactly)")
@@ -60,6 +63,9 @@ def eval_cmd(
                 m = open_engine(Path(path), engine, ort_accuracy_level)
             else:
                 m = open_model(path, int8_activations)
+            context = (m.config if hasattr(m, "config") else m.model.config).max_position_embeddings
+            if seq_len > context:
+                raise QkilnError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens: lower it")
             ref = open_model(ref_path) if reference else None
             report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:

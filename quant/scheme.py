@@ -38,6 +38,12 @@ def _fail(message: str) -> None:
 _SIMPLE_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "int | None": (int, type(None))}
 
 
+def _pattern_matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
 def _check_field_types(obj) -> None:
     """Recipes come from YAML / JSON: refuse "true" for a bool or "0.01" for a float up front."""
     for f in dataclasses.fields(obj):
@@ -276,14 +282,7 @@ class QuantScheme:
         if found:
             from_end = int(found.group(2)) - num_layers
             names.append(f"{name[:found.start()]}{found.group(1)}{from_end}.{name[found.end():]}")
-        for candidate in names:
-            for pattern in self.ignore:
-                if pattern.startswith("re:"):
-                    if re.match(pattern[3:], candidate):
-                        return True
-                elif candidate == pattern or candidate.endswith("." + pattern):
-                    return True
-        return False
+        return any(_pattern_matches(pattern, candidate) for candidate in names for pattern in self.ignore)
 
     def targets(self, names) -> list[str]:
         """The layer names this scheme quantizes, in the given order."""
@@ -300,6 +299,7 @@ class QuantScheme:
             self.kv_cache.check_head_dim(head_dim)
         if self.weights is None:
             return
+        self._check_ignore(list(linear_shapes))
         problems: dict[str, list[str]] = {}
         for name in self.targets(linear_shapes):
             out_features, in_features = linear_shapes[name]
@@ -309,6 +309,17 @@ class QuantScheme:
             lines = [f"{problem}: {', '.join(names)}" for problem, names in problems.items()]
             _fail("the scheme does not fit these layers (fix the scheme or add them to ignore):\n  "
                   + "\n  ".join(lines))
+
+    def _check_ignore(self, names: list[str]) -> None:
+        """An entry that names no linear is a typo that would quantize what it meant to keep ("lm_head",
+        every preset's default, is exempt: a tied head is no linear); ignoring everything is no recipe."""
+        single = {p: dataclasses.replace(self, ignore=(p,)) for p in self.ignore if p != "lm_head"}
+        unmatched = [p for p, one in single.items() if len(one.targets(names)) == len(names)]
+        if unmatched:
+            _fail(f"ignore entries {unmatched} match no linear of this model (e.g. {names[0]!r}); "
+                  "fix or remove them")
+        if names and not self.targets(names):
+            _fail("the ignore list leaves no linear to quantize; narrow it")
 
     def _layer_problems(self, out_features: int, in_features: int) -> list[str]:
         w = self.weights

@@ -77,6 +77,23 @@ def test_engine_options_that_do_not_go_together(tmp_path):
     assert_one_line_error(run_cli(*base, "--engine", "onnxruntime", "--ort-accuracy-level", "7"), "0..4")
 
 
+def test_eval_refuses_what_it_cannot_score(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello there " * 40)
+    (tmp_path / "short.txt").write_text("hi")
+    base = ("eval", str(tmp_path / "m"), "--seq-len", "32")
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path)), "cannot be read")
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "short.txt")), "fewer than one window")
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--batch-size", "0"), "--batch-size")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"),
+                                  "--seq-len", "100000"), "exceeds the model's context")
+    report = tmp_path / "new" / "dir" / "r.json"  # a folder that is not there yet is made, not a lost report
+    done = run_cli(*base, "--data", str(tmp_path / "t.txt"), "--max-tokens", "64", "--json", str(report))
+    assert done.returncode == 0 and json.loads(report.read_text())["num_tokens"] > 0, done.stderr
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--json", str(tmp_path / "t.txt" / "r.json")),
+                          "cannot write there")
+
+
 def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
     result = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"),

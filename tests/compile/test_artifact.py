@@ -377,3 +377,16 @@ def test_cli_verify_and_inspect(tmp_path):
     shutil.rmtree(out)
     missing = runner.invoke(cli(), ["verify", str(out)])
     assert missing.exit_code == 2 and missing.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize("entry", [{"dtype": "F32", "shape": [4]}, [1, 2], {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}])
+def test_a_malformed_shard_header_is_an_artifact_error(tmp_path, entry):
+    """`inspect` reads headers only: a header that is JSON but not safetensors' must not be a KeyError."""
+    import struct
+
+    out = build(tmp_path / "a")
+    shard = next((out / "weights").glob("*.safetensors"))
+    header = json.dumps({"norm.weight": entry}).encode()
+    shard.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(ArtifactError, match="header"):
+        read_tensor_index(out)

@@ -2,6 +2,7 @@
 recipes refused up front, and the artifact served by the runtime without transformers."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,45 @@ def test_the_accuracy_report_describes_the_artifact(tiny, tmp_path, monkeypatch)
     report = evaluate(artifact, artifact.tokenizer, str(text), 64, 256, progress=False)
     assert report["num_tokens"] == result.manifest.accuracy["num_tokens"]
     assert report["perplexity"] == pytest.approx(result.manifest.accuracy["perplexity"], rel=1e-6)
+
+
+@pytest.mark.parametrize("recipe, message", [
+    ("preset: 4\n", "preset must be a name"),
+    ("preset: w4a16-rtn\nscheme: {weights: {num_bits: 4}}\n", "not both"),
+    ("preset: w4a16-rtn\ncalibration: {num_samples: 8.5}\n", "calibration.num_samples must be int"),
+    ("preset: w4a16-rtn\ncalibration: {seed: abc}\n", "calibration.seed must be int"),
+    ("preset: w4a16-rtn\ncalibration: {source: 123}\n", "calibration.source must be str"),
+    ("preset: w4a16-rtn\ncalibration: [1]\n", "calibration must be a mapping"),
+    ("preset: w4a16-rtn\nevaluation: {seq_len: '512'}\n", "evaluation.seq_len must be int"),
+    ("preset: w4a16-rtn\nevaluation: {seq_len: 1}\n", "seq_len >= 2"),
+    ("preset: w4a16-rtn\nevaluation: {data: 123}\n", "evaluation.data must be str or null"),
+    ("preset: w4a16-rtn\nevaluation: {window: 5}\n", "unknown evaluation keys ['window']"),
+])
+def test_recipe_files_with_wrong_types_are_refused_with_the_field(tmp_path, recipe, message):
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe)
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(str(path))
+
+
+def test_unreadable_recipe_files_are_recipe_errors(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes(b"preset: w4a16-rtn # caf\xe9\n")
+    (tmp_path / "dir.yaml").mkdir()
+    for name in ("latin1.yaml", "dir.yaml"):
+        with pytest.raises(RecipeError, match="cannot be read as UTF-8"):
+            load_recipe(str(tmp_path / name))
+
+
+def test_ignore_entries_must_name_a_linear(tiny, tmp_path):
+    root, model, text = tiny
+    import dataclasses
+
+    rtn = _recipe("w4a16-rtn", text)
+    for ignore, message in ((("lm_head", "layerz"), r"ignore entries \['layerz'\] match no linear"),
+                            (("re:.*",), "leaves no linear to quantize")):
+        r = dataclasses.replace(rtn, scheme=dataclasses.replace(rtn.scheme, ignore=ignore))
+        with pytest.raises(RecipeError, match=message):
+            build(str(model), r, tmp_path / "z", progress=False, log=lambda m: None)
+    kept = dataclasses.replace(rtn, scheme=dataclasses.replace(rtn.scheme, ignore=("lm_head", "down_proj")))
+    result = build(str(model), kept, tmp_path / "ok", progress=False, log=lambda m: None)
+    assert not any(n.endswith("down_proj") for n in result.manifest.quantization["linears"])
