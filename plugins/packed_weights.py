@@ -261,10 +261,12 @@ def _prepare_w4a16_cuda(q, scales, zero_point, group_size: int, dtype) -> W4A16W
 
 
 def _cpu_group_size(group_size: int, in_features: int) -> tuple[int, int]:
-    """(kernel group size, padded in_features) that express `group_size` groups exactly."""
-    if group_size not in CPU_GROUP_SIZES:
-        raise RecipeError(f"target cpu needs int4 group_size in {CPU_GROUP_SIZES}, got "
-                          f"{group_size}; re-quantize with one of those")
+    """(kernel group size, padded in_features) that express `group_size` groups exactly: tinygemm's
+    groups are 32..256, and any multiple of 32 (96, 4096, what Recipe.validate lets through) is
+    whole groups of one of them, each with its recipe group's scale."""
+    if group_size % 32:
+        raise RecipeError(f"target cpu needs an int4 group_size that is a multiple of 32, got "
+                          f"{group_size}; re-quantize with one (e.g. {', '.join(map(str, CPU_GROUP_SIZES))})")
     padded = -(-in_features // 32) * 32
     for size in CPU_GROUP_SIZES:
         if size <= group_size and group_size % size == 0 and padded % size == 0:

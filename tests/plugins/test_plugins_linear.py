@@ -17,18 +17,20 @@ BF16_TOLERANCE = 1.5e-2  # activations and scales go through bf16 on CPU
 
 @pytest.mark.parametrize("is_symmetric", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("group_size,in_features", [(32, 256), (64, 256), (128, 576), (64, 576),
-                                                    (64, 100)])
+                                                    (64, 100), (96, 576), (4096, 576)])
 def test_cpu_w4a16_matches_reference(group_size, in_features, is_symmetric):
-    """in=576 with group 128 ends in a 64-wide group; in=100 needs padding to 128."""
+    """in=576 with group 128 ends in a 64-wide group; in=100 needs padding to 128; groups of 96 and
+    4096 (whole-row) are multiples of 32 the recipe allows, native kernels and tinygemm alike."""
     out_features = 40  # not a multiple of 16: exercises tinygemm's row padding
     qweight, scales, zeros = canonical_int4(out_features, in_features, group_size, is_symmetric)
     bias = torch.randn(out_features)
     weight = prepare_w4a16(qweight, scales, zeros, group_size, "cpu", keep_dequantized=True)
     packed_only = prepare_w4a16(qweight, scales, zeros, group_size, "cpu")
+    tinygemm = prepare_w4a16(qweight, scales, zeros, group_size, "cpu", use_native=False)  # no-compiler path
     for rows in (1, 3, 33):  # decode rows use tinygemm, 33 rows the dequantized GEMM
         x = torch.randn(rows, in_features)
         expected = reference_w4a16_linear(x, qweight, scales, zeros, group_size, bias)
-        for w in (weight, packed_only):
+        for w in (weight, packed_only, tinygemm):
             actual = w4a16_linear(x, w, bias)
             assert actual.shape == expected.shape and actual.dtype == x.dtype
             assert rel_error(actual, expected) < BF16_TOLERANCE
@@ -70,7 +72,7 @@ def test_cpu_w4a16_keeps_leading_dims_and_bf16():
 def test_w4a16_prepare_rejects_what_it_cannot_pack():
     qweight, scales, zeros = canonical_int4(32, 128, 16, is_symmetric=False)
     with pytest.raises(RecipeError, match="group_size"):
-        prepare_w4a16(qweight, scales, zeros, 16, "cpu")
+        prepare_w4a16(qweight, scales, zeros, 16, "cpu", use_native=False)
     with pytest.raises(RecipeError, match="symmetric"):
         prepare_w4a16(qweight, scales, None, 16, "cuda")  # uint8 q without zeros
     with pytest.raises(RecipeError, match="target"):
