@@ -76,6 +76,9 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, is_kind) -> None:
     what qkiln wrote, never a folder that merely has a file of the same name (a web project's
     manifest.json, a Hugging Face checkpoint's config.json). The parent must be writable: found
     out now, not after minutes of calibration."""
+    inside = next((p for p in out.parents if _is_artifact_dir(p)), None)
+    if inside is not None:  # its verify would then fail on files the manifest does not list
+        raise ArtifactError(f"{out}: is inside the artifact {inside}; choose an output path outside it")
     if out.exists() or out.is_symlink():
         if not out.is_dir() or out.is_symlink():
             raise ArtifactError(f"{out}: exists and is not a directory; choose another output path")
@@ -128,6 +131,9 @@ def staged_directory(out: Path):
     tmp = fresh_partial_dir(out)
     try:
         yield tmp
+        for f in tmp.rglob("*"):  # some writers create files owner-only; an export is meant to be shared
+            if f.is_file():
+                f.chmod(0o644)
         if out.exists():
             shutil.rmtree(out)
         os.rename(tmp, out)

@@ -134,7 +134,7 @@ def generate_cmd(
     max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling threshold (1 = off)")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (-1 = off)")] = -1,
+    top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (-1 or 0 = off)")] = -1,
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",

@@ -254,6 +254,9 @@ def test_overwrite_semantics(tmp_path):
     with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
         build(precious, overwrite=True)
     assert (precious / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ArtifactError, match="inside the artifact"):
+        build(out / "weights" / "nested")
+    verify_artifact(out)
     (precious / "manifest.json").write_text('{"name": "a web app"}')  # a manifest.json, but not ours
     with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
         build(precious, overwrite=True)

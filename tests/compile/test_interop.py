@@ -382,6 +382,8 @@ def test_cli_export_and_import(tiny, tmp_path):
     artifact = _build(tiny, "w4a16-asym", SCHEMES["w4a16-asym"])
     done = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert done.exit_code == 0 and "verified with compressed-tensors" in done.stdout, done.output
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ct").iterdir()} == \
+        {f.name: 0o644 for f in (tmp_path / "ct").iterdir()}  # readable by a server running as another user
     again = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert again.exit_code == 2 and again.stderr.startswith("error:") and "already exists" in again.stderr
     assert run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force").exit_code == 0
