@@ -239,9 +239,15 @@ def verify_artifact(path, check_target: bool = True) -> list[str]:
     Raises ArtifactError whose message starts with the offending path, then what is wrong.
     """
     root = Path(path)
+    check_finished_name(root)
+    return verify_contents(root, check_target)
+
+
+def check_finished_name(root: Path) -> None:
+    """A writer's `.NAME.partial-PID` / `.NAME.trash-PID` directory is never an artifact, even
+    with a manifest in it (a build killed between writing it and the rename)."""
     if UNFINISHED_RE.fullmatch(root.name):
         raise ArtifactError(f"{root}: leftover of an unfinished build, not an artifact; rerun qkiln build")
-    return verify_contents(root, check_target)
 
 
 def verify_contents(root: Path, check_target: bool = True) -> list[str]:

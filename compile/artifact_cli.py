@@ -17,7 +17,7 @@ import typer
 
 from qkiln.errors import QkilnError
 
-from .artifact import read_manifest, read_tensor_index, verify_artifact, weight_shards
+from .artifact import check_finished_name, read_manifest, read_tensor_index, verify_artifact, weight_shards
 
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -108,6 +108,7 @@ def summarize_artifact(path) -> dict:
     the source is read from whichever of these the build recorded: `source_bytes_bf16`,
     `source.bytes_bf16` / `source.source_bytes_bf16`, or 2 x `num_parameters`."""
     root = Path(path)
+    check_finished_name(root)
     m = read_manifest(root)
     index = read_tensor_index(root, m)
     by_dtype = Counter()

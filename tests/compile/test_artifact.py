@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from qkiln.compile import artifact_writer
 from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, manifest_digest, read_manifest,
                                     read_tensor_index, toolchain_versions, verify_artifact)
-from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd
+from qkiln.compile.artifact_cli import inspect_cmd, summarize_artifact, verify_cmd
 from qkiln.compile.artifact_writer import extract_archive, write_archive, write_artifact
 from qkiln.errors import ArtifactError
 
@@ -236,6 +236,8 @@ def test_killed_build_leaves_only_a_partial_that_verify_refuses(tmp_path):
     assert any((partial / "weights").iterdir())
     with pytest.raises(ArtifactError, match="unfinished build"):
         verify_artifact(partial)
+    with pytest.raises(ArtifactError, match="unfinished build"):
+        summarize_artifact(partial)  # inspect too
     verify_artifact(build(out))
     assert siblings(out) == []  # the rerun removed the dead process's partial dir
 
