@@ -114,6 +114,8 @@ def build_cmd(
         r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, **cal),
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        if cal and not r.needs_calibration:
+            log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
         if archive:
             check_archive_path(archive)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))
