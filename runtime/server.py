@@ -69,9 +69,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+        max_tokens = _completion_budget(body.max_tokens, len(prompt), engine.max_model_len, "prompt")
+        params = body.sampling_params(max_tokens, body.logprobs)
         builder = CompletionResponse(f"cmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
-        return await _respond(engine, metrics, request, body.prompt, params, builder, body.stream)
+        return await _respond(engine, metrics, request, prompt, params, builder, body.stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -81,10 +83,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         except SourceModelError as e:  # no template, or the template refused these messages
             raise InvalidRequestError(str(e), param="messages") from e
         prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template places BOS itself
-        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len - len(prompt_ids)
-        if max_tokens < 1:
-            raise InvalidRequestError(f"the messages take {len(prompt_ids)} tokens but the model's context is "
-                                      f"{engine.max_model_len}; shorten them", param="messages")
+        max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
+                                        engine.max_model_len, "messages")
         params = body.sampling_params(max_tokens, body.num_logprobs)
         builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
         return await _respond(engine, metrics, request, prompt_ids, params, builder, body.stream)
@@ -102,6 +102,22 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+def _completion_budget(requested: int | None, prompt_len: int, context: int, what: str) -> int:
+    """The tokens a completion may generate: what was asked, or (null) the rest of the context. A
+    request that cannot fit is refused, as OpenAI's and vLLM's servers do, rather than cut short."""
+    room = context - prompt_len
+    if room < 1 and prompt_len:
+        raise InvalidRequestError(f"the {what} take {prompt_len} tokens but the model's context is {context}; "
+                                  "shorten them", param=what)
+    if requested is None:
+        return max(room, 1)  # an empty prompt is refused by the engine, with its own message
+    if requested > room:
+        raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} take {prompt_len} of the "
+                                  f"model's {context}-token context, leaving {room}; lower max_tokens",
+                                  param="max_tokens")
+    return requested
 
 
 def _token_text(engine: AsyncLLMEngine):
