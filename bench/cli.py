@@ -165,6 +165,20 @@ def ort_model_command(
         build_ort_model(model, out)
 
 
+@bench_app.command("onnx-engine")
+def onnx_engine_command(
+    artifact: Annotated[Path, typer.Argument(help="artifact directory with engines/onnx/ (build --engine onnx)")],
+    levels: Annotated[str, typer.Option(help="MatMulNBits accuracy levels to time: 0 float .. 4 int8 activations")] = "0,4",
+    context: Annotated[int, typer.Option(help="decode at this context; prefill this many tokens")] = 128,
+    repeats: Annotated[int, typer.Option(help="timed rounds (medians reported)")] = 5,
+    threads: Annotated[int, typer.Option(help="threads for ONNX Runtime and qkiln's kernels")] = 2,
+    json_out: JsonOut = None,
+):
+    """An artifact's ONNX engine under ONNX Runtime: decode and prefill step times, and how many
+    int4 linears ran as the packed MatMulNBits."""
+    _run("onnx_engine", locals())
+
+
 @bench_app.command("kv-dtypes")
 def kv_dtypes_command(
     model: Annotated[str, typer.Option(help="source model (alias, HF dir, .gguf)")] = "smollm2-135m",

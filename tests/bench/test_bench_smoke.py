@@ -273,3 +273,26 @@ def test_a_comparator_that_crashes_costs_its_row_not_the_run():
 
     assert run_in_child("sqrt", math.sqrt, 6.25) == 2.5
     assert "died 2 times" in run_in_child("abort", os.abort)["skipped"]
+
+
+def test_onnx_engine_tiny(tiny, tmp_path):
+    pytest.importorskip("onnxruntime")
+    import dataclasses
+
+    from qkiln.bench import onnx_engine
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+
+    recipe = preset("w4a16-rtn")
+    recipe = dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data=None))
+    artifact = build(str(tiny), recipe, tmp_path / "a", use_cache=False, progress=False, log=lambda m: None,
+                     engines=("onnx",)).path
+    report = onnx_engine.main(artifact, levels="0,4", context=20, repeats=1, threads=1, json_out=tmp_path / "o.json")
+    _check_envelope(report, "onnx-engine")
+    results = report["results"]
+    assert results["int4_linears"] > 0 and set(results["levels"]) == {"0", "4"}
+    for row in results["levels"].values():
+        assert _positive(row["decode_ms"]) and _positive(row["prefill_ms"])
+        assert row["matmulnbits"] == results["int4_linears"]  # every int4 linear ran packed
+    with pytest.raises(BenchConfigError, match="levels"):
+        onnx_engine.main(artifact, levels="7", context=20, repeats=1, threads=1, json_out=None)
