@@ -313,12 +313,14 @@ class QuantScheme:
     def _check_ignore(self, names: list[str]) -> None:
         """An entry that names no linear is a typo that would quantize what it meant to keep ("lm_head",
         every preset's default, is exempt: a tied head is no linear); ignoring everything is no recipe."""
+        if not names:
+            return
         single = {p: dataclasses.replace(self, ignore=(p,)) for p in self.ignore if p != "lm_head"}
         unmatched = [p for p, one in single.items() if len(one.targets(names)) == len(names)]
         if unmatched:
             _fail(f"ignore entries {unmatched} match no linear of this model (e.g. {names[0]!r}); "
                   "fix or remove them")
-        if names and not self.targets(names):
+        if not self.targets(names):
             _fail("the ignore list leaves no linear to quantize; narrow it")
 
     def _layer_problems(self, out_features: int, in_features: int) -> list[str]:
