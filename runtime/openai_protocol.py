@@ -57,6 +57,7 @@ class SamplingFields(BaseModel):
     logit_bias: dict | None = None
     tools: list | None = None
     response_format: dict | None = None
+    best_of: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -70,6 +71,11 @@ class SamplingFields(BaseModel):
                 raise InvalidRequestError(f"{name} is not supported; send 0 or leave it out", param=name)
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported; leave it out", param="logit_bias")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of > 1 is not supported; leave it out", param="best_of")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options applies to streamed responses: set stream true or leave "
+                                      "stream_options out", param="stream_options")
         if self.tools:
             raise InvalidRequestError("tools (function calling) are not supported; leave them out", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":

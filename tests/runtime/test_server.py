@@ -260,6 +260,9 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
                              "temperature"),
     "penalty that is not a no-op": ("/v1/chat/completions", chat_body(presence_penalty=0.5), "presence_penalty"),
     "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    "best_of": ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
+    "stream_options without stream": ("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                          "stream_options": {"include_usage": True}}, "stream_options"),
     "json mode": ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), "response_format"),
 }
 
