@@ -143,13 +143,14 @@ def staged_directory(out: Path):
 
 
 def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete `.{name}.partial-PID` / `.{name}.trash-PID` siblings whose process is gone."""
+    """Delete `.{name}.partial-PID` / `.{name}.trash-PID` siblings (directories, or an archive's
+    files) whose process is gone."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.(partial|trash)-(\d+)")
     removed = []
     for p in sorted(out.parent.iterdir()):
         m = pattern.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and (int(m[2]) == os.getpid() or not _pid_alive(int(m[2]))):
-            shutil.rmtree(p)
+        if m and not p.is_symlink() and (int(m[2]) == os.getpid() or not _pid_alive(int(m[2]))):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()  # artifacts are directories, archives files
             removed.append(p)
     return removed
 
@@ -286,12 +287,15 @@ def _archive_mode(path: Path) -> str:
     raise ArtifactError(f"{path}: archive name must end in .tar, .tar.gz or .tgz")
 
 
-def check_archive_path(path) -> None:
-    """Raise ArtifactError now for an archive path write_archive would refuse (after a whole build)."""
+def check_archive_path(path, overwrite: bool = False) -> None:
+    """Raise ArtifactError now for an archive path write_archive would refuse (after a whole build),
+    or one that holds a file `overwrite` does not allow replacing."""
     path = Path(path).absolute()
     _archive_mode(path)
     if path.is_dir():
         raise ArtifactError(f"{path}: is a directory; give the archive a file name")
+    if path.exists() and not overwrite:
+        raise ArtifactError(f"{path}: already exists; pass --force to replace it")
     check_writable_dir(path.parent)
 
 
@@ -306,8 +310,9 @@ def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
         if not epoch.isdigit():
             raise ArtifactError(f"SOURCE_DATE_EPOCH={epoch!r} is not a whole number of seconds; fix or unset it")
         mtime = int(epoch)
-    tmp = archive.parent / f".{archive.name}.partial-{os.getpid()}"
     archive.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(archive)  # what killed writes of this archive left
+    tmp = archive.parent / f".{archive.name}.partial-{os.getpid()}"
     try:
         with open(tmp, "wb") as raw:
             # gzip header: no file name, fixed mtime, fixed level -> same bytes for the same tar

@@ -96,7 +96,7 @@ def build_cmd(
     eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option(help="tokens scored in the accuracy report")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="also write the artifact as one .tar/.tar.gz")] = None,
-    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact")] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (and --archive file)")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="ignore the per-layer build cache")] = False,
     engine: Annotated[Optional[list[str]], typer.Option(help="also write engines/NAME/, checked against the artifact: onnx")] = None,
 ):
@@ -117,7 +117,7 @@ def build_cmd(
         if cal and not r.needs_calibration:
             log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
         if archive:
-            check_archive_path(archive)  # before the build, which takes minutes
+            check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))
         if archive:
             write_archive(result.path, archive)
@@ -245,7 +245,7 @@ def import_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="quantized HF directory: compressed-tensors, GPTQ or AWQ")],
     out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
     target: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
-    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact")] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (and --archive file)")] = False,
 ):
     """Convert a quantized checkpoint into a verified artifact (weights kept bit for bit)."""
     from qkiln.compile.import_checkpoint import import_checkpoint

@@ -277,6 +277,18 @@ def test_unwritable_destinations_fail_before_any_work(tmp_path):
         check_archive_path(tmp_path / "d.tar")
     with pytest.raises(ArtifactError, match="cannot write there"):
         check_archive_path(tmp_path / "file" / "a.tar")
+    (tmp_path / "old.tar").write_bytes(b"a registry's copy")
+    with pytest.raises(ArtifactError, match="already exists; pass --force"):
+        check_archive_path(tmp_path / "old.tar")
+    check_archive_path(tmp_path / "old.tar", overwrite=True)
+
+
+def test_an_archive_write_clears_what_killed_writes_left(tmp_path):
+    out = build(tmp_path / "a")
+    dead = tmp_path / ".a.tar.partial-999999999"  # no such process
+    dead.write_bytes(b"half an archive")
+    write_archive(out, tmp_path / "a.tar")
+    assert not dead.exists() and (tmp_path / "a.tar").is_file()
 
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
