@@ -97,7 +97,8 @@ def check_writable_dir(directory: Path) -> None:
         probe.mkdir()
         probe.rmdir()
     except OSError as e:
-        raise ArtifactError(f"{directory}: cannot write there ({e.strerror or e}); choose another output path") from None
+        raise ArtifactError(f"{directory}: cannot write there ({e.strerror or e}); "
+                            "choose another output path") from None
 
 
 def _is_artifact_dir(path: Path) -> bool:

@@ -51,22 +51,23 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self."""
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+               "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature < float("inf"),
-               f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+               "temperature", f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
-               f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
+               "top_k", f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
-               f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
+               "top_p", f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
-               f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}")
+               "seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+               "stop_token_ids", f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be non-empty strings, got {list(self.stop)!r}")
+               "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-               f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens",
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         return self
 
@@ -79,6 +80,9 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, param: str, message: str) -> None:
+    """Raise RequestError(message) naming `param`, which the server puts in OpenAI's error body."""
     if not ok:
-        raise RequestError(message)
+        error = RequestError(message)
+        error.param = param
+        raise error

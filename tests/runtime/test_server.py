@@ -251,6 +251,9 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "chat messages missing role": ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]},
                                    "messages.0.role"),
     "stop wrong type": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, "stop"),
+    "empty stop string": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [""]}, "stop"),  # engine-side
+    "min_tokens above max_tokens": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                        "min_tokens": 5}, "min_tokens"),
     "max_tokens beyond the context": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 10**6},
                                       "max_tokens"),
     "chat max_tokens beyond the context": ("/v1/chat/completions", chat_body(max_tokens=10**6), "max_tokens"),
