@@ -349,10 +349,14 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
     tmp = fresh_partial_dir(out)
     try:
         _extract_members(archive, tmp)
+        if not (tmp / MANIFEST_NAME).is_file():
+            raise ArtifactError(f"{archive}: no {MANIFEST_NAME} at its top level: not a qkiln artifact archive "
+                                "(`qkiln build --archive` writes one)")
         try:
             verify_contents(tmp, check_target=check_target)
         except ArtifactError as e:  # name the entry inside the archive, not our temp dir
-            raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '')}") from None
+            raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '').replace(str(tmp), 'its contents')}") \
+                from None
         _fsync_dirs(tmp)
         _move_into_place(tmp, out, overwrite)
     except BaseException:

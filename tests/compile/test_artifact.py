@@ -407,3 +407,12 @@ def test_a_malformed_shard_header_is_an_artifact_error(tmp_path, entry):
     shard.write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(ArtifactError, match="header"):
         read_tensor_index(out)
+
+
+def test_a_tar_of_something_else_says_so_without_naming_temp_folders(tmp_path):
+    (tmp_path / "notes.txt").write_text("not an artifact")
+    with tarfile.open(tmp_path / "other.tar", "w") as tar:
+        tar.add(tmp_path / "notes.txt", arcname="notes.txt")
+    with pytest.raises(ArtifactError, match="not a qkiln artifact archive") as e:
+        extract_archive(tmp_path / "other.tar", tmp_path / "x")
+    assert "partial" not in str(e.value) and not (tmp_path / "x").exists()
