@@ -67,7 +67,7 @@ def main(model: str, *,
          kv_dtype: str | None = None, max_num_batched_tokens: int = 1024, roofline: bool = True, repeats: int = 3,
          threads: int | None = None, seed: int = 0, json_out: Path | None = None, plot: Path | None = None):
     """Prefill time and decode tokens/s for given lengths (batch 1 unless --batch-size)."""
-    check_at_least(1, repeats=repeats, input_len=input_len)
+    check_at_least(1, repeats=repeats, input_len=input_len, max_num_batched_tokens=max_num_batched_tokens)
     check_at_least(2, output_len=output_len)
     num_threads = set_threads(threads)
     sizes = parse_int_list(batch_size, "--batch-size")

@@ -48,6 +48,8 @@ class RunTrace:
 
 def set_threads(num_threads: int | None) -> int:
     """Intra-op threads for the measurement (default: the cores this process may use)."""
+    if num_threads is not None and num_threads < 1:
+        raise BenchConfigError(f"--threads must be >= 1 (leave it out for every core), got {num_threads}")
     n = num_threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     torch.set_num_threads(n)
     return n
@@ -142,7 +144,9 @@ def main(model: str, *,
          dtype: str = "auto", int8_activations: bool = False, repeats: int = 3,
          threads: int | None = None, seed: int = 0, json_out: Path | None = None, plot: Path | None = None):
     """Offline throughput: N requests at once through the engine; requests/s and tokens/s."""
-    check_at_least(1, repeats=repeats)
+    check_at_least(1, repeats=repeats, max_num_batched_tokens=max_num_batched_tokens)
+    if num_kv_blocks is not None:
+        check_at_least(1, num_kv_blocks=num_kv_blocks)
     num_threads = set_threads(threads)
     seq_limits = parse_int_list(max_num_seqs, "--max-num-seqs")
     log(f"loading {model}")

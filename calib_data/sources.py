@@ -47,8 +47,8 @@ def read_text_exact(path: Path) -> str:
         return Path(path).read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise CalibrationDataError(f"data file {path} does not exist; check the path") from None
-    except (IsADirectoryError, PermissionError) as e:
-        raise CalibrationDataError(f"data file {path} cannot be read ({e.strerror}); give a text file") from None
+    except OSError as e:  # a directory, no permission, a name too long, ...
+        raise CalibrationDataError(f"data file {path} cannot be read ({e.strerror or e}); give a text file") from None
     except UnicodeDecodeError as e:
         raise CalibrationDataError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 
@@ -59,9 +59,13 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            docs.append(json.loads(line)[field])
+            text = json.loads(line)[field]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CalibrationDataError(f"{path}:{i}: expected a JSON object with a {field!r} string ({e})") from e
+        if not isinstance(text, str):
+            raise CalibrationDataError(f"{path}:{i}: expected a JSON object with a {field!r} string, "
+                                       f"got {type(text).__name__}")
+        docs.append(text)
     return docs
 
 
@@ -70,12 +74,24 @@ def _read_hf_dataset(name: str, split: str, field: str) -> list[str]:
         import datasets
     except ImportError:
         raise CalibrationDataError("hf: sources need `pip install datasets`; or pass a local file") from None
-    repo, _, config = name.partition("/") if name.count("/") > 1 else (name, "", "")
+    # NAME is a repo ("wikitext", "org/repo"); a third part is the config: org/repo/config
+    repo, _, config = name.rpartition("/") if name.count("/") > 1 else (name, "", "")
     try:
         ds = datasets.load_dataset(repo, config or None, split=split)
     except Exception as e:  # offline, unknown name, ...: the message says which
         raise CalibrationDataError(f"could not load dataset {name!r} ({e}); pass a local file instead") from e
-    return [row[field] for row in ds if row[field].strip()]
+    texts = [row.get(field) for row in ds]
+    if not all(isinstance(t, str) for t in texts):
+        raise CalibrationDataError(f"dataset {name!r} split {split!r} has rows without a {field!r} string; "
+                                   "name the text column with #FIELD")
+    return [t for t in texts if t.strip()]
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name too long for the file system, ...: not a file we can read either
+        return False
 
 
 def load_text_source(spec: str, self_generator: SelfGenerator | None = None, seed: int = 0) -> TextSource:
@@ -85,7 +101,10 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
         if not parts:
             raise CalibrationDataError("mix: needs parts, e.g. mix:self:64+file:valid.txt")
         return TextSource(spec, [d for part in parts for d in part.documents])
-    if not sep or Path(spec).exists():
+    if not spec or (sep and not rest and kind != "bundled"):  # bundled: lists its names itself
+        raise CalibrationDataError(f"calibration source {spec!r} names nothing; use file:PATH, jsonl:PATH, "
+                                   "hf:NAME:SPLIT, self:N, bundled:NAME or mix:A+B")
+    if not sep or _exists(spec):
         kind, rest = ("jsonl" if spec.endswith(".jsonl") else "file"), spec
     if kind == "file":
         return TextSource(spec, [read_text_exact(Path(rest))])
@@ -105,6 +124,8 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
             num = int(rest)
         except ValueError:
             raise CalibrationDataError(f"self:NUM_SAMPLES expects an integer, got {rest!r}") from None
+        if num < 1:
+            raise CalibrationDataError(f"self:NUM_SAMPLES generates NUM_SAMPLES texts: give at least 1, got {num}")
         return TextSource(spec, self_generator(num, seed))
     raise CalibrationDataError(
         f"unknown data source {spec!r}; use file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, bundled:NAME or mix:A+B"

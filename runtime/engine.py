@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkiln.errors import RequestError
+from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
 
 from .block_manager import KVCacheManager
@@ -67,6 +67,8 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
+        if config.num_kv_blocks is not None and config.num_kv_blocks < 0:
+            raise QkilnError(f"num_kv_blocks must be >= 1 (None sizes the pool from memory), got {config.num_kv_blocks}")
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // kv_bytes_per_block(
             mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype,
             config.kv_group_size))

@@ -243,6 +243,9 @@ def test_cli_wiring_and_errors(tiny):
     assert "output tok/s" in ok.stdout
     bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--input-len", "0"])
     assert bad.exit_code == 2 and "error: input_len must be" in bad.output
+    for option, value in (("--max-num-batched-tokens", "0"), ("--threads", "-1"), ("--num-kv-blocks", "-5")):
+        bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--num-requests", "2", option, value])
+        assert bad.exit_code == 2 and f"error: {option} must be >= 1" in bad.output, bad.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "prefill", "--help"]).exit_code == 0

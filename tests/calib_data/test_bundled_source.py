@@ -29,3 +29,20 @@ def test_every_bundled_text_has_its_license_listed():
 def test_unknown_bundled_name_is_refused_with_the_list(name):
     with pytest.raises(CalibrationDataError, match=bundled_names()[0]):
         load_text_source(f"bundled:{name}")
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "names nothing"), ("file:", "names nothing"), ("self:0", "at least 1"), ("self:-1", "at least 1"),
+    ("file:" + "x" * 300, "cannot be read"),
+])
+def test_malformed_sources_are_calibration_errors(spec, message):
+    with pytest.raises(CalibrationDataError, match=message):
+        load_text_source(spec, self_generator=lambda n, seed: ["never called"])
+
+
+@pytest.mark.parametrize("value", ["12345", "null", "[\"a\"]"])
+def test_a_jsonl_text_that_is_not_a_string_names_its_line(tmp_path, value):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": ' + value + '}\n')
+    with pytest.raises(CalibrationDataError, match=r"d.jsonl:2: expected a JSON object with a 'text' string"):
+        load_text_source(f"jsonl:{path}")
