@@ -11,6 +11,7 @@ A source is named by a spec string, which goes into the manifest as provenance:
 A bare existing path means file: (or jsonl: for *.jsonl).
 """
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,18 @@ def _read_bundled(name: str) -> str:
 class TextSource:
     spec: str
     documents: list[str]
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the text itself (each document's UTF-8 bytes, length-prefixed so that document
+        boundaries count): names the data in provenance independently of the tokenizer and of
+        the path it was read from."""
+        h = hashlib.sha256()
+        for doc in self.documents:
+            data = doc.encode("utf-8")
+            h.update(len(data).to_bytes(8, "little"))
+            h.update(data)
+        return h.hexdigest()
 
 
 def read_text_exact(path: Path) -> str:

@@ -3,7 +3,8 @@
 `TokenSet.input_ids` is [num_samples, seq_len] int64. Sampling is deterministic in
 (documents, tokenizer, num_samples, seq_len, seed); `sha256` covers the token ids exactly
 (little-endian int64 bytes, row-major), so two builds that calibrated on the same tokens
-record the same hash.
+record the same hash. Provenance also carries `text_sha256`, the source text's own hash
+(`TextSource.sha256`), which names the data whatever path or tokenizer read it.
 """
 
 import hashlib
@@ -59,6 +60,7 @@ def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: i
         "seq_len": seq_len,
         "seed": seed,
         "num_source_tokens": len(stream),
+        "text_sha256": source.sha256,
         "token_sha256": token_sha256(ids),
     }
     return TokenSet(ids, provenance)

@@ -48,7 +48,7 @@ class Manifest:
     recipe: dict = field(default_factory=dict)  # as applied, with per-layer results/fallbacks/errors
     quantization: dict = field(default_factory=dict)  # per-linear layout the runtime builds from
     kv_cache: dict | None = None
-    calibration: dict | None = None  # source, num_samples, seq_len, seed, token_sha256
+    calibration: dict | None = None  # source, num_samples, seq_len, seed, num_source_tokens, text_sha256, token_sha256
     source: dict = field(default_factory=dict)  # path, kind, sha256
     toolchain: dict = field(default_factory=dict)  # see toolchain_versions()
     accuracy: dict = field(default_factory=dict)

@@ -92,6 +92,8 @@ class OrtEngine:
         """op type -> count in the graphs ONNX Runtime optimized the segments into (after a step)."""
         import onnx
 
+        if self.optimized_dir is None:
+            raise ValueError("fused_op_counts reads the optimized segments: build the engine with optimized_dir=")
         counts: dict[str, int] = {}
         for path in sorted(Path(self.optimized_dir).glob("segment_*.onnx")):
             for node in onnx.load(str(path), load_external_data=False).graph.node:

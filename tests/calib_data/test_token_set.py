@@ -40,6 +40,19 @@ def test_seeded_fixed_length_and_hash(tmp_path, tokenizer):
     assert a.sha256 != c.sha256
 
 
+def test_text_sha256_names_the_text_not_the_path(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text("alpha beta gamma " * 40)
+    (tmp_path / "copy.txt").write_text("alpha beta gamma " * 40)
+    (tmp_path / "b.txt").write_text("alpha beta gamma " * 39 + "alpha beta delta ")
+    a, copy, b = (load_text_source(str(tmp_path / n)) for n in ("a.txt", "copy.txt", "b.txt"))
+    assert a.sha256 == copy.sha256 != b.sha256
+    assert sample_token_set(a, tokenizer, 2, 16).provenance["text_sha256"] == a.sha256
+    # document boundaries are part of the text's identity
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ab"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"text": "bc"}) + "\n")
+    assert load_text_source(str(tmp_path / "d.jsonl")).sha256 != load_text_source(str(tmp_path / "e.jsonl")).sha256
+
+
 def test_self_source_uses_the_generator(tokenizer):
     src = load_text_source("self:3", self_generator=lambda n, seed: [f"sample {i} seed {seed}" for i in range(n)], seed=5)
     assert src.documents == ["sample 0 seed 5", "sample 1 seed 5", "sample 2 seed 5"]
