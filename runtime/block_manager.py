@@ -103,9 +103,10 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def get_computed_blocks(self, seq) -> tuple[KVBlocks, int]:
-        """Longest cached prefix of `seq` in full blocks, never all of its tokens."""
-        if not self.enable_prefix_caching:
+    def get_computed_blocks(self, seq, lookup: bool = True) -> tuple[KVBlocks, int]:
+        """Longest cached prefix of `seq` in full blocks, never all of its tokens (none without
+        `lookup`: a sequence that must compute every token)."""
+        if not (self.enable_prefix_caching and lookup):
             return KVBlocks(num_query_tokens=seq.num_tokens), 0
         # (n - 1) // bs: with n a multiple of bs the last block is left out, so >= 1 token is computed.
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -19,7 +19,7 @@ from .cuda_graphs import GraphRunner
 from .detokenizer import IncrementalDetokenizer
 from .model import CausalLM
 from .runner import ModelRunner
-from .sampler import Sampler, SamplerOutput, make_generator
+from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -51,6 +51,9 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[dict] = field(default_factory=list)  # for new tokens, when asked
     metrics: dict = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
+    # None for the first (nothing scores it), else {"token_id", "logprob", "top"} as in `logprobs`
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class _Request:
     generator: torch.Generator | None
     arrival: float
     first_token_time: float | None = None
+    prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
 
 
 class LLMEngine:
@@ -112,7 +116,8 @@ class LLMEngine:
         generator = make_generator(params.seed, self.config.device) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens)
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
-        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter())
+        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(),
+                                             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
 
@@ -133,6 +138,8 @@ class LLMEngine:
         banned = [s.banned_token_ids for s in sampling]
         # Plain greedy steps may get their tokens with the logits (the native decode stack's head)
         step = self.runner.run(plan, argmax=self.sampler.is_plain_argmax(params, banned))
+        if step.prompt_logits is not None:
+            self._score_prompts(plan, step.prompt_logits)
         if step.argmax is not None:
             out = SamplerOutput(step.argmax)
         else:
@@ -142,6 +149,24 @@ class LLMEngine:
         finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
         self.stats["num_steps"] += 1
         return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
+
+    def _score_prompts(self, plan, logits: torch.Tensor) -> None:
+        """Record the logprob of each prompt token the step's prompt rows predict (a preempted
+        prompt computed again overwrites its entries with the same quantities)."""
+        first = 0
+        for s in plan.scheduled:
+            positions = s.prompt_logprob_positions
+            if not positions:
+                continue
+            rows = logits[first:first + len(positions)]
+            first += len(positions)
+            n = s.seq.sampling_params.prompt_logprobs
+            targets = s.seq.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            chosen, top_values, top_ids = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
+            entries = self.requests[s.seq_id].prompt_logprobs
+            for k, (position, target) in enumerate(zip(positions, targets)):
+                top = {} if n == 0 else dict(zip(top_ids[k].tolist(), top_values[k].tolist()))
+                entries[position + 1] = {"token_id": target, "logprob": float(chosen[k]), "top": top}
 
     def _postprocess(self, s, token_id, out, row, finished) -> RequestOutput:
         req = self.requests[s.seq_id]
@@ -164,6 +189,9 @@ class LLMEngine:
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,
             s.seq.finish_reason if is_done else None, logprobs)
+        if req.prompt_logprobs is not None and s.seq.num_output_tokens == 1:
+            assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt position was not scored"
+            result.prompt_logprobs = req.prompt_logprobs
         if is_done:
             self.requests.pop(s.seq_id, None)
             self.stats["num_finished"] += 1

@@ -16,6 +16,9 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    # SamplingParams.logprobs / prompt_logprobs: entries {"token_id", "logprob", "top"} (engine.RequestOutput)
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class LLM:
@@ -36,11 +39,19 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         done: dict[str, CompletionOutput] = {}
+        # generated tokens' logprobs, for the requests that asked (None for the others)
+        logprobs: dict[str, list | None] = {i: [] if sp is not None and sp.logprobs is not None else None
+                                            for i, sp in zip(ids, params_list)}
+        prompt_logprobs: dict[str, list | None] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if logprobs[out.request_id] is not None:
+                        logprobs[out.request_id] += out.logprobs
+                    prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)  # the first output's
                     if out.finished:
-                        done[out.request_id] = CompletionOutput(out.prompt_token_ids, out.token_ids, out.text,
-                                                                out.finish_reason)
+                        done[out.request_id] = CompletionOutput(
+                            out.prompt_token_ids, out.token_ids, out.text, out.finish_reason,
+                            logprobs[out.request_id], prompt_logprobs[out.request_id])
                         bar.update(1)
         return [done[i] for i in ids]

@@ -12,6 +12,7 @@ as OpenAI clients send many optional ones (user, ...); known ones that would cha
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -82,23 +83,40 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
                                       param="response_format")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, min_tokens=self.min_tokens).validate()
+                              logprobs=logprobs, min_tokens=self.min_tokens,
+                              prompt_logprobs=prompt_logprobs).validate()
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # one prompt (text or token ids) or a batch of them (one choice each, `index` in order)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's default for completions; 0 only with echo (score the prompt, generate nothing)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a bare string or id list is a batch of one."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported; prepend the prompt yourself", param="echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise InvalidRequestError("prompt is an empty list; send a string, token ids, or a list of them",
+                                      param="prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens 0 generates nothing; it needs echo true (to score the prompt)",
+                                      param="max_tokens")
+
+    @property
+    def generates(self) -> bool:
+        return self.max_tokens != 0
 
 
 class TextPart(BaseModel):
@@ -141,9 +159,11 @@ class ResponseBuilder:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], include_usage: bool = False):
+    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], include_usage: bool = False,
+                 index: int = 0):
+        """index: the choice this builder writes (a completion's prompt in a batch)."""
         self.request_id, self.model, self.token_text = request_id, model, token_text
-        self.include_usage = include_usage
+        self.include_usage, self.index = include_usage, index
         self.created = int(time.time())
         self._text_offset = 0
 
@@ -163,25 +183,73 @@ class ResponseBuilder:
             body["usage"] = None  # OpenAI: only the extra last chunk carries usage
         return body
 
-    def usage_chunk(self, final: RequestOutput) -> dict:
-        return self._envelope(self.chunk_object_name, []) | {"usage": usage(final)}
+    def usage(self, final: RequestOutput) -> dict:
+        return usage(len(final.prompt_token_ids), len(final.token_ids))
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         final = outputs[-1]
         entries = [e for out in outputs for e in out.logprobs]
-        return self._envelope(self.object_name, [self._choice(final, entries)]) | {"usage": usage(final)}
+        return self._envelope(self.object_name, [self._choice(final, entries)]) | {"usage": self.usage(final)}
+
+
+def batch_response(bodies: list[dict]) -> dict:
+    """One body from each prompt's `response`: their choices in order, their usage summed."""
+    total = {key: sum(b["usage"][key] for b in bodies) for key in bodies[0]["usage"]}
+    return bodies[0] | {"choices": [c for b in bodies for c in b["choices"]], "usage": total}
+
+
+def usage_chunk(builders: list[ResponseBuilder], finals: list[RequestOutput]) -> dict:
+    """The extra last stream chunk (stream_options.include_usage): the batch's usage, no choices."""
+    return batch_response([b._envelope(b.chunk_object_name, []) | {"usage": b.usage(f)}
+                           for b, f in zip(builders, finals)])
 
 
 class CompletionResponse(ResponseBuilder):
+    """With `echo` (the prompt's text): the text and logprobs start with the prompt's, the first
+    prompt token's logprob and top being null (nothing scores it), as OpenAI's legacy API and
+    vLLM write them. Without `generates` (max_tokens 0) only the prompt is returned."""
+
     object_name = chunk_object_name = "text_completion"
 
+    def __init__(self, *args, echo: tuple[str, list[int]] | None = None, logprobs: bool = False,
+                 generates: bool = True, **kw):
+        """echo: (the prompt's text, its token ids) to return first, or None."""
+        super().__init__(*args, **kw)
+        self.echo, self.prompt_ids = echo if echo is not None else (None, None)
+        self.with_logprobs, self.generates = logprobs, generates
+        self._prompt_logprobs, self._echoed = None, False
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        self._prompt_logprobs = self._prompt_logprobs or out.prompt_logprobs  # the first output's
+        return super().chunk(out if self.generates else _nothing_generated(out))
+
     def _chunk_choice(self, out: RequestOutput) -> dict:
-        return {"index": 0, "text": out.new_text, "logprobs": self._logprobs(out.logprobs),
+        prefix, entries = "", out.logprobs
+        if self.echo is not None and not self._echoed:  # the first chunk sent carries the prompt
+            self._echoed = True
+            prefix, entries = self.echo, self._prompt_entries(self._prompt_logprobs) + entries
+        return {"index": self.index, "text": prefix + out.new_text, "logprobs": self._logprobs(entries),
                 "finish_reason": out.finish_reason}
 
-    def _choice(self, final: RequestOutput, entries: list[dict]) -> dict:
-        return {"index": 0, "text": final.text, "logprobs": self._logprobs(entries),
-                "finish_reason": final.finish_reason}
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        final = outputs[-1] if self.generates else _nothing_generated(outputs[-1])
+        entries = self._prompt_entries(outputs[0].prompt_logprobs) + self._generated_entries(outputs)
+        text = (self.echo or "") + final.text
+        choice = {"index": self.index, "text": text, "logprobs": self._logprobs(entries),
+                  "finish_reason": final.finish_reason}
+        return self._envelope(self.object_name, [choice]) | {"usage": self.usage(final)}
+
+    def usage(self, final: RequestOutput) -> dict:
+        return usage(len(final.prompt_token_ids), len(final.token_ids) if self.generates else 0)
+
+    def _prompt_entries(self, prompt_logprobs: list[dict | None] | None) -> list[dict]:
+        """The echoed prompt's logprob entries (the first token's null)."""
+        if self.echo is None or not self.with_logprobs:
+            return []
+        return [{"token_id": self.prompt_ids[0], "logprob": None, "top": None}] + prompt_logprobs[1:]
+
+    def _generated_entries(self, outputs: list[RequestOutput]) -> list[dict]:
+        return [e for out in outputs for e in out.logprobs] if self.generates else []
 
     def _logprobs(self, entries: list[dict]) -> dict | None:
         if not entries:
@@ -192,8 +260,15 @@ class CompletionResponse(ResponseBuilder):
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e["top"].items()} for e in entries],
+                "top_logprobs": [None if e["top"] is None else {self.token_text(t): lp for t, lp in e["top"].items()}
+                                 for e in entries],
                 "text_offset": offsets}
+
+
+def _nothing_generated(out: RequestOutput) -> RequestOutput:
+    """max_tokens 0: the engine made one token (it always samples), which is not returned."""
+    return replace(out, new_token_ids=[], new_text="", token_ids=[], text="", logprobs=[],
+                   finish_reason="length" if out.finished else None)
 
 
 class ChatResponse(ResponseBuilder):
@@ -205,11 +280,11 @@ class ChatResponse(ResponseBuilder):
         return [body | {"usage": None}] if self.include_usage else [body]
 
     def _chunk_choice(self, out: RequestOutput) -> dict:
-        return {"index": 0, "delta": {"content": out.new_text} if out.new_text else {},
+        return {"index": self.index, "delta": {"content": out.new_text} if out.new_text else {},
                 "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
 
     def _choice(self, final: RequestOutput, entries: list[dict]) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": final.text},
+        return {"index": self.index, "message": {"role": "assistant", "content": final.text},
                 "logprobs": self._logprobs(entries), "finish_reason": final.finish_reason}
 
     def _logprobs(self, entries: list[dict]) -> dict | None:
@@ -224,7 +299,6 @@ class ChatResponse(ResponseBuilder):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def usage(final: RequestOutput) -> dict:
-    num_prompt, num_completion = len(final.prompt_token_ids), len(final.token_ids)
+def usage(num_prompt: int, num_completion: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion}

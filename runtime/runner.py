@@ -8,7 +8,8 @@ Input layout of one step (in-flight batching: prefill chunks and decodes side by
     slot_mapping[i] = block_table[pos // block_size] * block_size + pos % block_size
 
 Only rows that end a sequence's known tokens are turned into logits (`sample_rows`), so a
-prefill chunk pays for the lm_head once, not once per token. Owns no scheduling decisions.
+prefill chunk pays for the lm_head once, not once per token; a sequence that asked for its
+prompt's logprobs also gets its prompt rows' logits (`prompt_rows`). Owns no scheduling decisions.
 """
 
 from typing import NamedTuple
@@ -26,6 +27,9 @@ from .scheduler import StepPlan
 class StepLogits(NamedTuple):
     logits: torch.Tensor  # [num_sampling_seqs, vocab], plan.sampling order, the model's dtype
     argmax: torch.Tensor | None  # [num_sampling_seqs] int64 ops.argmax of them, when asked and made
+    # [num_prompt_rows, vocab]: the rows of every ScheduledSeq.prompt_logprob_positions, in plan
+    # order; None when no sequence in the step asked for prompt logprobs
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -38,7 +42,7 @@ class ModelRunner:
         self.decode_stack = NativeDecodeStack.build(model, caches) if self.device.type == "cpu" else None
 
     def prepare(self, plan: StepPlan):
-        ids, positions, slots, seq_lens, starts, sample_rows = [], [], [], [], [0], []
+        ids, positions, slots, seq_lens, starts, sample_rows, prompt_rows = [], [], [], [], [0], [], []
         max_blocks = max(len(s.block_table) for s in plan.scheduled)
         # [S, max_blocks], zero-padded, one tensor from one list (a tensor per row: prepare() took
         # 0.87 ms of a 64-row decode step, now 0.40)
@@ -55,6 +59,7 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             if s.is_sampling:
                 sample_rows.append(starts[-1] - 1)
+            prompt_rows.extend(starts[-2] + p - start for p in s.prompt_logprob_positions)
         dev = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -64,7 +69,8 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)  # [N]
         positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)  # [N]
-        return input_ids, positions_t, metadata, torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+        return input_ids, positions_t, metadata, rows, torch.tensor(prompt_rows, dtype=torch.int64, device=dev)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns logits [num_sampling_seqs, vocab] in `plan.sampling` order, in the
@@ -76,7 +82,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, argmax: bool = False) -> StepLogits:
         """`execute`, and with `argmax` each logits row's ops.argmax where the native decode stack
         computes the head (then its threads take it as they write the logits), else None."""
-        input_ids, positions, metadata, sample_rows = self.prepare(plan)
+        input_ids, positions, metadata, sample_rows, prompt_rows = self.prepare(plan)
         stack, num_tokens = self.decode_stack, input_ids.shape[0]
         if stack is not None and stack.applies(num_tokens, metadata):
             if stack.serves_head(num_tokens) and sample_rows.shape[0] == num_tokens:  # every row samples
@@ -85,4 +91,5 @@ class ModelRunner:
         else:
             self.backend.metadata = metadata
             hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
-        return StepLogits(self.model.compute_logits(hidden[sample_rows]), None)
+        prompt_logits = self.model.compute_logits(hidden[prompt_rows]) if prompt_rows.numel() else None
+        return StepLogits(self.model.compute_logits(hidden[sample_rows]), None, prompt_logits)

@@ -92,12 +92,20 @@ class Sampler:
         max_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if max_n is None:
             return SamplerOutput(token_ids)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_seqs, vocab_size]
-        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [num_seqs]
-        if max_n == 0:
-            return SamplerOutput(token_ids, chosen)
-        top_values, top_ids = logprobs.topk(max_n, dim=-1)  # [num_seqs, max_n]
-        return SamplerOutput(token_ids, chosen, top_values, top_ids)
+        return SamplerOutput(token_ids, *score_tokens(logits, token_ids, max_n))
+
+
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """logits [rows, vocab], token_ids [rows] -> (each token's logprob [rows] fp32, and with num_top
+    > 0 the top num_top logprobs [rows, num_top] and their ids, else None, None). The token's value
+    and the top values come from one log_softmax, so a token that is the argmax equals the top-1
+    exactly (what loglikelihood evaluations compare to call a continuation greedy)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab_size]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [rows]
+    if num_top == 0:
+        return chosen, None, None
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top]
+    return chosen, top_values, top_ids
 
 
 def _ban(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:

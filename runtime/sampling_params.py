@@ -23,7 +23,9 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 switch those filters off.
     `stop` strings are matched by the engine on detokenized text; `stop_token_ids` and EOS by
     the scheduler. `min_tokens` suppresses every stop condition except `max_tokens` until that
-    many tokens have been generated.
+    many tokens have been generated. `logprobs` asks for the generated tokens' logprobs (and the
+    top n), `prompt_logprobs` for the prompt's (vLLM's semantics: every prompt token after the
+    first, scored by the model given the ones before it; what loglikelihood evaluations read).
     """
 
     max_tokens: int = 16
@@ -36,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
@@ -66,6 +69,9 @@ class SamplingParams:
                "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs",
+               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.prompt_logprobs!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens",
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")

@@ -73,6 +73,14 @@ class ScheduledSeq:
     def positions(self) -> range:
         return range(self.num_computed_tokens, self.num_computed_tokens + self.num_scheduled_tokens)
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The scheduled positions whose logits score the next prompt token (prompt_logprobs)."""
+        if not self.seq.needs_prompt_logprobs:
+            return range(0)
+        start = self.num_computed_tokens
+        return range(start, min(start + self.num_scheduled_tokens, self.seq.num_prompt_tokens - 1))
+
 
 @dataclass
 class StepPlan:
@@ -204,7 +212,7 @@ class Scheduler:
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(seq)
+            computed_blocks, num_cached = self.kv.get_computed_blocks(seq, lookup=not seq.needs_prompt_logprobs)
             num_new = self._num_tokens_to_schedule(seq, num_cached, budget)
             if self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
                 break  # FCFS: later arrivals do not overtake the head of the queue

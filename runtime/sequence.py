@@ -76,6 +76,12 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for the prompt's logprobs and not yet past the prompt: every prompt position must
+        then be computed (no prefix-cache hit), and the rows that score it kept."""
+        return self.sampling_params.prompt_logprobs is not None and len(self._token_ids) == len(self.prompt_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self._token_ids)
 

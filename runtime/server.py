@@ -34,7 +34,8 @@ from qkiln.errors import QkilnError, RequestError, SourceModelError
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
-                              InvalidRequestError, ResponseBuilder, SamplingFields, error_body)
+                              InvalidRequestError, ResponseBuilder, SamplingFields, batch_response, error_body,
+                              usage_chunk)
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -69,11 +70,25 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
-        max_tokens = _completion_budget(body.max_tokens, len(prompt), engine.max_model_len, "prompt")
-        params = body.sampling_params(max_tokens, body.logprobs)
-        builder = CompletionResponse(f"cmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
-        return await _respond(engine, metrics, request, prompt, params, builder, body.stream)
+        request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        prompts, params, builders = [], [], []
+        for i, prompt in enumerate(batch):
+            ids = prompt if isinstance(prompt, list) else engine.tokenizer.encode(prompt)
+            where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+            # max_tokens 0 (echo only): the engine samples one token, which is not returned
+            max_tokens = _completion_budget(body.max_tokens if body.generates else 1, len(ids),
+                                            engine.max_model_len, where)
+            # with echo, logprobs covers the prompt's tokens too
+            params.append(body.sampling_params(max_tokens, body.logprobs,
+                                               body.logprobs if body.echo else None))
+            echo = None
+            if body.echo:
+                echo = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
+            prompts.append(ids)
+            builders.append(CompletionResponse(request_id, model_name, _token_text(engine), body.include_usage,
+                                               index=i, echo=echo, logprobs=body.logprobs is not None,
+                                               generates=body.generates))
+        return await _respond(engine, metrics, request, prompts, params, builders, body.stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -87,7 +102,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                                         engine.max_model_len, "messages")
         params = body.sampling_params(max_tokens, body.num_logprobs)
         builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
-        return await _respond(engine, metrics, request, prompt_ids, params, builder, body.stream)
+        return await _respond(engine, metrics, request, [prompt_ids], [params], [builder], body.stream)
 
     app.include_router(v1)
 
@@ -124,43 +139,101 @@ def _token_text(engine: AsyncLLMEngine):
     return lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompt, params,
-                   builder: ResponseBuilder, is_stream: bool):
+async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompts: list, params: list,
+                   builders: list[ResponseBuilder], is_stream: bool):
+    """Run one request's prompts (a completion batch: one choice each) and answer with them all."""
     # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
-    stream = await engine.add_request(prompt, params, builder.request_id)
+    streams = await _admit(engine, prompts, params, builders)
     if is_stream:
-        return StreamingResponse(_sse(engine, metrics, stream, builder), media_type="text/event-stream",
+        return StreamingResponse(_sse(engine, metrics, streams, builders), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_abort_on_disconnect(engine, request, stream.request_id))
+    watcher = asyncio.create_task(_abort_on_disconnect(engine, request, streams))
     try:
-        outputs = [out async for out in stream]
+        results = await asyncio.gather(*(_collect(stream) for stream in streams))
     finally:
         watcher.cancel()
+        _abort_unfinished(engine, streams)
+    for outputs in results:
+        metrics.observe_finished(outputs[-1])
+    return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
+
+
+async def _admit(engine: AsyncLLMEngine, prompts: list, params: list, builders: list) -> list[RequestStream]:
+    """Every prompt admitted (at once: one engine round trip, not one per prompt), or none: a
+    refused one aborts the others and is a 400 naming its place in the batch."""
+    def engine_id(i):
+        return builders[i].request_id if len(prompts) == 1 else f"{builders[i].request_id}-{i}"
+
+    admitted = await asyncio.gather(*(engine.add_request(p, sp, engine_id(i))
+                                      for i, (p, sp) in enumerate(zip(prompts, params))), return_exceptions=True)
+    streams = [r for r in admitted if isinstance(r, RequestStream)]
+    for i, result in enumerate(admitted):
+        if isinstance(result, BaseException):
+            _abort_unfinished(engine, streams)
+            if isinstance(result, RequestError) and len(prompts) > 1:
+                raise InvalidRequestError(f"prompt {i}: {result}", getattr(result, "param", None) or f"prompt.{i}")
+            raise result
+    return streams
+
+
+async def _collect(stream: RequestStream) -> list:
+    return [out async for out in stream]
+
+
+def _abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
+    for stream in streams:
         if not stream.finished:
             engine.abort(stream.request_id)
-    metrics.observe_finished(outputs[-1])
-    return builder.response(outputs)
 
 
-async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, stream: RequestStream, builder: ResponseBuilder):
+async def _merged(streams: list[RequestStream]):
+    """(index, output) from all streams as they come; an engine error ends it by raising."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream):
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except QkilnError as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, streams: list[RequestStream],
+               builders: list[ResponseBuilder]):
     """`data: {json}\\n\\n` per chunk, then `data: [DONE]`. Cancelled on disconnect: then abort."""
     try:
-        for chunk in builder.start_chunks():
+        for chunk in builders[0].start_chunks():
             yield _event(chunk)
-        final = None
-        async for out in stream:
-            chunk = builder.chunk(out)
+        finals = [None] * len(streams)
+        async for index, out in _merged(streams):
+            chunk = builders[index].chunk(out)
             if chunk is not None:
                 yield _event(chunk)
-            final = out
-        metrics.observe_finished(final)
-        if builder.include_usage:
-            yield _event(builder.usage_chunk(final))
+            finals[index] = out
+        for final in finals:
+            metrics.observe_finished(final)
+        if builders[0].include_usage:
+            yield _event(usage_chunk(builders, finals))
     except QkilnError as e:  # the engine failed mid-stream: headers are sent, so report it in-band
         yield _event(error_body(str(e), type="server_error"))
     finally:
-        if not stream.finished:
-            engine.abort(stream.request_id)
+        _abort_unfinished(engine, streams)
     yield "data: [DONE]\n\n"
 
 
@@ -168,11 +241,11 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, request_id: str) -> None:
+async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams: list[RequestStream]) -> None:
     """For non-streaming requests: the body is read, so the next ASGI message is the disconnect."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    engine.abort(request_id)
+    _abort_unfinished(engine, streams)
 
 
 class _HTTPError(Exception):

@@ -58,7 +58,7 @@ def test_staged_inputs_match_the_eager_runner_and_pad_the_rest():
     assert runner.decode_bucket(plan) == 4
     n = runner.inputs.stage(plan, BLOCK_SIZE, 4)
     staged = runner.inputs.host_views(4)
-    ids, positions, metadata, _ = ModelRunner(model, engine.caches, BLOCK_SIZE).prepare(plan)
+    ids, positions, metadata, *_ = ModelRunner(model, engine.caches, BLOCK_SIZE).prepare(plan)
     assert n == 3
     assert torch.equal(staged["input_ids"][:3], ids) and torch.equal(staged["positions"][:3], positions)
     assert torch.equal(staged["slot_mapping"][:3], metadata.slot_mapping)

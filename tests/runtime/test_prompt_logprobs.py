@@ -1,0 +1,119 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs): each prompt token after the first scored by
+the model given the ones before it, equal to one teacher-forced forward pass of the whole
+prompt, however the prompt was chunked, batched, preempted or found in the prefix cache."""
+
+import random
+
+import pytest
+import torch
+
+from qkiln.errors import RequestError
+from qkiln.runtime.engine import EngineConfig, LLMEngine
+from qkiln.runtime.loader import load_for_serving
+from qkiln.runtime.sampling_params import SamplingParams
+from tiny_models import write_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_for_serving(str(write_tiny_hf_model(tmp_path_factory.mktemp("m"), "llama")), dtype="fp32")
+
+
+def teacher_forced(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1] logprob of prompt[i + 1] given prompt[: i + 1], one dense forward."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt]))[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+
+
+def run(engine: LLMEngine, prompts, params, arrivals=None) -> dict[int, list]:
+    """prompt index -> the prompt_logprobs of its first output; steps until every request ends."""
+    arrivals = arrivals or [0] * len(prompts)
+    ids, firsts, done, step = {}, {}, set(), 0
+    while len(done) < len(prompts):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[engine.add_request(prompts[i], params[i])] = i
+        for out in engine.step():
+            i = ids[out.request_id]
+            if i not in firsts:
+                firsts[i] = out.prompt_logprobs
+            else:
+                assert out.prompt_logprobs is None  # only the first output carries them
+            if out.finished:
+                done.add(i)
+        engine.check_integrity()
+        step += 1
+        assert step < 5000
+    return firsts
+
+
+def check(entries, prompt, expected, num_top):
+    assert len(entries) == len(prompt) and entries[0] is None
+    got = torch.tensor([e["logprob"] for e in entries[1:]])
+    assert [e["token_id"] for e in entries[1:]] == prompt[1:]
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    for e in entries[1:]:
+        assert len(e["top"]) == num_top
+        if num_top:
+            best = max(e["top"].values())
+            assert e["logprob"] <= best + 1e-6
+            # the argmax token's own value equals the top-1 exactly (loglikelihood "is greedy")
+            assert (e["token_id"] == max(e["top"], key=e["top"].get)) == (e["logprob"] == best)
+
+
+def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny):
+    rng = random.Random(random.randrange(1 << 30))
+    shared = [rng.randrange(256) for _ in range(37)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 50))] for _ in range(4)]
+    prompts += [[rng.randrange(256)], [rng.randrange(256) for _ in range(70)]]
+    expected = [teacher_forced(tiny.model, p) for p in prompts]
+    num_tops = [0, 1, 3, 5, 2, 4]
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=n) for n in num_tops]
+    variants = {
+        "one step each": dict(num_kv_blocks=128),
+        "chunked prefill (budget 7)": dict(num_kv_blocks=128, max_num_batched_tokens=7),
+        "preemption (8 blocks)": dict(num_kv_blocks=8, max_num_batched_tokens=24),
+    }
+    for label, kw in variants.items():
+        engine = LLMEngine(tiny.model, tiny.tokenizer, EngineConfig(kv_dtype="fp32", **kw))
+        firsts = run(engine, prompts, params, arrivals=[0, 2, 2, 5, 6, 6])
+        for i, prompt in enumerate(prompts):
+            check(firsts[i], prompt, expected[i], num_tops[i])
+        if "preemption" in label:
+            assert engine.scheduler.num_preemptions > 0, label
+
+
+def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(tiny):
+    rng = random.Random(3)
+    prompt = [rng.randrange(256) for _ in range(50)]
+    engine = LLMEngine(tiny.model, tiny.tokenizer, EngineConfig(kv_dtype="fp32", num_kv_blocks=64))
+    plain = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    assert run(engine, [prompt], [plain]) == {0: None}  # fills the prefix cache
+    hits = engine.kv_manager.prefix_cache_hits
+    scored = run(engine, [prompt], [SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)])
+    check(scored[0], prompt, teacher_forced(tiny.model, prompt), 1)
+    assert engine.kv_manager.prefix_cache_hits == hits
+    run(engine, [prompt], [plain])  # and the plain request still hits the cache
+    assert engine.kv_manager.prefix_cache_hits > hits
+
+
+def test_prompt_logprobs_out_of_range_is_refused_naming_the_field(tiny):
+    engine = LLMEngine(tiny.model, tiny.tokenizer, EngineConfig(kv_dtype="fp32", num_kv_blocks=16))
+    for bad in (-1, 10_000, 1.5, True):
+        with pytest.raises(RequestError, match="prompt_logprobs") as e:
+            engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=bad))
+        assert e.value.param == "prompt_logprobs"
+
+
+def test_offline_llm_returns_prompt_and_token_logprobs(tmp_path):
+    from qkiln.runtime.llm import LLM
+
+    llm = LLM(str(write_tiny_hf_model(tmp_path, "llama")), dtype="fp32", num_kv_blocks=32)
+    prompt = [5, 17, 99, 3, 250, 42]
+    scored, plain = llm.generate([prompt, prompt], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                                   logprobs=2, prompt_logprobs=0),
+                                                    SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
+    check(scored.prompt_logprobs, prompt, teacher_forced(llm.engine.model, prompt), 0)
+    assert [e["token_id"] for e in scored.logprobs] == scored.token_ids and all(len(e["top"]) == 2 for e in scored.logprobs)
+    assert plain.logprobs is None and plain.prompt_logprobs is None and plain.token_ids == scored.token_ids

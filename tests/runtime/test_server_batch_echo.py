@@ -1,0 +1,145 @@
+"""/v1/completions with a batch of prompts and with `echo`: what loglikelihood evaluations
+(lm-evaluation-harness's `local-completions`) send. A real server on loopback, a tiny random model;
+prompt logprobs are checked against one teacher-forced forward pass of the same weights."""
+
+import json
+import random
+
+import httpx
+import pytest
+import torch
+
+from qkiln.runtime.async_engine import AsyncLLMEngine
+from qkiln.runtime.loader import load_for_serving
+from qkiln.runtime.server import BackgroundServer, create_app
+from tiny_models import write_tiny_hf_model
+
+ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **ENGINE_KW)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    srv = BackgroundServer(create_app(engine, "tiny"))
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        yield c
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_for_serving(str(model_dir), dtype="fp32").model
+
+
+def teacher_forced(model, ids: list[int]) -> list[float]:
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids]))[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def post(client, **kw):
+    r = client.post("/v1/completions", json={"model": "tiny", "temperature": 0} | kw)
+    return r
+
+
+def random_prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(2, 70))] for _ in range(count)]
+
+
+def test_loglikelihood_request_as_lm_eval_sends_it(client, engine, model):
+    """Token-id prompts in one request, echo, logprobs 1, max_tokens 1: every prompt token after
+    the first is scored, then the one generated token (which lm-eval cuts with [ctxlen:-1])."""
+    prompts = random_prompts(random.randrange(1 << 30), 5)
+    r = post(client, prompt=prompts, echo=True, logprobs=1, max_tokens=1, seed=1234)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(5))
+    for prompt, choice in zip(prompts, body["choices"]):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["tokens"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:-1]), torch.tensor(teacher_forced(model, prompt)),
+                                   atol=2e-4, rtol=1e-4)
+        for token_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert len(top) == 1 and token_lp <= max(top.values()) + 1e-6
+        assert lp["text_offset"][0] == 0 and choice["text"].startswith(engine.tokenizer.decode(prompt, skip_special_tokens=False))
+    assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 5
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_only(client, engine, model):
+    prompts = ["the quick brown fox", "jumps over the lazy dog and runs"]
+    r = post(client, prompt=prompts, echo=True, logprobs=2, max_tokens=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    for text, choice in zip(prompts, body["choices"]):
+        ids = engine.tokenizer.encode(text)
+        assert choice["text"] == text and choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids)
+        torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), torch.tensor(teacher_forced(model, ids)),
+                                   atol=2e-4, rtol=1e-4)
+        # keyed by token text, as OpenAI does: two byte tokens that both decode to U+FFFD share a key
+        assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"][1:])
+    total = sum(len(engine.tokenizer.encode(t)) for t in prompts)
+    assert body["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
+
+
+def test_a_batch_answers_as_its_prompts_sent_alone(client):
+    prompts = ["abc", "hello world", [5, 6, 7, 8, 9, 10], "x"]
+    alone = [post(client, prompt=p, max_tokens=8, ignore_eos=True).json()["choices"][0]["text"] for p in prompts]
+    batch = post(client, prompt=[p for p in prompts if isinstance(p, str)], max_tokens=8, ignore_eos=True).json()
+    assert [c["text"] for c in batch["choices"]] == [t for p, t in zip(prompts, alone) if isinstance(p, str)]
+    echoed = post(client, prompt="hello world", max_tokens=8, ignore_eos=True, echo=True).json()["choices"][0]
+    assert echoed["text"] == "hello world" + alone[1] and echoed["logprobs"] is None
+
+
+def test_streamed_batch_with_echo(client):
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]
+    plain = post(client, prompt=prompts, max_tokens=6, ignore_eos=True, echo=True, logprobs=0).json()
+    with client.stream("POST", "/v1/completions", json={
+            "model": "tiny", "prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True,
+            "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        raw = "".join(r.iter_text())
+    events = [json.loads(e[len("data: "):]) for e in raw.strip().split("\n\n")[:-1]]
+    texts, logprobs, reasons = ["", ""], [[], []], [None, None]
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["logprobs"]:
+            logprobs[choice["index"]] += choice["logprobs"]["token_logprobs"]
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == [c["text"] for c in plain["choices"]] and reasons == ["length", "length"]
+    for got, choice in zip(logprobs, plain["choices"]):
+        assert got[0] is None and len(got) == len(choice["logprobs"]["token_logprobs"])
+        torch.testing.assert_close(torch.tensor(got[1:]), torch.tensor(choice["logprobs"]["token_logprobs"][1:]),
+                                   atol=2e-4, rtol=1e-4)
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": ["fine", "x" * 300], "max_tokens": 2}, "prompt.1"),  # beyond the context
+    ({"prompt": [[1, 2], [3, 99999]], "max_tokens": 2}, "prompt.1"),  # beyond the vocabulary
+    ({"prompt": ["a", 5]}, "prompt"),
+])
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(client, engine, body, param):
+    r = post(client, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.json()
+    assert post(client, prompt=["still", "alive"], max_tokens=2).status_code == 200
+    # nothing of the refused batch stays queued or holds KV blocks
+    assert engine.call(lambda e: (e.has_unfinished(), e.kv_manager.num_free_blocks)).result(30) == (False, 64)
