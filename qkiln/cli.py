@@ -176,6 +176,7 @@ def serve_cmd(
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
+    shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
@@ -190,8 +191,12 @@ def serve_cmd(
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             _fail(e)
+        if engine.max_request_len < engine.max_model_len:
+            print(f"note: the KV cache holds {engine.max_request_len - 1} tokens, fewer than the model's context of "
+                  f"{engine.max_model_len}: a request (prompt and output) is limited to that; raise --kv-cache-mb "
+                  "to serve the whole context", file=sys.stderr)
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
-        serve(engine, host=host, port=port, api_key=api_key)
+        serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
 
 
 app.command("verify")(verify_cmd)

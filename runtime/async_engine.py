@@ -122,6 +122,7 @@ class AsyncLLMEngine:
         self.name = name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_request_len = engine.max_request_len
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

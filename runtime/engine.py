@@ -84,6 +84,9 @@ class LLMEngine:
         self.kv_dtype = kv_dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # the longest sequence (prompt + output) one request can reach: the context, or less when
+        # the pool is smaller (the last sampled token needs no slot)
+        self.max_request_len = min(self.max_model_len, num_blocks * config.block_size + 1)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len=self.max_model_len),
             self.kv_manager, eos_token_ids=tuple(mc.eos_token_ids))

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from qkiln.errors import RequestError
+
 from .engine import EngineConfig, LLMEngine
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
@@ -34,10 +36,24 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[CompletionOutput]:
+        """Outputs in prompt order. `params`: one for all prompts, or one per prompt. A prompt the
+        engine refuses, or an interrupt, aborts every request of this call: the LLM stays usable."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams; give one for all "
+                               "or one per prompt")
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.engine.add_request(p, sp))
+            return self._run(ids, params_list, progress)
+        finally:
+            for request_id in ids:  # those still running after an error or an interrupt
+                self.engine.abort_request(request_id)
+
+    def _run(self, ids: list[str], params_list: list, progress: bool) -> list[CompletionOutput]:
         done: dict[str, CompletionOutput] = {}
         # generated tokens' logprobs, for the requests that asked (None for the others)
         logprobs: dict[str, list | None] = {i: [] if sp is not None and sp.logprobs is not None else None

@@ -127,7 +127,8 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
+    # OpenAI's roles; "tool" / "function" turns are refused with `tools` (no function calling)
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict:

@@ -73,11 +73,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
         prompts, params, builders = [], [], []
         for i, prompt in enumerate(batch):
-            ids = prompt if isinstance(prompt, list) else engine.tokenizer.encode(prompt)
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+            ids = prompt if isinstance(prompt, list) else await _encode(engine, prompt, where)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned
-            max_tokens = _completion_budget(body.max_tokens if body.generates else 1, len(ids),
-                                            engine.max_model_len, where)
+            max_tokens = _completion_budget(body.max_tokens if body.generates else 1, len(ids), engine, where)
             # with echo, logprobs covers the prompt's tokens too
             params.append(body.sampling_params(max_tokens, body.logprobs,
                                                body.logprobs if body.echo else None))
@@ -94,12 +93,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         try:
-            text = engine.tokenizer.apply_chat_template([m.as_template_dict() for m in body.messages])
+            messages = [m.as_template_dict() for m in body.messages]
+            _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
+            text = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
         except SourceModelError as e:  # no template, or the template refused these messages
             raise InvalidRequestError(str(e), param="messages") from e
-        prompt_ids = engine.tokenizer.encode(text, add_special_tokens=False)  # the template places BOS itself
-        max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids),
-                                        engine.max_model_len, "messages")
+        prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
+        max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
+                                        "messages")
         params = body.sampling_params(max_tokens, body.num_logprobs)
         builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
         return await _respond(engine, metrics, request, [prompt_ids], [params], [builder], body.stream)
@@ -119,19 +120,39 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     return app
 
 
-def _completion_budget(requested: int | None, prompt_len: int, context: int, what: str) -> int:
-    """The tokens a completion may generate: what was asked, or (null) the rest of the context. A
-    request that cannot fit is refused, as OpenAI's and vLLM's servers do, rather than cut short."""
-    room = context - prompt_len
+async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids, tokenized off the event loop (a long prompt took seconds there, and every other
+    client waited): a text too long for any context is refused before tokenizing."""
+    _check_length(engine, len(text), what)
+    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
+
+
+def _check_length(engine: AsyncLLMEngine, num_chars: int, what: str) -> None:
+    """No token of the vocabulary stands for more than max_token_chars characters (x4: normalizers
+    may fold several characters into one), so a longer text cannot fit the context: refuse it
+    without tokenizing (a 16 MB prompt took 10 s and 2 GB to refuse)."""
+    limit = engine.max_request_len * engine.tokenizer.max_token_chars * 4
+    if num_chars > limit:
+        raise InvalidRequestError(f"the {what} is {num_chars} characters long, more than the model's "
+                                  f"{engine.max_request_len}-token limit can hold; shorten it", param=what)
+
+
+def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLMEngine, what: str) -> int:
+    """The tokens a completion may generate: what was asked, or (null) the rest of the context, or
+    of what the KV cache holds when that is less. A request that cannot fit is refused, as
+    OpenAI's and vLLM's servers do, rather than cut short."""
+    limit = engine.max_request_len
+    holder = (f"model's {limit}-token context" if limit == engine.max_model_len
+              else f"KV cache's {limit - 1} tokens (serve --kv-cache-mb)")
+    room, takes = limit - prompt_len, "takes" if what.startswith("prompt") else "take"
     if room < 1 and prompt_len:
-        raise InvalidRequestError(f"the {what} take {prompt_len} tokens but the model's context is {context}; "
-                                  "shorten them", param=what)
+        raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
+                                  "shorten it", param=what)
     if requested is None:
         return max(room, 1)  # an empty prompt is refused by the engine, with its own message
     if requested > room:
-        raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} take {prompt_len} of the "
-                                  f"model's {context}-token context, leaving {room}; lower max_tokens",
-                                  param="max_tokens")
+        raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "
+                                  f"{holder}, leaving {room}; lower max_tokens", param="max_tokens")
     return requested
 
 
@@ -296,16 +317,25 @@ def _param(loc) -> str | None:
 
 
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, log_level: str = "info") -> None:
+          model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
 
-    SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn drains, then re-raises the signal
-    it caught, which here becomes SystemExit(0), so the caller's cleanup runs (an archive's
-    unpacked folder is deleted) instead of the process dying on the default handler."""
+    SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn stops accepting, requests in flight
+    get `shutdown_timeout` seconds to finish, then the engine stops and the rest end with a 503 (a
+    stream: an in-band error event), then uvicorn re-raises the signal it caught, which here
+    becomes SystemExit(0), so the caller's cleanup runs (an archive's unpacked folder is deleted)
+    instead of the process dying on the default handler. Without the bound, a generation thousands
+    of tokens long held the exit past docker's 10 s, and SIGKILL skipped the cleanup."""
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_cleanly) if on_main_thread else None
     try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level)
+        # uvicorn's own bound is a backstop: by then every handler has had its EngineError
+        config = uvicorn.Config(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        server = _DrainingServer(config, engine, shutdown_timeout)
+        server.run()
+        if not server.started:  # the port was taken, say: uvicorn has logged why
+            raise SystemExit(3)
     finally:
         engine.shutdown()
         if on_main_thread:
@@ -314,6 +344,25 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
 
 def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown stops the engine `grace` seconds in, so requests still in flight end
+    with the engine's EngineError, which their handlers answer (503, or an error event in a
+    stream), rather than being cancelled by uvicorn into bare 500s with tracebacks."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        # engine.shutdown joins the engine thread: off the event loop, which must keep serving
+        stop = asyncio.get_running_loop().call_later(
+            self.grace, lambda: threading.Thread(target=self.engine.shutdown, name="qkiln-stop", daemon=True).start())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            stop.cancel()
 
 
 class BackgroundServer:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -57,7 +58,7 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = _cli(["serve", str(path), "--port", str(port)], tmpdir)
+    server = _cli(["serve", str(path), "--port", str(port), "--shutdown-timeout", "0.5"], tmpdir)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -71,8 +72,17 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "tiny-w4", r.text
         assert len(list(tmpdir.iterdir())) == 1  # the unpacked artifact, while serving
+        # generations still running at SIGTERM get --shutdown-timeout to finish, then a 503
+        in_flight = ThreadPoolExecutor(4).map(lambda _: httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 1000, "ignore_eos": True},
+            timeout=60), range(4))
+        time.sleep(0.5)
+        signalled = time.monotonic()
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
+        assert time.monotonic() - signalled < 15
+        for r in in_flight:
+            assert r.status_code == 200 or (r.status_code == 503 and "shut down" in r.json()["error"]["message"]), r.text
     finally:
         if server.poll() is None:
             server.kill()

@@ -243,6 +243,10 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "temperature negative": ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
     "missing prompt": ("/v1/completions", {"model": "tiny"}, "prompt"),
     "prompt longer than context": ("/v1/completions", {"model": "tiny", "prompt": "x" * 300}, None),
+    # refused before tokenizing: no token spells that many characters
+    "prompt longer than any context": ("/v1/completions", {"model": "tiny", "prompt": "x" * 200_000}, "prompt"),
+    "chat role unknown": ("/v1/chat/completions", chat_body() | {"messages": [{"role": "wizard", "content": "x"}]},
+                          "messages.0.role"),
     "prompt ids out of vocab": ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, None),
     "streamed prompt too long": ("/v1/completions", {"model": "tiny", "prompt": "x" * 300, "stream": True}, None),
     "chat messages too long": ("/v1/chat/completions", chat_body(content="y" * 300), "messages"),

@@ -143,3 +143,22 @@ def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(client, engine, body,
     assert post(client, prompt=["still", "alive"], max_tokens=2).status_code == 200
     # nothing of the refused batch stays queued or holds KV blocks
     assert engine.call(lambda e: (e.has_unfinished(), e.kv_manager.num_free_blocks)).result(30) == (False, 64)
+
+
+def test_a_kv_pool_smaller_than_the_context_bounds_null_max_tokens(model_dir):
+    """max_tokens null means the rest of what the request can reach: the context, or the KV pool
+    when it is smaller (was: every such request refused, default chat requests included)."""
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", num_kv_blocks=4, max_model_len=128)
+    srv = BackgroundServer(create_app(eng, "tiny"))
+    try:
+        assert eng.max_request_len == 4 * 16 + 1
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["total_tokens"] == eng.max_request_len
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+            assert "KV cache" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+        eng.shutdown()
