@@ -52,13 +52,13 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
     from qkiln.compile.artifact import read_manifest
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
-    from qkiln.runtime.source import file_sha256
+    from qkiln.runtime.source import file_sha256, source_files
 
     if artifact is not None:
         return artifact
     source = resolve_source(model)
     out = work_dir / f"{source.stem}-{recipe}"
-    files = [source] if source.is_file() else sorted(source.glob("*.safetensors"))
+    files = source_files(source)
     built = preset(recipe)
     if num_samples is not None:
         built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))

@@ -20,7 +20,7 @@ import torch
 
 from qkiln.calib_data import load_text_source, sample_token_set
 from qkiln.errors import CalibrationDataError, RecipeError
-from qkiln.runtime.source import load_source
+from qkiln.runtime.source import file_sha256, load_source
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
@@ -36,6 +36,8 @@ from .simulate import simulated_kv_backend
 
 
 KV_CALIBRATION_SAMPLES = 16
+# Bumped when cached reference reports stop being valid (2: references were part bf16 before)
+REFERENCE_FORMAT = 2
 
 
 @dataclass
@@ -71,7 +73,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
         weight_scheme.activations is not None and not weight_scheme.activations.dynamic)
     token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
-    cache = LayerCache(default_cache_dir() if use_cache else None)
+    # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
+    cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None)
     calibration_start = time.perf_counter()
     qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
@@ -132,10 +135,13 @@ def _round_as_stored(model, qm) -> None:
     (bf16 but norms and 1-D tensors), so the report describes the artifact: scoring the fp32
     source's embeddings reported SmolLM2's main job at perplexity 36.390 where the artifact
     itself (`qkiln eval`) scores 36.572."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in tensors.items():
             if name in qm.fp_tensors:
-                t.copy_(stored_precision(name, t).float())
+                # new storage, not copy_: the model shares its fp32 tensors with the source, from
+                # which the unquantized reference is built (copy_ made that reference part bf16)
+                t.data = stored_precision(name, t).float()
 
 
 def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
@@ -168,8 +174,10 @@ def _cached_reference(source, ev, progress):
 
 
 def _reference_report(source, ev, reference, progress) -> dict:
-    """Unquantized perplexity on the same protocol, cached on disk by (source, protocol)."""
-    key = hashlib.sha256(json.dumps([source.sha256, str(ev.data), ev.seq_len, ev.max_tokens]).encode()).hexdigest()
+    """Unquantized perplexity on the same protocol, cached on disk by (source, the data's content,
+    protocol): keyed on the path, an edited file (or a relative path from elsewhere) reused a stale one."""
+    data_sha = file_sha256([Path(ev.data)])
+    key = hashlib.sha256(json.dumps([REFERENCE_FORMAT, source.sha256, data_sha, ev.seq_len, ev.max_tokens]).encode()).hexdigest()
     path = default_cache_dir().parent / "reference" / f"{key}.json"
     if path.is_file():
         return json.loads(path.read_text())

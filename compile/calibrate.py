@@ -309,7 +309,11 @@ def _apply_awq(layer, prefix, scheme, stats, num_layers: int) -> dict[str, torch
         producer = layer.get_submodule(producer_name)
         if isinstance(producer, nn.Linear):
             s_rows = s if result.shared_scales is None else result.shared_scales  # v_proj's rows
-            producer.weight.data, _ = awq.fold_scales_into_linear(producer.weight.data, s_rows)
+            # the bias is divided too: v_proj's (Qwen2) feeds o_proj as much as its weight does
+            bias = producer.bias.data if producer.bias is not None else None
+            producer.weight.data, bias = awq.fold_scales_into_linear(producer.weight.data, s_rows, bias)
+            if bias is not None:
+                producer.bias.data = bias
         else:
             producer.weight.data = awq.fold_scales_into_norm(producer.weight.data, s)
         for m, W in zip(linears, awq.scale_weights([m.weight.data for m in linears], s)):

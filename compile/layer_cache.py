@@ -1,13 +1,18 @@
 """Content-addressed build cache: one entry per quantized decoder layer.
 
-Key = sha256 over (source weights sha256, weight/activation scheme + algorithm options + ignore
-list, calibration token sha256, layer index, cache format). Sequential calibration makes layer
-i depend on layers < i, and those are fixed by the same inputs, so the key is complete. The KV
+Key = sha256 over (source files' sha256, weight/activation scheme + algorithm options + ignore
+list, calibration token sha256, layer index, and the code that computes a layer: the cache
+format, torch's version and a hash of qkiln's quantization sources). Sequential calibration makes
+layer i depend on layers < i, and those are fixed by the same inputs, so the key is complete but
+for the thread count (results can differ across thread counts in the last bits, so a layer cached
+on one machine may differ from one computed on another: both are valid quantizations). The KV
 scheme, target and evaluation are *not* in the key: changing them reuses every layer.
 Entries are safetensors files written atomically (temp file + rename); a corrupt entry is a
-miss, never an error.
+miss, never an error. The folder is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least
+recently used entries go.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -16,22 +21,37 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
+DEFAULT_MAX_GB = 8.0
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("QKILN_CACHE_DIR", Path.home() / ".cache" / "qkiln")) / "layers"
 
 
+@functools.cache
+def code_version() -> str:
+    """What computes a cached layer: torch's version and qkiln's quantization sources (quant/ and
+    compile/calibrate.py), so an upgrade that changes results misses instead of reusing layers."""
+    import qkiln.quant
+
+    h = hashlib.sha256(torch.__version__.encode())
+    for path in [*sorted(Path(qkiln.quant.__file__).parent.glob("*.py")), Path(__file__).with_name("calibrate.py")]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
 def layer_key(source_sha256: str, scheme_dict: dict, token_sha256: str | None, layer_id: int) -> str:
     payload = json.dumps({"source": source_sha256, "scheme": scheme_dict, "tokens": token_sha256,
-                          "layer": layer_id, "format": CACHE_FORMAT}, sort_keys=True)
+                          "layer": layer_id, "format": CACHE_FORMAT, "code": code_version()}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
 class LayerCache:
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, max_bytes: int | None = None):
         self.directory = directory
+        self.max_bytes = max_bytes if max_bytes is not None else \
+            int(float(os.environ.get("QKILN_CACHE_MAX_GB", DEFAULT_MAX_GB)) * (1 << 30))
         self.num_hits = 0
         self.num_misses = 0
 
@@ -45,6 +65,7 @@ class LayerCache:
             with safe_open(str(path), "pt") as f:
                 meta = json.loads(f.metadata()["report"])
             tensors = load_file(str(path))
+            os.utime(path)  # recently used: evicted last
         except Exception:  # missing or corrupt: recompute
             self.num_misses += 1
             return None
@@ -59,3 +80,21 @@ class LayerCache:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
                   metadata={"report": json.dumps(report, sort_keys=True)})
         os.replace(tmp, self.directory / f"{key}.safetensors")
+        self._evict(keep=key)
+
+    def _evict(self, keep: str) -> None:
+        """Delete the least recently used entries while the folder exceeds max_bytes."""
+        entries = []
+        for path in self.directory.glob("*.safetensors"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another build evicted it meanwhile
+                continue
+            entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if path.stem != keep:
+                path.unlink(missing_ok=True)
+                total -= size

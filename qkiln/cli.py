@@ -219,7 +219,8 @@ def export_cmd(
     force: Annotated[bool, typer.Option("--force", help="replace an earlier export")] = False,
     no_check: Annotated[bool, typer.Option("--no-check", help="onnx: skip running the engine against the artifact")] = False,
 ):
-    """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing,
+    """Write the artifact as a checkpoint vLLM / transformers load, checked bit for bit after writing
+    (transformers: asymmetric int4 with CompressedTensorsConfig(dequantize=True), README),
     or as an ONNX engine (paged-attention plugin nodes), checked against the artifact over two steps."""
     from qkiln.compile.export_compressed_tensors import export_compressed_tensors
     from qkiln.compile.export_onnx import export_onnx

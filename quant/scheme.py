@@ -270,6 +270,9 @@ class QuantScheme:
             _fail("algorithm 'gptq' quantizes weights: add a weights scheme")
         if self.activations is not None and (self.weights is None or self.weights.type != "float"):
             _fail("activation quantization is implemented for FP8 W8A8 only: set weights.type 'float'")
+        if self.weights is not None and self.weights.type == "float" and self.activations is None:
+            _fail("fp8 weights run as FP8 W8A8: add activations (type float, num_bits 8, dynamic true), "
+                  "or use integer weights (num_bits 8, type int: w8a16) for weight-only 8-bit")
         if self.lm_head is not None and self.lm_head.type != "int":
             _fail("lm_head supports integer weights (int8 per channel, int4 grouped): set lm_head.type 'int'")
         if self.weights is None and self.activations is None and self.kv_cache is None and self.lm_head is None:

@@ -19,7 +19,7 @@ from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
 from .model import CausalLM
-from .tokenizer import Tokenizer
+from .tokenizer import TOKENIZER_FILES, Tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
@@ -121,7 +121,17 @@ def _load_hf_dir(path: Path) -> SourceModel:
     state_dict = {}
     for f in files:
         state_dict.update(_read_safetensors(f))
-    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(files))
+    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+
+
+def source_files(path: Path) -> list[Path]:
+    """The files a source model is read from, which its sha256 covers: a .gguf file; or an HF
+    directory's config.json and tokenizer files and its *.safetensors (a changed rope_theta or
+    norm epsilon is another model: the build cache and the provenance must tell them apart)."""
+    if path.is_file():
+        return [path]
+    named = [path / name for name in ("config.json", *TOKENIZER_FILES) if (path / name).is_file()]
+    return named + sorted(path.glob("*.safetensors"))
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,120 @@
+"""What a build reuses must be what it would compute: the layer cache and the reference report
+miss when the model's config or the evaluation text changes, the unquantized reference is the
+fp32 source, the cache stays bounded, and AWQ's folding keeps the function it folds."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from qkiln.compile import calibrate
+from qkiln.compile.build import build
+from qkiln.compile.evaluate import evaluate
+from qkiln.compile.layer_cache import LayerCache
+from qkiln.compile.recipe import preset
+from qkiln.errors import RecipeError
+from qkiln.quant.scheme import AWQOptions, QuantScheme, WeightScheme
+from qkiln.runtime.attention import DenseAttention
+from qkiln.runtime.source import load_source
+from tiny_models import write_tiny_hf_model, write_tiny_model_and_text
+
+OTHER_TEXT = "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition. " * 40
+
+
+def _recipe(name, calib, data):
+    r = preset(name)
+    return dataclasses.replace(
+        r, calibration=dataclasses.replace(r.calibration, source=str(calib), num_samples=2, seq_len=32),
+        evaluation=dataclasses.replace(r.evaluation, data=str(data), seq_len=32, max_tokens=128))
+
+
+def _build(model, recipe, out):
+    return build(str(model), recipe, out, progress=False, log=lambda m: None)
+
+
+def _fp32_perplexity(model_dir, data):
+    source = load_source(str(model_dir))
+    model = source.build_model(torch.float32)
+    return evaluate(lambda ids: model(ids), source.tokenizer, str(data), 32, 128, progress=False)["perplexity"]
+
+
+def test_a_changed_config_misses_the_cache_and_changes_the_source_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    recipe = _recipe("w4a16-gptq", calib, calib)
+    first = _build(model, recipe, tmp_path / "a")
+    edited = tmp_path / "edited"
+    shutil.copytree(model, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps(config | {"rope_theta": 100.0, "rms_norm_eps": 0.1}))
+    second = _build(edited, recipe, tmp_path / "b")
+    assert second.num_cached_layers == 0
+    assert first.manifest.source["sha256"] != second.manifest.source["sha256"]
+    assert _build(model, recipe, tmp_path / "c").num_cached_layers == first.num_layers  # the original still hits
+
+
+def test_the_reference_is_the_fp32_source_and_follows_the_data_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    data = tmp_path / "eval.txt"
+    data.write_text(calib.read_text())
+    recipe = _recipe("w4a16-rtn", calib, data)
+    first = _build(model, recipe, tmp_path / "a").manifest.accuracy
+    # the build rounds its own model's high-precision tensors to bf16; the reference stays fp32
+    assert first["reference_perplexity"] == pytest.approx(_fp32_perplexity(model, data), rel=1e-6)
+    data.write_text(OTHER_TEXT)  # same path, other text: the cached reference must not be reused
+    second = _build(model, recipe, tmp_path / "b").manifest.accuracy
+    assert second["reference_perplexity"] == pytest.approx(_fp32_perplexity(model, data), rel=1e-6)
+    assert second["reference_perplexity"] != pytest.approx(first["reference_perplexity"], rel=1e-3)
+
+
+def test_kv_only_builds_store_no_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    _build(model, _recipe("kv-int4", calib, calib), tmp_path / "a")
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_the_cache_evicts_the_least_recently_used_entries(tmp_path):
+    entry = {"w": torch.zeros(1024, dtype=torch.float32)}  # ~4 KiB a file
+    cache = LayerCache(tmp_path, max_bytes=3 * 4096 + 2048)
+    for key in ("a", "b", "c"):
+        cache.put(key, entry, {})
+    old = (tmp_path / "a.safetensors").stat().st_mtime - 100
+    for i, key in enumerate("abc"):  # a, b, c from oldest to newest
+        os.utime(tmp_path / f"{key}.safetensors", (old + i, old + i))
+    assert cache.get("a") is not None  # used: now the newest
+    cache.put("d", entry, {})
+    assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["a", "c", "d"]
+
+
+def test_fp8_weights_without_activations_are_refused_up_front():
+    with pytest.raises(RecipeError, match="fp8 weights run as FP8 W8A8"):
+        QuantScheme(weights=WeightScheme(num_bits=8, type="float", symmetric=True, group_size=None), algorithm="rtn")
+
+
+@pytest.mark.parametrize("scale_o_proj", [False, True])
+def test_awq_folding_keeps_a_biased_model_s_function(tmp_path, scale_o_proj):
+    """Qwen2 has q/k/v biases: folding v_proj's scales must divide its bias too."""
+    source = load_source(str(write_tiny_hf_model(tmp_path, "qwen2")))
+    model = source.build_model(torch.float32)
+    torch.manual_seed(0)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            proj.bias.data = torch.randn_like(proj.bias) * 0.5
+    scheme = QuantScheme(weights=WeightScheme(num_bits=4, symmetric=False, group_size=32), algorithm="awq",
+                         awq=AWQOptions(scale_o_proj=scale_o_proj, clip=False))
+    ids = torch.randint(0, 256, (2, 48))
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    with torch.no_grad():
+        before = model(ids)
+        hidden = model.model.embed_tokens(ids)
+        for i, layer in enumerate(model.model.layers):  # fold the scales only: nothing is quantized
+            stats = calibrate._capture(layer, hidden, positions, model.rope, scheme, 2)
+            calibrate._apply_awq(layer, f"model.layers.{i}.", scheme, stats, len(model.model.layers))
+            hidden = calibrate._run_layer(layer, hidden, positions, model.rope, DenseAttention(), 2)
+        after = model(ids)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
