@@ -33,4 +33,9 @@ class ArtifactError(QkilnError):
 
 
 class RequestError(QkilnError):
-    """A generation request is invalid (bad parameters, prompt too long)."""
+    """A generation request is invalid (bad parameters, prompt too long). `param` names the
+    request field at fault, which the server reports as OpenAI's `param`."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

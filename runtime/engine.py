@@ -109,10 +109,12 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in [0, {vocab})", "prompt")
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it")
+            raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
+                               "prompt")
         seq = Sequence(request_id, ids, params)
         # everything that can fail comes before the scheduler holds the sequence: a sequence it
         # holds without a record here would break every later step

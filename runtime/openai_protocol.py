@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qkiln.errors import RequestError
 
@@ -98,6 +98,19 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """One message for every wrong shape, not one per alternative of the union."""
+        def is_ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if not (isinstance(value, str) or is_ids(value) or
+                (isinstance(value, list) and (all(isinstance(p, str) for p in value) or all(map(is_ids, value))))):
+            raise ValueError("send a string, a list of token ids, or a list of strings or of token-id lists "
+                             "(not mixed)")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a bare string or id list is a batch of one."""

@@ -133,19 +133,20 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise RequestError(f"request id {seq.seq_id!r} is already in use; use a unique id")
         if seq.num_prompt_tokens == 0:
-            raise RequestError("the prompt is empty; send at least one token")
+            raise RequestError("the prompt is empty; send at least one token", "prompt")
         seq.sampling_params.validate()
         max_len = self.config.max_model_len
         if max_len is not None and seq.num_prompt_tokens >= max_len:
             raise RequestError(f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is "
-                               f"{max_len}; shorten the prompt")
+                               f"{max_len}; shorten the prompt", "prompt")
         # The last token is sampled but never computed, so it needs no KV slot.
         final_len = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         num_slots = min(final_len, max_len if max_len is not None else final_len) - 1
         if self.kv.num_blocks_for(num_slots) > self.kv.num_blocks:
             raise RequestError(f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
                                f"({seq.sampling_params.max_tokens}) needs {num_slots} KV slots but the cache holds "
-                               f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or shorten the prompt")
+                               f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or shorten the prompt",
+                               "max_tokens")
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
         self.waiting.append(seq)

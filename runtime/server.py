@@ -192,7 +192,8 @@ async def _admit(engine: AsyncLLMEngine, prompts: list, params: list, builders: 
         if isinstance(result, BaseException):
             _abort_unfinished(engine, streams)
             if isinstance(result, RequestError) and len(prompts) > 1:
-                raise InvalidRequestError(f"prompt {i}: {result}", getattr(result, "param", None) or f"prompt.{i}")
+                param = getattr(result, "param", None)
+                raise InvalidRequestError(f"prompt {i}: {result}", f"prompt.{i}" if param in (None, "prompt") else param)
             raise result
     return streams
 
