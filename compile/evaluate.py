@@ -10,6 +10,7 @@ KL is KL(reference || model) per scored token, averaged; top-1 agreement is how 
 argmaxes agree. Scoring is fp32 and deterministic.
 """
 
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +31,11 @@ class EvalProtocol:
     seq_len: int
     max_tokens: int
     add_bos: bool
+    data_sha256: str = ""  # the text's UTF-8 bytes: names the data whatever path it was read from
 
     def to_dict(self) -> dict:
         return {
-            "data": self.data, "seq_len": self.seq_len, "max_tokens": self.max_tokens,
+            "data": self.data, "data_sha256": self.data_sha256, "seq_len": self.seq_len, "max_tokens": self.max_tokens,
             "bos_per_window": self.add_bos, "special_tokens": False, "stride": self.seq_len,
             "scored": "all window tokens" if self.add_bos else "all window tokens but the first",
         }
@@ -80,7 +82,8 @@ def evaluate_many(
                                    f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
     if batch_size < 1:
         raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
-    protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos)
+    protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos,
+                            hashlib.sha256(text.encode("utf-8")).hexdigest())
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)
     totals = {name: dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0) for name in models}

@@ -1,5 +1,6 @@
 """The evaluation protocol: windows, BOS policy, bits per byte, KL; parity with transformers."""
 
+import hashlib
 import math
 
 import pytest
@@ -37,6 +38,7 @@ def test_perplexity_matches_a_direct_computation(tmp_path):
     # a byte-level tokenizer with no merges: one scored token per byte, except each window's first
     scored_bytes = len(text.encode()[:60]) - len(range(0, 60, 16))
     assert report["bits_per_byte"] == pytest.approx(nll / math.log(2) / scored_bytes, rel=1e-5)
+    assert report["protocol"]["data_sha256"] == hashlib.sha256(text.encode()).hexdigest()
 
 
 def test_reference_against_itself_has_zero_kl(tmp_path):
