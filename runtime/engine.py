@@ -111,7 +111,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in [0, {vocab})", "prompt")
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in [0, {vocab})",
+                               "prompt")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
@@ -121,8 +122,8 @@ class LLMEngine:
         generator = make_generator(params.seed, self.config.device) if params.seed is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens)
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
-        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(),
-                                             prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(ids))
+        scored = None if params.prompt_logprobs is None else [None] * len(ids)  # filled as the prompt is computed
+        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(), prompt_logprobs=scored)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
 
@@ -195,7 +196,7 @@ class LLMEngine:
             s.seq.output_token_ids, req.detok.output_text, is_done,
             s.seq.finish_reason if is_done else None, logprobs)
         if req.prompt_logprobs is not None and s.seq.num_output_tokens == 1:
-            assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt position was not scored"
+            assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt token went unscored"
             result.prompt_logprobs = req.prompt_logprobs
         if is_done:
             self.requests.pop(s.seq_id, None)

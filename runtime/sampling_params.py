@@ -69,7 +69,8 @@ class SamplingParams:
                "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+        n = self.prompt_logprobs
+        _check(n is None or (_is_int(n) and 0 <= n <= MAX_LOGPROBS),
                "prompt_logprobs",
                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.prompt_logprobs!r}")
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,

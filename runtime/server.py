@@ -81,8 +81,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             params.append(body.sampling_params(max_tokens, body.logprobs,
                                                body.logprobs if body.echo else None))
             echo = None
-            if body.echo:
-                echo = (prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
+            if body.echo:  # the prompt's text as sent, or its ids' text
+                text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+                echo = (text, ids)
             prompts.append(ids)
             builders.append(CompletionResponse(request_id, model_name, _token_text(engine), body.include_usage,
                                                index=i, echo=echo, logprobs=body.logprobs is not None,
@@ -193,7 +194,8 @@ async def _admit(engine: AsyncLLMEngine, prompts: list, params: list, builders: 
             _abort_unfinished(engine, streams)
             if isinstance(result, RequestError) and len(prompts) > 1:
                 param = getattr(result, "param", None)
-                raise InvalidRequestError(f"prompt {i}: {result}", f"prompt.{i}" if param in (None, "prompt") else param)
+                param = f"prompt.{i}" if param in (None, "prompt") else param
+                raise InvalidRequestError(f"prompt {i}: {result}", param)
             raise result
     return streams
 
