@@ -60,6 +60,9 @@ from qkiln.quant.pack import pack_int4, unpack_int4
 from qkiln.quant.rtn import round_down_to, round_up_to
 from qkiln.quant.scheme import KVCacheScheme
 
+# int4 scale / min storage in the paged cache (plugins/kv_cache.py)
+CACHE_SCALE_DTYPE = "float16"
+
 _EPS = torch.finfo(torch.float32).eps
 _MIN_RELATIVE_CHANNEL = 1e-3  # channels quieter than this fraction of the head's max are not boosted further
 
@@ -89,6 +92,7 @@ class KVStats:
     @property
     def mean(self) -> torch.Tensor:
         return (self.total / max(self.count, 1)).float()
+
 
 
 def update_kv_stats(stats: KVStats | None, x: torch.Tensor) -> KVStats:
@@ -151,7 +155,7 @@ def calibrate_kv_scales(samples: torch.Tensor, scheme: KVCacheScheme, is_key: bo
 
 
 def quantize_kv_int4(x: torch.Tensor, group_size: int, channel_scale: torch.Tensor | None = None,
-                     scale_dtype: str = "float32") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale_dtype: str = CACHE_SCALE_DTYPE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, H, D] -> (packed uint8 [N, H, D/2], scale [N, H, D/g], zero [N, H, D/g]), fp32 params."""
     num_tokens, num_heads, head_dim = x.shape
     if head_dim % group_size or group_size % 2:
@@ -204,7 +208,9 @@ def fake_quant_kv(x: torch.Tensor, scheme: KVCacheScheme, calibration: KVCalibra
     if offset is not None:  # the cache stores K - offset; adding it back shifts every score of a query alike
         x3 = x3.float() - offset
     if scheme.dtype == "int4":
-        packed, scale, zero = quantize_kv_int4(x3, scheme.group_size, channel_scale, scheme.scale_dtype)
+        # the cache's storage precision, whatever an older manifest recorded: the report, `qkiln
+        # eval`, the runtime and the engines compute one thing
+        packed, scale, zero = quantize_kv_int4(x3, scheme.group_size, channel_scale, CACHE_SCALE_DTYPE)
         out = dequantize_kv_int4(packed, scale, zero, scheme.group_size, channel_scale)
     else:
         if calibration is None or calibration.scale is None:

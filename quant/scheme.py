@@ -118,7 +118,9 @@ class KVCacheScheme:
     key_smoothing: bool = False
     key_smoothing_alpha: float = 0.5
     key_offset: bool = False
-    scale_dtype: str = "float32"  # int4 per-token scale / zero storage precision
+    # int4 per-token scale / min storage: the paged cache (plugins/kv_cache.py) holds them in fp16, so a
+    # build refuses anything else (validate); older manifests that recorded float32 still load
+    scale_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -300,6 +302,9 @@ class QuantScheme:
         """
         if self.kv_cache is not None and head_dim is not None:
             self.kv_cache.check_head_dim(head_dim)
+        if self.kv_cache is not None and self.kv_cache.dtype == "int4" and self.kv_cache.scale_dtype != "float16":
+            _fail(f"kv_cache.scale_dtype {self.kv_cache.scale_dtype!r}: the paged KV cache stores int4 scales in "
+                  "float16; set float16 (or leave it out)")
         if self.weights is None:
             return
         self._check_ignore(list(linear_shapes))

@@ -66,6 +66,14 @@ def test_kv_group_must_divide_head_dim():
         QuantScheme(kv_cache=KVCacheScheme("int4", group_size=32)).validate({}, head_dim=48)
 
 
+def test_int4_kv_scales_are_stored_as_the_cache_stores_them():
+    """The paged cache holds int4 scales in fp16: a recipe asking for float32 would have its
+    accuracy report computed on scales the runtime never uses."""
+    assert KVCacheScheme("int4").scale_dtype == "float16"
+    with pytest.raises(RecipeError, match="float16"):
+        QuantScheme(kv_cache=KVCacheScheme("int4", scale_dtype="float32")).validate({}, head_dim=64)
+
+
 def test_ignore_matches_exact_suffix_and_regex():
     scheme = QuantScheme(WeightScheme(4), ignore=("lm_head", "re:.*\\.mlp\\.down_proj$"))
     assert scheme.is_ignored("lm_head") and scheme.is_ignored("model.lm_head")
