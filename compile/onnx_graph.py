@@ -147,7 +147,8 @@ def write_onnx_engine(engine: OnnxEngine, out_dir: Path) -> list[Path]:
     model = onnx.ModelProto()
     model.CopyFrom(engine.model)  # the external-data conversion rewrites tensors in place
     onnx.save_model(model, out_dir / MODEL_FILE, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=DATA_FILE, size_threshold=0)
+                    location=DATA_FILE, size_threshold=1024)  # small constants (shapes, axes, eps) stay inline, so
+    # checkers and shape inference that read the file by path (the only way past 2 GB) see them
     (out_dir / DATA_FILE).chmod(0o644)  # onnx creates it owner-only; an engine is meant to be shared
     (out_dir / CONTRACT_FILE).write_text(json.dumps(engine.contract, indent=2, sort_keys=True) + "\n")
     return [out_dir / MODEL_FILE, out_dir / DATA_FILE, out_dir / CONTRACT_FILE]
