@@ -82,6 +82,8 @@ def _int_weight(name: str, codes: torch.Tensor, scales: torch.Tensor, zeros: tor
 
 
 def _check_bits(name: str, bits, group_size: int | None) -> None:
+    if not isinstance(bits, int) or isinstance(bits, bool):
+        raise SourceModelError(f"linear {name}: num_bits must be an integer, got {bits!r}; fix the quantization_config")
     if bits not in (4, 8):
         raise SourceModelError(f"linear {name}: {bits}-bit weights are not supported (4 or 8 bits)")
     if bits == 8 and group_size is not None:
@@ -151,6 +153,17 @@ def _ct_matches(name: str, pattern: str) -> bool:
     return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else name == pattern
 
 
+def _ct_group(name: str, groups: list[dict]) -> dict | None:
+    """The group that quantizes `name`, by compressed-tensors' precedence (match_targets): a target
+    naming the layer exactly, then a regex, then the class ("Linear"), whatever their order."""
+    for matches in (lambda t: t == name, lambda t: t.startswith("re:") and _ct_matches(name, t),
+                    lambda t: t == "Linear"):
+        found = next((g for g in groups if any(matches(t) for t in g["targets"])), None)
+        if found is not None:
+            return found
+    return None
+
+
 def _ct_strategy(args: dict) -> str:
     if args.get("strategy"):
         return args["strategy"]
@@ -168,12 +181,14 @@ def decode_compressed_tensors(tensors: dict, shapes: dict, qc: dict):
         raise SourceModelError("compressed-tensors config_groups must be expanded schemes with `targets` (preset "
                                "names are not read); re-save the checkpoint with compressed-tensors")
     ignore = qc.get("ignore") or []
+    if not (isinstance(ignore, list) and all(isinstance(p, str) for p in ignore)):
+        raise SourceModelError(f"compressed-tensors ignore must be a list of layer names, got {ignore!r}; "
+                               "fix the quantization_config")
     weights, act_scales, dynamic = {}, {}, set()
     for name, (out_features, in_features) in sorted(shapes.items()):
         if any(_ct_matches(name, p) for p in ignore):
             continue
-        scheme = next((g for g in groups if "Linear" in g["targets"] or any(_ct_matches(name, t) for t in g["targets"])),
-                      None)
+        scheme = _ct_group(name, groups)
         if scheme is None or scheme.get("weights") is None:
             continue
         args, acts = scheme["weights"], scheme.get("input_activations")

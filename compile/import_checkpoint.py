@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from qkiln.errors import SourceModelError
-from qkiln.quant import Fp8Weight
+from qkiln.quant import Fp8Weight, QuantizedWeight
 from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
@@ -53,6 +53,8 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
     """Read the quantized checkpoint at `path` and write it as a verified artifact at `out`."""
     src = Path(path)
     ckpt = read_checkpoint(src)
+    if target == "cpu":
+        _check_cpu_groups(ckpt.qm.weights)
     tensors, quantization = to_tensors(ckpt.qm)
     config = ckpt.qm.config
     with torch.device("meta"):
@@ -71,6 +73,19 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
     return write_artifact(out, manifest, tensors, _tokenizer_files(src), {}, overwrite=overwrite)
 
 
+def _check_cpu_groups(weights: dict) -> None:
+    """What the CPU's int4 kernels cannot serve is refused now, not when the artifact is loaded."""
+    from qkiln.plugins.packed_weights import CPU_GROUP_SIZES
+
+    block = CPU_GROUP_SIZES[-1]
+    odd = sorted(n for n, w in weights.items() if isinstance(w, QuantizedWeight) and w.num_bits == 4
+                 and w.group_size is not None and w.group_size % block)
+    if odd:
+        raise SourceModelError(f"target cpu serves int4 groups of a multiple of {block} channels; {odd[0]} "
+                               f"(and {len(odd) - 1} more) has group_size {weights[odd[0]].group_size}: import "
+                               "with --target cuda, or re-quantize with groups of 32, 64 or 128")
+
+
 def _tokenizer_files(src: Path) -> dict[str, bytes]:
     tokenizer = Tokenizer.from_dir(src)  # the artifact stores the normalised pair, as a build does
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,28 +101,64 @@ def read_checkpoint(path) -> ImportedCheckpoint:
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise SourceModelError(f"{src} has no *.safetensors weights (pickled .bin weights are not loaded)")
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    tensors = _load_weights(files)
     with torch.device("meta"):
         model = CausalLM(config)
     shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     act_dynamic, act_scales, kv_scheme, kv = None, {}, None, {}
-    if fmt == "gptq":
-        weights = decode_gptq(tensors, shapes, qc)
-    elif fmt == "awq":
-        weights = decode_awq(tensors, shapes, qc)
-    else:
-        weights, act_dynamic, act_scales = decode_compressed_tensors(tensors, shapes, qc)
-        kv_scheme, kv = decode_kv(tensors, qc.get("kv_cache_scheme"), config)
+    try:
+        if fmt == "gptq":
+            weights = decode_gptq(tensors, shapes, qc)
+        elif fmt == "awq":
+            weights = decode_awq(tensors, shapes, qc)
+        else:
+            weights, act_dynamic, act_scales = decode_compressed_tensors(tensors, shapes, qc)
+            kv_scheme, kv = decode_kv(tensors, qc.get("kv_cache_scheme"), config)
+    except (AttributeError, TypeError, ValueError, KeyError, ZeroDivisionError) as e:
+        # a field of the wrong type or value (group_size 0, config_groups a list, ...)
+        raise SourceModelError(f"{src}: its {fmt} quantization_config does not describe these weights "
+                               f"({type(e).__name__}: {e}); fix the config or re-save the checkpoint") from e
     if not weights:
         raise SourceModelError(f"{src}: no quantized linear found for {fmt}; is this the right checkpoint?")
     fp_tensors = _remaining_tensors(src, tensors, model, weights, config)
+    _check_finite(src, weights, fp_tensors)
     scheme = _scheme(weights, act_dynamic, kv_scheme, fmt, shapes)
     qm = QuantizedModel(config, scheme, fp_tensors, weights, act_scales, kv)
     return ImportedCheckpoint(fmt, qc, qm, file_sha256(files))
+
+
+def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of every file; a damaged file or a tensor in two files is an error, not a guess."""
+    from safetensors.torch import load_file
+
+    tensors, origin = {}, {}
+    for f in files:
+        try:
+            loaded = load_file(str(f))
+        except Exception as e:  # safetensors raises SafetensorError / OSError on damage
+            raise SourceModelError(f"{f} is not a valid safetensors file ({e}); re-download or re-save it") from None
+        for name in loaded:
+            if name in origin:
+                raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; remove the stray file")
+            origin[name] = f
+        tensors.update(loaded)
+    return tensors
+
+
+def _check_finite(src: Path, weights: dict, fp_tensors: dict) -> None:
+    """NaN / inf anywhere, or a negative scale, would import, verify, then generate garbage."""
+    for name, weight in weights.items():
+        for field in dataclasses.fields(weight):
+            value = getattr(weight, field.name)
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                continue
+            values = value.float()
+            if not torch.isfinite(values).all() or ("scale" in field.name and (values < 0).any()):
+                raise SourceModelError(f"{src}: {name}.{field.name} holds NaN, infinite or negative scale values; "
+                                       "the checkpoint is damaged")
+    for name, value in fp_tensors.items():
+        if value.is_floating_point() and not torch.isfinite(value.float()).all():
+            raise SourceModelError(f"{src}: {name} holds NaN or infinite values; the checkpoint is damaged")
 
 
 def _read_json(path: Path) -> dict:
@@ -128,6 +179,9 @@ def _quantization_config(src: Path, hf: dict) -> tuple[str, dict]:
                 return fmt, _read_json(src / name)
         raise SourceModelError(f"{src}: config.json has no quantization_config; an unquantized model is "
                                "built with `qkiln build`, not imported")
+    if not isinstance(qc, dict):
+        raise SourceModelError(f"{src}: config.json's quantization_config is a {type(qc).__name__}, not an object; "
+                               "re-save the checkpoint")
     fmt = qc.get("quant_method")
     if fmt not in FORMATS:
         raise SourceModelError(f"{src}: quant_method {fmt!r} cannot be imported; supported: {', '.join(FORMATS)}")
@@ -139,14 +193,18 @@ def _quantization_config(src: Path, hf: dict) -> tuple[str, dict]:
 
 def _remaining_tensors(src: Path, tensors: dict, model: CausalLM, weights: dict, config: ModelConfig) -> dict:
     """The high-precision tensors, checked against what the model needs (no more, no less)."""
-    expected = {k for k in model.state_dict() if k.removesuffix(".weight") not in weights}
+    needed = {k: v for k, v in model.state_dict().items() if k.removesuffix(".weight") not in weights}
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    unexpected, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+    unexpected, missing = sorted(set(tensors) - set(needed)), sorted(set(needed) - set(tensors))
     if unexpected or missing:
         raise SourceModelError(f"{src}: tensors do not fit a {config.architecture} model with these quantized layers: "
                                f"unexpected {unexpected[:4]}, missing {missing[:4]}; the checkpoint, its "
                                "config.json and its quantization_config disagree")
+    wrong = [f"{k} {tuple(tensors[k].shape)} (expected {tuple(v.shape)})" for k, v in needed.items()
+             if tensors[k].shape != v.shape]
+    if wrong:
+        raise SourceModelError(f"{src}: tensors of the wrong shape for its config.json: {', '.join(wrong[:4])}")
     return tensors
 
 

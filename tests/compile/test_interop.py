@@ -265,6 +265,68 @@ def test_import_refuses_a_checkpoint_that_disagrees_with_its_config(tiny, tmp_pa
         import_checkpoint(src, tmp_path / "a")
 
 
+def _damage(src: Path, how: str) -> None:
+    path = src / "model.safetensors"
+    if how == "truncated file":
+        path.write_bytes(path.read_bytes()[:5000])
+        return
+    if how == "a stray second file":
+        shutil.copy(path, src / "model-extra.safetensors")
+        return
+    if how in ("quantization_config a string", "group_size 0", "bits a string"):
+        config = json.loads((src / "config.json").read_text())
+        qc = config["quantization_config"]
+        config["quantization_config"] = {"quantization_config a string": "gptq",
+                                         "group_size 0": qc | {"group_size": 0},
+                                         "bits a string": qc | {"bits": "4"}}[how]
+        (src / "config.json").write_text(json.dumps(config))
+        return
+    tensors = load_file(str(path))
+    if how == "a NaN scale":
+        tensors["model.layers.0.mlp.up_proj.scales"][0, 0] = float("nan")
+    elif how == "a short embedding":
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:100].clone()
+    save_file(tensors, str(path))
+
+
+DAMAGE = {"truncated file": "not a valid safetensors file", "a stray second file": "is in both",
+          "quantization_config a string": "not an object", "group_size 0": "does not describe these weights",
+          "bits a string": "must be an integer", "a NaN scale": "NaN", "a short embedding": "wrong shape"}
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(tiny, tmp_path, how):
+    """Each of these imported (and verified) into an artifact that crashed or generated NaN, or
+    failed with a traceback; each is a SourceModelError naming the problem now."""
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, False, "gptq")
+    _damage(src, how)
+    with pytest.raises(SourceModelError, match=DAMAGE[how]):
+        import_checkpoint(src, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+
+def test_int4_groups_the_cpu_cannot_serve_are_refused_at_import(tiny, tmp_path):
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 16, True, "gptq")
+    with pytest.raises(SourceModelError, match="multiple of 32"):
+        import_checkpoint(src, tmp_path / "a")
+    verify_artifact(import_checkpoint(src, tmp_path / "b", target="cuda"), check_target=False)
+
+
+def test_compressed_tensors_groups_take_the_most_specific_target():
+    """compressed-tensors' precedence: an exact layer name, then a regex, then the class."""
+    from qkiln.compile.checkpoint_layouts import _ct_group
+
+    by_class, by_regex, by_name = ({"targets": ["Linear"]}, {"targets": ["re:.*down_proj$"]},
+                                   {"targets": ["model.layers.0.mlp.down_proj"]})
+    groups = [by_class, by_regex, by_name]
+    assert _ct_group("model.layers.0.mlp.down_proj", groups) is by_name
+    assert _ct_group("model.layers.1.mlp.down_proj", groups) is by_regex
+    assert _ct_group("model.layers.1.mlp.up_proj", groups) is by_class
+    assert _ct_group("model.layers.1.mlp.up_proj", [by_regex]) is None
+
+
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
