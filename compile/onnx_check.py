@@ -244,5 +244,7 @@ def require_engine_matches(artifact: Path, engine_dir: Path) -> OnnxCheck:
     check = check_onnx_engine(artifact, engine_dir)
     if not check.ok:
         raise ArtifactError(f"the ONNX engine in {engine_dir} does not compute what the artifact computes: "
-                            f"{check.summary()}; this is a qkiln bug, report it with the artifact's manifest")
+                            f"{check.summary()}; write it again from the artifact (qkiln export --format onnx). "
+                            "If neither was edited since qkiln wrote them, report it as a qkiln bug with the "
+                            "artifact's manifest")
     return check
