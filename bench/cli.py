@@ -167,7 +167,7 @@ def ort_model_command(
 
 @bench_app.command("onnx-engine")
 def onnx_engine_command(
-    artifact: Annotated[Path, typer.Argument(help="artifact directory with engines/onnx/ (build --engine onnx)")],
+    artifact: Annotated[Path, typer.Argument(help="artifact directory or archive with engines/onnx/ (build --engine onnx)")],
     levels: Annotated[str, typer.Option(help="MatMulNBits accuracy levels to time: 0 float .. 4 int8 activations")] = "0,4",
     context: Annotated[int, typer.Option(help="decode at this context; prefill this many tokens")] = 128,
     repeats: Annotated[int, typer.Option(help="timed rounds (medians reported)")] = 5,

@@ -83,7 +83,10 @@ def main(artifact: Path, levels: str, context: int, repeats: int, threads: int, 
         raise BenchConfigError(f"--levels takes a comma-separated list of 0..4, got {levels!r}") from None
     if not level_list or any(not 0 <= x <= 4 for x in level_list) or context < 2 or repeats < 1 or threads < 1:
         raise BenchConfigError("--levels takes 0..4; --context >= 2, --repeats >= 1, --threads >= 1")
-    results = run_onnx_engine(Path(artifact), level_list, context, repeats, threads)
+    from qkiln.compile.artifact_cli import unpacked
+
+    with unpacked(str(artifact)) as path:  # an archive as every other command takes it
+        results = run_onnx_engine(Path(path), level_list, context, repeats, threads)
     rows = [[level, f"{r['decode_ms']['median']:.1f}", f"{r['prefill_ms']['median']:.1f}",
              f"{r['matmulnbits']} / {results['int4_linears']}"] for level, r in results["levels"].items()]
     print_table(f"{artifact}: engine steps under ONNX Runtime (medians of {repeats}, {threads} threads)",
