@@ -123,6 +123,13 @@ def read_checkpoint(path) -> ImportedCheckpoint:
     fp_tensors = _remaining_tensors(src, tensors, model, weights, config)
     _check_finite(src, weights, fp_tensors)
     scheme = _scheme(weights, act_dynamic, kv_scheme, fmt, shapes)
+    head = _exact_int8_head(fp_tensors.get("lm_head.weight"))
+    if head is not None:  # an int8 head qkiln's export wrote as its values: kept int8, bit for bit
+        weights["lm_head"] = head
+        del fp_tensors["lm_head.weight"]
+        scheme = dataclasses.replace(scheme, lm_head=WeightScheme(num_bits=8, symmetric=True, group_size=None,
+                                                                  scale_dtype="float32"),
+                                     ignore=tuple(n for n in scheme.ignore if n != "lm_head"))
     qm = QuantizedModel(config, scheme, fp_tensors, weights, act_scales, kv)
     return ImportedCheckpoint(fmt, qc, qm, file_sha256(files))
 
@@ -143,6 +150,35 @@ def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
             origin[name] = f
         tensors.update(loaded)
     return tensors
+
+
+def _exact_int8_head(weight: torch.Tensor | None) -> QuantizedWeight | None:
+    """An fp32 head whose every row is int8 codes times one fp32 scale, exactly: what qkiln's export
+    writes for an int8 head (compressed-tensors gets it dense, export_compressed_tensors._load).
+    Finds the codes and scales again (a row's largest |code| is 127 or 128, so its scale is amax /
+    127 or / 128, give or take an ulp of rounding), so export -> import keeps the head int8 and bit
+    for bit; None for any other head."""
+    if weight is None or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    amax = weight.abs().amax(dim=1, keepdim=True)  # [out, 1]
+    if not bool((amax > 0).all()):
+        return None
+    candidates = []
+    for largest_code in (127, 128):
+        up = down = amax / largest_code
+        candidates.append(up)
+        for _ in range(2):  # code x scale was rounded once: an ulp or two either side
+            up, down = torch.nextafter(up, up * 2), torch.nextafter(down, torch.zeros_like(down))
+            candidates += [up, down]
+    scales, found = torch.zeros_like(amax), torch.zeros_like(amax, dtype=torch.bool)
+    for scale in candidates:
+        codes = torch.round(weight / scale)
+        exact = ((codes * scale == weight) & (codes >= -128) & (codes <= 127)).all(dim=1, keepdim=True) & ~found
+        scales, found = torch.where(exact, scale, scales), found | exact
+    if not bool(found.all()):
+        return None
+    head = QuantizedWeight(torch.round(weight / scales).to(torch.int8), scales, None, None, 8)
+    return head if torch.equal(head.dequantize(), weight) else None
 
 
 def _check_finite(src: Path, weights: dict, fp_tensors: dict) -> None:

@@ -22,7 +22,7 @@ from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.export_compressed_tensors import (check_export, export_compressed_tensors, hf_config_dict,
                                                      load_artifact_quantized)
-from qkiln.compile.import_checkpoint import import_checkpoint
+from qkiln.compile.import_checkpoint import import_checkpoint, read_checkpoint
 from qkiln.compile.recipe import Recipe, preset
 from qkiln.errors import ArtifactError, SourceModelError
 from qkiln.quant import KVCacheScheme, QuantScheme, WeightScheme
@@ -141,6 +141,22 @@ def test_export_import_round_trip_serves_identical_logits(tiny, tmp_path):
     again = export_compressed_tensors(artifact, tmp_path / "ct2").path
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         assert (exported / name).read_bytes() == (again / name).read_bytes(), name  # reproducible
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    logits = [load_for_serving(str(p), dtype="fp32").model(ids) for p in (artifact, imported)]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_an_int8_head_survives_export_and_import_bit_for_bit(tiny, tmp_path):
+    """The presets' int8 head is exported as its exact fp32 values (compressed-tensors has no form
+    for it beside int4 layers); import finds its codes and scales again rather than storing bf16."""
+    pytest.importorskip("compressed_tensors")
+    artifact = _build(tiny, "w4a16-asym", SCHEMES["w4a16-asym"])
+    exported = export_compressed_tensors(artifact, tmp_path / "ct").path
+    head = read_checkpoint(exported).qm.weights["lm_head"]
+    assert head.num_bits == 8 and head.qweight.dtype == torch.int8
+    # the artifact's head as its exact values (how the export writes it)
+    assert same_bits(head.dequantize(), load_artifact_quantized(artifact).fp_tensors["lm_head.weight"])
+    imported = import_checkpoint(exported, tmp_path / "back")
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     logits = [load_for_serving(str(p), dtype="fp32").model(ids) for p in (artifact, imported)]
     assert torch.equal(logits[0], logits[1])
