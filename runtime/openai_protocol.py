@@ -10,6 +10,7 @@ as OpenAI clients send many optional ones (user, ...); known ones that would cha
 (penalties, logit_bias, tools, JSON mode) are refused unless at their no-op values.
 """
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,6 +52,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension, for benchmarks
     min_tokens: int = Field(default=0, ge=0)  # extension
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
     # accepted at their no-op values, which OpenAI clients send by default; anything else would
     # change the answer, and is refused rather than ignored
     presence_penalty: float = 0.0
@@ -59,6 +61,17 @@ class SamplingFields(BaseModel):
     tools: list | None = None
     response_format: dict | None = None
     best_of: int | None = None
+    # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
+    # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    guided_json: object = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -74,6 +87,12 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("logit_bias is not supported; leave it out", param="logit_bias")
         if self.best_of not in (None, 1):
             raise InvalidRequestError("best_of > 1 is not supported; leave it out", param="best_of")
+        for name, no_op in (("repetition_penalty", 1.0), ("min_p", 0.0), ("include_stop_str_in_output", False),
+                            ("skip_special_tokens", True), ("use_beam_search", False), ("guided_json", None),
+                            ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None)):
+            if getattr(self, name) != no_op:
+                raise InvalidRequestError(f"{name} is not supported; leave it out (or send {json.dumps(no_op)})",
+                                          param=name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options applies to streamed responses: set stream true or leave "
                                       "stream_options out", param="stream_options")
@@ -89,6 +108,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               logprobs=logprobs, min_tokens=self.min_tokens,
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
                               prompt_logprobs=prompt_logprobs).validate()
 
 
@@ -99,6 +119,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None  # insertion (fill in the middle): refused unless empty
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -124,6 +145,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidRequestError("prompt is an empty list; send a string, token ids, or a list of them",
                                       param="prompt")
+        if self.suffix:
+            raise InvalidRequestError("suffix (insertion) is not supported; leave it out", param="suffix")
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequestError("max_tokens 0 generates nothing; it needs echo true (to score the prompt)",
                                       param="max_tokens")
@@ -275,9 +298,15 @@ class CompletionResponse(ResponseBuilder):
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [None if e["top"] is None else {self.token_text(t): lp for t, lp in e["top"].items()}
-                                 for e in entries],
+                "top_logprobs": [None if e["top"] is None else self._top(e) for e in entries],
                 "text_offset": offsets}
+
+    def _top(self, entry: dict) -> dict:
+        """The top n and the token itself, as vLLM writes them (logprobs 0: the token alone), so a
+        client can always compare the token with the best (lm-eval's is_greedy)."""
+        top = {self.token_text(t): lp for t, lp in entry["top"].items()}
+        top.setdefault(self.token_text(entry["token_id"]), entry["logprob"])
+        return top
 
 
 def _nothing_generated(out: RequestOutput) -> RequestOutput:

@@ -127,6 +127,8 @@ def test_completion_logprobs_and_stop(client):
     assert "".join(lp["tokens"]) == r["choices"][0]["text"]
     only_chosen = completion(client, prompt="abc", max_tokens=3, logprobs=0)  # once a 500 for every request in flight
     assert only_chosen.status_code == 200, only_chosen.text
+    chosen = only_chosen.json()["choices"][0]["logprobs"]
+    assert chosen["top_logprobs"] == [{t: lp} for t, lp in zip(chosen["tokens"], chosen["token_logprobs"])]
     assert len(only_chosen.json()["choices"][0]["logprobs"]["token_logprobs"]) == 3
     chat = client.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True))
     assert chat.status_code == 200 and len(chat.json()["choices"][0]["logprobs"]["content"]) == 3, chat.text
@@ -139,6 +141,12 @@ def test_completion_logprobs_and_stop(client):
     k = next(k for k in range(1, 6) if tokens[k] and text.find(tokens[k]) == len("".join(tokens[:k])))
     last = completion(client, prompt="abc", max_tokens=k + 1, stop=tokens[k]).json()["choices"][0]
     assert last["finish_reason"] == "stop" and last["text"] == "".join(tokens[:k])
+
+
+def test_stop_token_ids_stop_the_completion(client, reference):
+    ids = reference("abc", 6).token_ids
+    r = completion(client, prompt="abc", max_tokens=6, stop_token_ids=[ids[2]]).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == reference("abc", 3).text  # vLLM's: the stop token is kept
 
 
 def test_null_max_tokens_means_the_rest_of_the_context(client, engine):
@@ -269,6 +277,13 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "penalty that is not a no-op": ("/v1/chat/completions", chat_body(presence_penalty=0.5), "presence_penalty"),
     "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     "best_of": ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
+    # vLLM extensions lm-eval forwards from a task's generation_kwargs: never silently ignored
+    "repetition_penalty": ("/v1/completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 2.0},
+                           "repetition_penalty"),
+    "min_p": ("/v1/chat/completions", chat_body(min_p=0.5), "min_p"),
+    "include_stop_str_in_output": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [","],
+                                                       "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    "suffix": ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
     "stream_options without stream": ("/v1/completions", {"model": "tiny", "prompt": "x",
                                                           "stream_options": {"include_usage": True}}, "stream_options"),
     "json mode": ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), "response_format"),
