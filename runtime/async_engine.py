@@ -143,7 +143,8 @@ class AsyncLLMEngine:
 
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
         kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
-        config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs)
+        kv_group_size = engine_kwargs.pop("kv_group_size", loaded.kv_group_size)
+        config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs)
         return cls(LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales), name or loaded.name)
 
     @property

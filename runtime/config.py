@@ -5,6 +5,7 @@ It must not hold weights or anything device-specific. Unknown architectures are 
 here, at the edge, with `UnsupportedArchitectureError`.
 """
 
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -86,6 +87,13 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None
+        context = hf.get("max_position_embeddings", 4096)
+        if window is not None and window < context:
+            # qkiln attends to the whole context; within the window the two are the same attention
+            warnings.warn(f"this model attends through a sliding window of {window} tokens, which qkiln does not "
+                          f"implement: its context is capped at {window} tokens (from {context})", stacklevel=2)
+            context = window
         return cls(
             architecture=family,
             vocab_size=hf["vocab_size"],
@@ -98,11 +106,11 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None,
+            sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

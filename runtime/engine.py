@@ -71,8 +71,12 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
-        if config.num_kv_blocks is not None and config.num_kv_blocks < 0:
+        if config.num_kv_blocks is not None and config.num_kv_blocks < 1:
             raise QkilnError(f"num_kv_blocks must be >= 1 (None sizes the pool from memory), got {config.num_kv_blocks}")
+        if config.block_size < 1:
+            raise QkilnError(f"block_size must be >= 1, got {config.block_size}")
+        if config.max_model_len is not None and config.max_model_len < 2:
+            raise QkilnError(f"max_model_len must be >= 2 (None: the model's context), got {config.max_model_len}")
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // kv_bytes_per_block(
             mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype,
             config.kv_group_size))
@@ -221,4 +225,6 @@ def _install_kv_scales(caches, kv_scales: dict | None) -> None:
         return
     for name in ("k_scale", "v_scale", "k_channel_scale", "k_offset"):
         for cache, value in zip(caches, kv_scales.get(name) or []):
-            getattr(cache, name).copy_(value)
+            target = getattr(cache, name)
+            if target is not None:  # fp8 scales mean nothing to a cache of another dtype (--kv-dtype)
+                target.copy_(value)

@@ -28,8 +28,9 @@ class LLM:
         """int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
         kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
+        kv_group_size = engine_kwargs.pop("kv_group_size", loaded.kv_group_size)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer,
-                                EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs),
+                                EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs),
                                 kv_scales=loaded.kv_scales)
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
