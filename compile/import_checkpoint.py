@@ -75,15 +75,14 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
 
 def _check_cpu_groups(weights: dict) -> None:
     """What the CPU's int4 kernels cannot serve is refused now, not when the artifact is loaded."""
-    from qkiln.plugins.packed_weights import CPU_GROUP_SIZES
+    from qkiln.plugins.packed_weights import CPU_GROUP_SIZES, cpu_serves_int4_groups
 
-    block = CPU_GROUP_SIZES[-1]
     odd = sorted(n for n, w in weights.items() if isinstance(w, QuantizedWeight) and w.num_bits == 4
-                 and w.group_size is not None and w.group_size % block)
+                 and not cpu_serves_int4_groups(w.group_size))
     if odd:
-        raise SourceModelError(f"target cpu serves int4 groups of a multiple of {block} channels; {odd[0]} "
-                               f"(and {len(odd) - 1} more) has group_size {weights[odd[0]].group_size}: import "
-                               "with --target cuda, or re-quantize with groups of 32, 64 or 128")
+        raise SourceModelError(f"target cpu serves int4 groups of a multiple of {CPU_GROUP_SIZES[-1]} channels; "
+                               f"{odd[0]} (and {len(odd) - 1} more) has group_size {weights[odd[0]].group_size}: "
+                               "import with --target cuda, or re-quantize with groups of 32, 64 or 128")
 
 
 def _tokenizer_files(src: Path) -> dict[str, bytes]:
@@ -146,7 +145,8 @@ def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
             raise SourceModelError(f"{f} is not a valid safetensors file ({e}); re-download or re-save it") from None
         for name in loaded:
             if name in origin:
-                raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; remove the stray file")
+                raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
+                                       "remove the stray file")
             origin[name] = f
         tensors.update(loaded)
     return tensors

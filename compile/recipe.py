@@ -125,7 +125,8 @@ class Recipe:
             raise RecipeError(f"target must be one of {TARGETS}, got {self.target!r}")
 
     def validate(self, linear_shapes: dict[str, tuple[int, int]], head_dim: int) -> None:
-        from qkiln.plugins.packed_weights import CPU_GROUP_SIZES  # imports torch: not at recipe load
+        # imports torch: not at recipe load
+        from qkiln.plugins.packed_weights import CPU_GROUP_SIZES, cpu_serves_int4_groups
 
         self.scheme.validate(linear_shapes, head_dim)
         w = self.scheme.weights
@@ -134,7 +135,7 @@ class Recipe:
             raise RecipeError("8-bit integer weights are symmetric with one scale per output channel: set "
                               "symmetric true and group_size null (or use 4 bits for group-wise or asymmetric weights)")
         if self.target == "cpu" and w is not None and w.type == "int" and w.num_bits == 4 \
-                and w.group_size is not None and w.group_size % CPU_GROUP_SIZES[-1]:
+                and not cpu_serves_int4_groups(w.group_size):
             # the native int4 kernels take groups of whole 32-channel blocks (plugins/packed_weights.py)
             raise RecipeError(f"target cpu serves int4 groups of a multiple of {CPU_GROUP_SIZES[-1]} channels "
                               f"(e.g. {', '.join(map(str, CPU_GROUP_SIZES))}) or one group per row (group_size null), "

@@ -260,11 +260,16 @@ def _prepare_w4a16_cuda(q, scales, zero_point, group_size: int, dtype) -> W4A16W
                        in_features, out_features, "cuda")
 
 
+def cpu_serves_int4_groups(group_size: int | None) -> bool:
+    """Whether the CPU's int4 kernels serve this group size: whole 32-channel blocks, or one group a row."""
+    return group_size is None or group_size % CPU_GROUP_SIZES[-1] == 0
+
+
 def _cpu_group_size(group_size: int, in_features: int) -> tuple[int, int]:
     """(kernel group size, padded in_features) that express `group_size` groups exactly: tinygemm's
     groups are 32..256, and any multiple of 32 (96, 4096, what Recipe.validate lets through) is
     whole groups of one of them, each with its recipe group's scale."""
-    if group_size % 32:
+    if not cpu_serves_int4_groups(group_size):
         raise RecipeError(f"target cpu needs an int4 group_size that is a multiple of 32, got "
                           f"{group_size}; re-quantize with one (e.g. {', '.join(map(str, CPU_GROUP_SIZES))})")
     padded = -(-in_features // 32) * 32

@@ -94,7 +94,6 @@ class KVStats:
         return (self.total / max(self.count, 1)).float()
 
 
-
 def update_kv_stats(stats: KVStats | None, x: torch.Tensor) -> KVStats:
     """Fold x [..., H, D] into the running statistics."""
     x3 = x.detach().float().reshape(-1, *x.shape[-2:])  # [N, H, D]

@@ -4,6 +4,7 @@ prompt logprobs are checked against one teacher-forced forward pass of the same 
 
 import json
 import random
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -22,19 +23,35 @@ def model_dir(tmp_path_factory):
     return write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
 
 
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **ENGINE_KW)
-    yield eng
-    eng.shutdown()
+@contextmanager
+def serving(model_dir, **engine_kw):
+    """The tiny model's engine behind a real server on loopback: (engine, HTTP client); both stop on exit."""
+    engine = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **engine_kw)
+    try:
+        server = BackgroundServer(create_app(engine, "tiny"))
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                yield engine, client
+        finally:
+            server.stop()
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def client(engine):
-    srv = BackgroundServer(create_app(engine, "tiny"))
-    with httpx.Client(base_url=srv.url, timeout=120) as c:
-        yield c
-    srv.stop()
+def served(model_dir):
+    with serving(model_dir, **ENGINE_KW) as engine_and_client:
+        yield engine_and_client
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,17 +167,11 @@ def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(client, engine, body,
 def test_a_kv_pool_smaller_than_the_context_bounds_null_max_tokens(model_dir):
     """max_tokens null means the rest of what the request can reach: the context, or the KV pool
     when it is smaller (was: every such request refused, default chat requests included)."""
-    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", num_kv_blocks=4, max_model_len=128)
-    srv = BackgroundServer(create_app(eng, "tiny"))
-    try:
+    with serving(model_dir, num_kv_blocks=4, max_model_len=128) as (eng, c):
         assert eng.max_request_len == 4 * 16 + 1
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
-            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["total_tokens"] == eng.max_request_len
-            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-            assert "KV cache" in r.json()["error"]["message"]
-    finally:
-        srv.stop()
-        eng.shutdown()
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] == eng.max_request_len
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "KV cache" in r.json()["error"]["message"]
