@@ -12,7 +12,7 @@ as OpenAI clients send many optional ones (user, ...); known ones that would cha
 
 import json
 import time
-from collections.abc import Callable
+import codecs
 from dataclasses import replace
 from typing import Literal
 
@@ -22,6 +22,7 @@ from qkiln.errors import RequestError
 
 from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from .tokenizer import Tokenizer
 
 
 class InvalidRequestError(RequestError):
@@ -192,18 +193,18 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 
 class ResponseBuilder:
-    """One request's response: the full body, or its stream chunks. `token_text(id)` names a token."""
+    """One request's response: the full body, or its stream chunks. `tokenizer` names the tokens in
+    logprobs (`token_name`, `token_bytes`)."""
 
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, token_text: Callable[[int], str], include_usage: bool = False,
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, include_usage: bool = False,
                  index: int = 0):
         """index: the choice this builder writes (a completion's prompt in a batch)."""
-        self.request_id, self.model, self.token_text = request_id, model, token_text
+        self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
         self.include_usage, self.index = include_usage, index
         self.created = int(time.time())
-        self._text_offset = 0
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -256,6 +257,13 @@ class CompletionResponse(ResponseBuilder):
         self.echo, self.prompt_ids = echo if echo is not None else (None, None)
         self.with_logprobs, self.generates = logprobs, generates
         self._prompt_logprobs, self._echoed = None, False
+        # text_offset counts characters of the text returned: bytes go through one UTF-8 decoder,
+        # so a character split over tokens is counted once, at its last byte.
+        self._text_offset, self._utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
+        tok = self.tokenizer
+        # A BOS the tokenizer added is not in the prompt's text as sent.
+        self._bos_added = (self.echo is not None and tok.add_bos and self.prompt_ids[:1] == [tok.bos_token_id]
+                           and not self.echo.startswith(tok.decode([tok.bos_token_id], skip_special_tokens=False)))
 
     def chunk(self, out: RequestOutput) -> dict | None:
         self._prompt_logprobs = self._prompt_logprobs or out.prompt_logprobs  # the first output's
@@ -284,7 +292,8 @@ class CompletionResponse(ResponseBuilder):
         """The echoed prompt's logprob entries (the first token's null)."""
         if self.echo is None or not self.with_logprobs:
             return []
-        return [{"token_id": self.prompt_ids[0], "logprob": None, "top": None}] + prompt_logprobs[1:]
+        first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "in_text": not self._bos_added}
+        return [first] + [e | {"in_text": True} for e in prompt_logprobs[1:]]
 
     def _generated_entries(self, outputs: list[RequestOutput]) -> list[dict]:
         return [e for out in outputs for e in out.logprobs] if self.generates else []
@@ -292,20 +301,25 @@ class CompletionResponse(ResponseBuilder):
     def _logprobs(self, entries: list[dict]) -> dict | None:
         if not entries:
             return None
-        tokens = [self.token_text(e["token_id"]) for e in entries]
         offsets = []
-        for token in tokens:
+        for e in entries:
             offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            if self._in_text(e):
+                self._text_offset += len(self._utf8.decode(self.tokenizer.token_bytes(e["token_id"])))
+        return {"tokens": [self.tokenizer.token_name(e["token_id"]) for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [None if e["top"] is None else self._top(e) for e in entries],
                 "text_offset": offsets}
+
+    def _in_text(self, entry: dict) -> bool:
+        """Whether the token is spelled in the returned text: generated text skips special tokens."""
+        return entry.get("in_text", entry["token_id"] not in self.tokenizer.special_token_ids)
 
     def _top(self, entry: dict) -> dict:
         """The top n and the token itself, as vLLM writes them (logprobs 0: the token alone), so a
         client can always compare the token with the best (lm-eval's is_greedy)."""
-        top = {self.token_text(t): lp for t, lp in entry["top"].items()}
-        top.setdefault(self.token_text(entry["token_id"]), entry["logprob"])
+        top = {self.tokenizer.token_name(t): lp for t, lp in entry["top"].items()}
+        top.setdefault(self.tokenizer.token_name(entry["token_id"]), entry["logprob"])
         return top
 
 
@@ -339,8 +353,8 @@ class ChatResponse(ResponseBuilder):
                             for e in entries]}
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self.tokenizer.token_name(token_id), "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:

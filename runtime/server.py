@@ -85,7 +85,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                 text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
                 echo = (text, ids)
             prompts.append(ids)
-            builders.append(CompletionResponse(request_id, model_name, _token_text(engine), body.include_usage,
+            builders.append(CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
                                                index=i, echo=echo, logprobs=body.logprobs is not None,
                                                generates=body.generates))
         return await _respond(engine, metrics, request, prompts, params, builders, body.stream)
@@ -103,7 +103,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
                                         "messages")
         params = body.sampling_params(max_tokens, body.num_logprobs)
-        builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, _token_text(engine), body.include_usage)
+        builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, engine.tokenizer, body.include_usage)
         return await _respond(engine, metrics, request, [prompt_ids], [params], [builder], body.stream)
 
     app.include_router(v1)
@@ -155,10 +155,6 @@ def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLME
         raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "
                                   f"{holder}, leaving {room}; lower max_tokens", param="max_tokens")
     return requested
-
-
-def _token_text(engine: AsyncLLMEngine):
-    return lambda token_id: engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompts: list, params: list,

@@ -8,6 +8,7 @@ GGUF metadata (byte-level BPE, llama.cpp's `tokenizer.ggml.*` keys). Must not im
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import jinja2
@@ -63,6 +64,44 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _decoder_types(self) -> set[str]:
+        return _decoder_types(json.loads(self.backend.to_str()).get("decoder"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to a decoded text. Decoding a lone token is not enough: a token
+        holding part of a UTF-8 character decodes to U+FFFD (OpenAI's logprobs `bytes` field exists
+        for exactly those tokens)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if "ByteLevel" in self._decoder_types and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if "ByteFallback" in self._decoder_types and (byte := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        if self._decoder_types & {"Metaspace", "Replace"}:  # SentencePiece: "▁" is the space
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def token_name(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or (part of a character) OpenAI's `bytes:\\xNN...`."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The tokens `decode(skip_special_tokens=True)` leaves out."""
+        return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
@@ -137,6 +176,31 @@ def _gguf_pre_tokenizer(pre: str):
     if pre in ("default", "gpt-2", "gpt2"):
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     raise SourceModelError(f"GGUF pre-tokenizer {pre!r} is not supported; use the model's Hugging Face directory")
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    """The types in a tokenizer.json decoder, Sequence members included."""
+    if not decoder:
+        return set()
+    return {decoder.get("type")}.union(*(_decoder_types(d) for d in decoder.get("decoders") or []))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each byte is spelled as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _raise_template_error(message: str):

@@ -108,3 +108,21 @@ def test_min_tokens_defers_stop_strings(byte_level):
     num_first = len(byte_level.encode("STOP").ids)
     detok, pieces, stop_str = stream(byte_level, prompt, output, stop=["STOP"], min_tokens=num_first)
     assert stop_str == "STOP" and detok.output_text == "STOP a "
+
+
+@pytest.mark.parametrize("tokenizer", ["byte_level", "byte_fallback"])
+def test_token_bytes_spell_the_text_where_lone_decodes_cannot(tokenizer, request):
+    """Logprobs name tokens by `token_bytes` / `token_name`: decoding a lone token that holds part
+    of a character gives U+FFFD, which loses the bytes OpenAI's logprobs `bytes` field carries."""
+    from qkiln.runtime.tokenizer import Tokenizer as QkilnTokenizer
+
+    tok = QkilnTokenizer(request.getfixturevalue(tokenizer), {"eos_token": "<eos>"})
+    ids = tok.encode(TEXT) + [tok.eos_token_id]
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # the case this is for
+    spelled = b"".join(tok.token_bytes(i) for i in ids).decode("utf-8")
+    # SentencePiece spells the leading space its normalizer added; its decoder strips it
+    assert spelled == (" " if tokenizer == "byte_fallback" else "") + TEXT + "<eos>"
+    names = [tok.token_name(i) for i in ids]
+    partial = [n for n in names if n.startswith("bytes:")]
+    assert partial and all(n.encode("ascii") for n in partial) and "\ufffd" not in "".join(names)
+    assert tok.special_token_ids == {tok.eos_token_id}

@@ -91,8 +91,7 @@ def test_loglikelihood_request_as_lm_eval_sends_it(client, engine, model):
                                    atol=2e-4, rtol=1e-4)
         for token, token_lp, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
             # the best token and the token itself (vLLM's form): what lm-eval's is_greedy compares
-            # (keyed by text: two byte tokens that decode to U+FFFD share one key)
-            assert 1 <= len(top) <= 2 and token in top and token_lp <= max(top.values())
+            assert len(top) == (1 if token_lp == max(top.values()) else 2) and top[token] == token_lp
         assert lp["text_offset"][0] == 0 and choice["text"].startswith(engine.tokenizer.decode(prompt, skip_special_tokens=False))
     assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 5
 
@@ -109,10 +108,41 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(client, engine, model):
         assert len(lp["token_logprobs"]) == len(ids)
         torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), torch.tensor(teacher_forced(model, ids)),
                                    atol=2e-4, rtol=1e-4)
-        # keyed by token text, as OpenAI does: two byte tokens that both decode to U+FFFD share a key
-        assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+        assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
     total = sum(len(engine.tokenizer.encode(t)) for t in prompts)
     assert body["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
+
+
+def token_bytes(name: str) -> bytes:
+    """A logprobs token name back to its bytes: text, or OpenAI's `bytes:\\xNN...`."""
+    if name.startswith("bytes:"):
+        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+    return name.encode("utf-8")
+
+
+def test_tokens_that_split_a_character_are_named_by_their_bytes(client):
+    """The tiny model's tokens are single bytes, so every non-ASCII character spans tokens. Each
+    token is named by its own bytes (was: all of them "\ufffd", merging their top_logprobs keys),
+    and text_offset counts characters of the text (was: one per U+FFFD, drifting)."""
+    text = "a\u00e9\U0001F600b"  # bytes: 61 | c3 a9 | f0 9f 98 80 | 62
+    lp = post(client, prompt=text, echo=True, logprobs=5, max_tokens=0).json()["choices"][0]["logprobs"]
+    assert [token_bytes(t) for t in lp["tokens"]] == [bytes([b]) for b in text.encode()]
+    assert lp["tokens"][:3] == ["a", "bytes:\\xc3", "bytes:\\xa9"]
+    assert lp["text_offset"] == [0, 1, 1, 2, 2, 2, 2, 3]
+    # five distinct tokens and the token itself when it is not among them
+    assert all(5 <= len(top) <= 6 for top in lp["top_logprobs"][1:])
+
+
+def test_chat_logprob_bytes_spell_the_message(client):
+    body = client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "caf\u00e9?"}], "max_tokens": 24,
+        "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 3}).json()
+    (choice,) = body["choices"]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 24 and all(len(c["top_logprobs"]) == 3 for c in content)
+    raw = b"".join(bytes(c["bytes"]) for c in content)
+    assert raw.decode("utf-8", "replace") == choice["message"]["content"]
+    assert [token_bytes(c["token"]) for c in content] == [bytes(c["bytes"]) for c in content]
 
 
 def test_a_batch_answers_as_its_prompts_sent_alone(client):
