@@ -77,6 +77,10 @@ class LLMEngine:
             raise QkilnError(f"block_size must be >= 1, got {config.block_size}")
         if config.max_model_len is not None and config.max_model_len < 2:
             raise QkilnError(f"max_model_len must be >= 2 (None: the model's context), got {config.max_model_len}")
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            # as vLLM: positions past the trained context are not extended (no RoPE scaling is applied)
+            raise QkilnError(f"max_model_len {config.max_model_len} exceeds the model's context of "
+                             f"{mc.max_position_embeddings} tokens; lower it or leave it out")
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // kv_bytes_per_block(
             mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype,
             config.kv_group_size))
@@ -86,7 +90,7 @@ class LLMEngine:
                                         has_k_offset=bool(kv_scales and kv_scales.get("k_offset")))
         _install_kv_scales(self.caches, kv_scales)
         self.kv_dtype = kv_dtype
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # the longest sequence (prompt + output) one request can reach: the context, or less when
         # the pool is smaller (the last sampled token needs no slot)

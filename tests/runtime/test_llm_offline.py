@@ -84,3 +84,17 @@ def test_a_sliding_window_caps_the_context():
         assert ModelConfig.from_hf(hf).max_position_embeddings == 64
     assert any("sliding window of 64" in str(w.message) for w in caught)
     assert ModelConfig.from_hf(hf | {"sliding_window": None}).max_position_embeddings == 1024
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1"),
+    (dict(block_size=0), "block_size must be >= 1"),
+    (dict(max_model_len=1), "max_model_len must be >= 2"),
+    (dict(max_model_len=4096), "max_model_len 4096 exceeds the model's context of 1024"),  # was capped silently
+])
+def test_engine_settings_out_of_range_are_refused(tmp_path, bad, message):
+    from qkiln.errors import QkilnError
+
+    model = write_tiny_hf_model(tmp_path, "llama")
+    with pytest.raises(QkilnError, match=message):
+        LLM(str(model), dtype="fp32", **({"num_kv_blocks": 8} | bad))
