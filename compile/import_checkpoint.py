@@ -29,7 +29,7 @@ from qkiln.quant import Fp8Weight, QuantizedWeight
 from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
-from qkiln.runtime.source import file_sha256
+from qkiln.runtime.source import file_sha256, weight_files
 from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import Manifest, toolchain_versions
@@ -97,9 +97,7 @@ def read_checkpoint(path) -> ImportedCheckpoint:
     hf = _read_json(src / "config.json")
     config = ModelConfig.from_hf(hf)
     fmt, qc = _quantization_config(src, hf)
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise SourceModelError(f"{src} has no *.safetensors weights (pickled .bin weights are not loaded)")
+    files = weight_files(src)
     tensors = _load_weights(files)
     with torch.device("meta"):
         model = CausalLM(config)

@@ -115,23 +115,48 @@ def _load_hf_dir(path: Path) -> SourceModel:
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
+    state_dict, origin = {}, {}
+    for f in weight_files(path):
+        for name, tensor in _read_safetensors(f).items():
+            if name in origin:
+                raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
+                                       "remove the stray file")
+            origin[name], state_dict[name] = f, tensor
+    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(path: Path) -> list[Path]:
+    """An HF directory's weight files: the shards its model.safetensors.index.json maps (as
+    transformers reads them; other *.safetensors there, such as a stale single file, are not
+    weights), or else every *.safetensors."""
+    index_path = path / SAFETENSORS_INDEX
+    if index_path.is_file():
+        try:
+            names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise SourceModelError(f"{index_path} is malformed ({type(e).__name__}: {e}); re-download it") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing or not names:
+            raise SourceModelError(f"{index_path} maps weights to {', '.join(missing) or 'no file'}, "
+                                   "not in the directory; download every shard")
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise SourceModelError(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded)")
-    state_dict = {}
-    for f in files:
-        state_dict.update(_read_safetensors(f))
-    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+    return files
 
 
 def source_files(path: Path) -> list[Path]:
     """The files a source model is read from, which its sha256 covers: a .gguf file; or an HF
-    directory's config.json and tokenizer files and its *.safetensors (a changed rope_theta or
+    directory's config.json and tokenizer files and its weight files (a changed rope_theta or
     norm epsilon is another model: the build cache and the provenance must tell them apart)."""
     if path.is_file():
         return [path]
     named = [path / name for name in ("config.json", *TOKENIZER_FILES) if (path / name).is_file()]
-    return named + sorted(path.glob("*.safetensors"))
+    return named + weight_files(path)
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

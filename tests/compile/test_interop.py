@@ -322,6 +322,51 @@ def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(tiny, tmp_path, how)
     assert not (tmp_path / "a").exists()
 
 
+def _shard(src: Path, stale: bool) -> None:
+    """Split model.safetensors into two shards named by an index, as transformers saves large
+    models; with `stale`, the old single file stays beside them, damaged (as after a re-save)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(src / file))
+    weight_map = {n: file for file, members in shards.items() for n in members}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if stale:
+        _damage(src, "a NaN scale")
+    else:
+        (src / "model.safetensors").unlink()
+
+
+def test_a_sharded_checkpoint_reads_the_shards_its_index_names(tiny, tmp_path):
+    """Only the index's shards are weights (as transformers reads them): a stale single file beside
+    them was read too, and refused as duplicate tensors."""
+    root, model_dir, _ = tiny
+    whole = read_checkpoint(write_gptq(tmp_path / "whole", model_dir, 4, 32, True, "gptq")).qm
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, True, "gptq")
+    _shard(src, stale=True)
+    sharded = read_checkpoint(src).qm
+    for name, w in whole.weights.items():
+        assert torch.equal(w.qweight, sharded.weights[name].qweight) and same_bits(w.scales, sharded.weights[name].scales)
+    verify_artifact(import_checkpoint(src, tmp_path / "a"))
+    (src / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(SourceModelError, match="model-00002-of-00002.safetensors, not in the directory"):
+        read_checkpoint(src)
+
+
+def test_a_sharded_hf_model_loads_as_the_whole_one(tiny, tmp_path):
+    from qkiln.runtime.source import load_source
+
+    root, model_dir, _ = tiny
+    sharded = tmp_path / "sharded"
+    shutil.copytree(model_dir, sharded)
+    _shard(sharded, stale=False)
+    (sharded / "stale.safetensors").write_bytes(b"not weights")  # not named by the index: not read
+    whole, parts = load_source(model_dir), load_source(sharded)
+    assert sorted(whole.state_dict) == sorted(parts.state_dict)
+    assert all(same_bits(whole.state_dict[n], parts.state_dict[n]) for n in whole.state_dict)
+
+
 def test_int4_groups_the_cpu_cannot_serve_are_refused_at_import(tiny, tmp_path):
     root, model_dir, _ = tiny
     src = write_gptq(tmp_path / "gptq", model_dir, 4, 16, True, "gptq")
