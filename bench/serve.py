@@ -149,7 +149,7 @@ def main(model: str, *,
              fmt(r["ttft"]["median_ms"]), fmt(r["ttft"]["p99_ms"]), fmt(r["tpot"]["median_ms"]),
              fmt(r["itl"]["p99_ms"]), fmt(r["e2el"]["median_ms"]), fmt(r.get("goodput"), 2),
              fmt(r["failed"], 0)] for r in runs]
-    print_table(f"serving: {model}, {num_requests} requests, in {input_len} / out {output_len}, rate {request_rate}",
+    print_table(f"serving: {model}, {num_requests} requests, {make(seed).lengths_label}, rate {request_rate}",
                 ["conc", "req/s", "out tok/s", "TTFT med ms", "TTFT p99", "TPOT med ms", "ITL p99", "E2EL med ms",
                  "goodput", "failed"], rows)
     if plot:

@@ -78,6 +78,11 @@ def make_engine(loaded: ServingModel, **engine_kwargs) -> LLMEngine:
 
 def drive(engine: LLMEngine, workload: Workload, temperature: float = 0.0) -> RunTrace:
     """Submit every request, step until all finish; time each request's first token and end."""
+    too_long = [(len(p), n) for p, n in zip(workload.prompts, workload.output_lens) if len(p) + n > engine.max_request_len]
+    if too_long:  # the engine would stop them at the context: the table would name lengths not run
+        raise BenchConfigError(f"a request of {too_long[0][0]} prompt + {too_long[0][1]} output tokens does not fit "
+                               f"the {engine.max_request_len} tokens a request can reach here (the context or the "
+                               "KV pool); lower the input / output lengths or raise --num-kv-blocks")
     timings = {}
     start = time.perf_counter()
     for prompt, n in zip(workload.prompts, workload.output_lens):
@@ -170,7 +175,7 @@ def main(model: str, *,
     write_report(json_out, report)
     rows = [[r["max_num_seqs"], fmt(r["requests_per_s"], 2), fmt(r["output_tokens_per_s"]),
              fmt(r["total_tokens_per_s"]), fmt(r["elapsed_s"], 2), fmt(r["prefix_cache_hit_rate"], 2)] for r in runs]
-    print_table(f"offline throughput: {model}, {num_requests} requests, in {input_len} / out {output_len}",
+    print_table(f"offline throughput: {model}, {num_requests} requests, {workload.lengths_label}",
                 ["max_num_seqs", "req/s", "output tok/s", "total tok/s", "elapsed s", "prefix hit"], rows)
     if plot:
         series = {"qkiln output tok/s": [(r["max_num_seqs"], r["output_tokens_per_s"]) for r in runs]}

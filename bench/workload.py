@@ -42,6 +42,13 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    @property
+    def lengths_label(self) -> str:
+        """"in 128 / out 128" for tables; a shared prefix is counted in: "in 512+128"."""
+        d = self.description
+        prefix = f"{d['shared_prefix_len']}+" if d.get("shared_prefix_len") else ""
+        return f"in {prefix}{d.get('input_len')} / out {d.get('output_len')}"
+
 
 def parse_length(spec: str | int, what: str) -> tuple[int, int]:
     """`128` -> (128, 128); `64:256` -> (64, 256), a uniform integer range (both ends included)."""

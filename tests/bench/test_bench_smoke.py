@@ -97,11 +97,19 @@ def test_throughput_report_and_plot(tiny, tmp_path):
     assert (tmp_path / "plots" / "throughput_vs_concurrency.png").stat().st_size > 0
 
 
-def test_shared_prefix_is_reported_as_cache_hits(tiny):
+def test_shared_prefix_is_reported_as_cache_hits(tiny, capsys):
     """One sequence at a time: every request after the first finds the 2-block prefix cached."""
     report = throughput.main(str(tiny), num_requests=3, input_len="4", output_len="2", shared_prefix_len=32,
                              max_num_seqs="1", repeats=1, threads=1)
     assert report["results"]["runs"][0]["prefix_cache_hit_rate"]["median"] > 0
+    assert "in 32+4 / out 2" in capsys.readouterr().out  # the prompts' length, prefix included
+
+
+def test_lengths_past_the_context_are_refused_not_cut(tiny):
+    """The engine stops a sequence at the context (1024 here): the table would name an output
+    length that was never run."""
+    with pytest.raises(BenchConfigError, match="1020 prompt \\+ 8 output tokens does not fit the 1024"):
+        latency.main(str(tiny), input_len=1020, output_len=8, repeats=1, threads=1, roofline=False)
 
 
 def test_latency_report_with_roofline(tiny, tmp_path):
