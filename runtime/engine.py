@@ -24,6 +24,10 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
+# Prompt rows turned into logits at once for prompt logprobs: 256 x a 128k vocabulary in fp32 is
+# 128 MB (a whole 1024-token step's would be 0.5 GB, and as much again for its log_softmax).
+PROMPT_SCORE_ROWS = 256
+
 
 @dataclass
 class EngineConfig:
@@ -152,8 +156,8 @@ class LLMEngine:
         banned = [s.banned_token_ids for s in sampling]
         # Plain greedy steps may get their tokens with the logits (the native decode stack's head)
         step = self.runner.run(plan, argmax=self.sampler.is_plain_argmax(params, banned))
-        if step.prompt_logits is not None:
-            self._score_prompts(plan, step.prompt_logits)
+        if step.prompt_hidden is not None:
+            self._score_prompts(plan, step.prompt_hidden)
         if step.argmax is not None:
             out = SamplerOutput(step.argmax)
         else:
@@ -164,23 +168,26 @@ class LLMEngine:
         self.stats["num_steps"] += 1
         return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
 
-    def _score_prompts(self, plan, logits: torch.Tensor) -> None:
+    def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted
-        prompt computed again overwrites its entries with the same quantities)."""
+        prompt computed again overwrites its entries with the same quantities). The rows' logits
+        are made PROMPT_SCORE_ROWS at a time, which bounds their memory whatever the vocabulary."""
         first = 0
         for s in plan.scheduled:
             positions = s.prompt_logprob_positions
             if not positions:
                 continue
-            rows = logits[first:first + len(positions)]
-            first += len(positions)
             n = s.seq.sampling_params.prompt_logprobs
-            targets = s.seq.prompt_token_ids[positions.start + 1:positions.stop + 1]
-            chosen, top_values, top_ids = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
             entries = self.requests[s.seq_id].prompt_logprobs
-            for k, (position, target) in enumerate(zip(positions, targets)):
-                top = {} if n == 0 else dict(zip(top_ids[k].tolist(), top_values[k].tolist()))
-                entries[position + 1] = {"token_id": target, "logprob": float(chosen[k]), "top": top}
+            for lo in range(0, len(positions), PROMPT_SCORE_ROWS):
+                part = positions[lo:lo + PROMPT_SCORE_ROWS]
+                rows = self.runner.compute_logits(hidden[first + lo:first + lo + len(part)])
+                targets = s.seq.prompt_token_ids[part.start + 1:part.stop + 1]
+                chosen, top_values, top_ids = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
+                for k, (position, target) in enumerate(zip(part, targets)):
+                    top = {} if n == 0 else dict(zip(top_ids[k].tolist(), top_values[k].tolist()))
+                    entries[position + 1] = {"token_id": target, "logprob": float(chosen[k]), "top": top}
+            first += len(positions)
 
     def _postprocess(self, s, token_id, out, row, finished) -> RequestOutput:
         req = self.requests[s.seq_id]

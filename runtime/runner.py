@@ -27,9 +27,11 @@ from .scheduler import StepPlan
 class StepLogits(NamedTuple):
     logits: torch.Tensor  # [num_sampling_seqs, vocab], plan.sampling order, the model's dtype
     argmax: torch.Tensor | None  # [num_sampling_seqs] int64 ops.argmax of them, when asked and made
-    # [num_prompt_rows, vocab]: the rows of every ScheduledSeq.prompt_logprob_positions, in plan
-    # order; None when no sequence in the step asked for prompt logprobs
-    prompt_logits: torch.Tensor | None = None
+    # [num_prompt_rows, hidden]: the final hidden states of every ScheduledSeq.prompt_logprob_positions,
+    # in plan order; None when no sequence in the step asked for prompt logprobs. Hidden states, not
+    # logits: up to max_num_batched_tokens rows x the vocabulary would be gigabytes for a 128k one,
+    # so the engine turns them into logits (`ModelRunner.compute_logits`) a slice at a time.
+    prompt_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -91,5 +93,10 @@ class ModelRunner:
         else:
             self.backend.metadata = metadata
             hidden = self.model.hidden_states(input_ids, positions, self.backend)  # [N, hidden]
-        prompt_logits = self.model.compute_logits(hidden[prompt_rows]) if prompt_rows.numel() else None
-        return StepLogits(self.model.compute_logits(hidden[sample_rows]), None, prompt_logits)
+        prompt_hidden = hidden[prompt_rows] if prompt_rows.numel() else None
+        return StepLogits(self.model.compute_logits(hidden[sample_rows]), None, prompt_hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] final hidden states -> [rows, vocab] logits (the head; prompt scoring)."""
+        return self.model.compute_logits(hidden)

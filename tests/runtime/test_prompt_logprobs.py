@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qkiln.errors import RequestError
+from qkiln.runtime import engine as engine_module
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ def check(entries, prompt, expected, num_top):
             assert (e["token_id"] == max(e["top"], key=e["top"].get)) == (e["logprob"] == best)
 
 
-def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny):
+def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny, monkeypatch):
     rng = random.Random(random.randrange(1 << 30))
     shared = [rng.randrange(256) for _ in range(37)]
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 50))] for _ in range(4)]
@@ -74,8 +75,11 @@ def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny):
         "one step each": dict(num_kv_blocks=128),
         "chunked prefill (budget 7)": dict(num_kv_blocks=128, max_num_batched_tokens=7),
         "preemption (8 blocks)": dict(num_kv_blocks=8, max_num_batched_tokens=24),
+        "logits made 5 rows at a time": dict(num_kv_blocks=128),
     }
     for label, kw in variants.items():
+        if "5 rows" in label:
+            monkeypatch.setattr(engine_module, "PROMPT_SCORE_ROWS", 5)
         engine = LLMEngine(tiny.model, tiny.tokenizer, EngineConfig(kv_dtype="fp32", **kw))
         firsts = run(engine, prompts, params, arrivals=[0, 2, 2, 5, 6, 6])
         for i, prompt in enumerate(prompts):
