@@ -87,6 +87,12 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:truncate_to]
         return stop_str
 
+    def finish_on_stop_token(self) -> None:
+        """The sequence ended on EOS or one of its stop_token_ids, whose text is not output (vLLM's
+        semantics, as for stop strings): only flush a character left unfinished before it."""
+        if self.read_offset < len(self._token_ids):
+            self.output_text += self._decode_next(flush=True)
+
     def get_next_output_text(self, finished: bool) -> str:
         """Text not returned before; while not finished, hold back a possible stop-string prefix."""
         end = len(self.output_text) if finished else len(self.output_text) - self.stop_buffer_length

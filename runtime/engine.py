@@ -194,7 +194,10 @@ class LLMEngine:
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         is_done = s.seq_id in finished
-        stop_str = req.detok.update([token_id], is_final=is_done)
+        if is_done and s.seq.finish_reason == "stop":  # the scheduler stops on tokens: EOS, stop_token_ids
+            stop_str = req.detok.finish_on_stop_token()
+        else:
+            stop_str = req.detok.update([token_id], is_final=is_done)
         if stop_str is not None and not is_done:
             self.scheduler.finish(s.seq_id, "stop")
             is_done = True

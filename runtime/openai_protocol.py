@@ -10,13 +10,16 @@ as OpenAI clients send many optional ones (user, ...); known ones that would cha
 (penalties, logit_bias, tools, JSON mode) are refused unless at their no-op values.
 """
 
+import codecs
+import functools
 import json
 import time
-import codecs
+import types
+import typing
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from qkiln.errors import RequestError
 
@@ -41,10 +44,19 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's spec makes its optional fields nullable, null meaning the default, and clients
+        (OpenAPI-generated ones, gateways forwarding every key) send them so."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None or k not in _non_nullable_fields(cls)}
+        return data
+
     model: str | None = None  # absent: the served model (as vLLM does; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
@@ -78,6 +90,11 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    # legacy function calling, which `tools` replaced: refused as `tools` is
+    functions: list | None = None
+    function_call: str | dict | None = None
+    tool_choice: str | dict | None = None
+
     def check_supported(self) -> None:
         if self.n != 1:
             raise InvalidRequestError("n > 1 is not supported; send n separate requests (with different seeds)", param="n")
@@ -97,8 +114,13 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options applies to streamed responses: set stream true or leave "
                                       "stream_options out", param="stream_options")
-        if self.tools:
-            raise InvalidRequestError("tools (function calling) are not supported; leave them out", param="tools")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} (function calling) are not supported; leave them out", param=name)
+        for name in ("tool_choice", "function_call"):  # "none" and "auto" without tools: no-ops
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise InvalidRequestError(f"{name} {json.dumps(getattr(self, name))} needs function calling, which "
+                                          "is not supported; leave it out", param=name)
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
                                       param="response_format")
@@ -169,11 +191,23 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
-    def as_template_dict(self) -> dict:
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        if isinstance(value, list):
+            kinds = sorted({str(part.get("type")) for part in value if isinstance(part, dict)} - {"text"})
+            if kinds:
+                raise ValueError(f"only text content parts are supported, not {', '.join(kinds)}")
+        return value
+
+    def as_template_dict(self, template_knows_developer: bool = False) -> dict:
         content = self.content
-        if isinstance(content, list):  # OpenAI's content parts: only text is supported
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        if isinstance(content, list):  # OpenAI's content parts: only text; joined as vLLM joins them
+            content = "\n".join(part.text for part in content)
+        # OpenAI's newer name for the system role; a template that has never heard of it would put
+        # the instructions in a turn the model was not trained on, after its default system prompt
+        role = "system" if self.role == "developer" and not template_knows_developer else self.role
+        return {"role": role, "content": content or ""}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -181,10 +215,34 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: open an assistant turn after the messages (default), or continue the last message,
+    # an assistant's (prefill: "The answer is") in place
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message, so it needs "
+                                      "add_generation_prompt false", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
+                                      param="continue_final_message")
+
+
+@functools.cache
+def _non_nullable_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields whose type has no None (null there means: the default)."""
+    def nullable(annotation) -> bool:
+        is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        return annotation in (None, type(None)) or (is_union and type(None) in typing.get_args(annotation))
+    return frozenset(name for name, f in model.model_fields.items() if not nullable(f.annotation))
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,

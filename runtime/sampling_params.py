@@ -14,6 +14,9 @@ from qkiln.errors import RequestError
 MAX_LOGPROBS = 20
 # what torch.Generator.manual_seed takes: a seed outside it failed only after the request was queued
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# A positive temperature below this is raised to it, as vLLM does: logits / 1e-38 overflows float32
+# (NaN probabilities, token 0 every step), and at 0.01 sampling is already all but the argmax.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass
@@ -52,11 +55,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        """Raise `RequestError` naming the bad field and its allowed range; return self."""
+        """Raise `RequestError` naming the bad field and its allowed range; return self (with a
+        tiny positive temperature raised to MIN_TEMPERATURE)."""
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature < float("inf"),
                "temperature", f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         _check(_is_int(self.top_k) and self.top_k >= -1,
                "top_k", f"top_k must be an integer >= 1, or -1 / 0 to disable it, got {self.top_k!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,

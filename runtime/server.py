@@ -24,7 +24,7 @@ import time
 import uuid
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,16 +44,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
     _install_error_handlers(app)
-
-    def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise _HTTPError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
+    started = int(time.time())
 
     def check_model(body: SamplingFields) -> None:
         if body.model is not None and body.model != model_name:
@@ -61,11 +55,21 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                                       "(see GET /v1/models)", param="model", code="model_not_found")
         body.check_supported()
 
+    # max_model_len: what one request (prompt and output) can reach, which a KV pool smaller than
+    # the context bounds (clients size requests from it)
+    card = {"id": model_name, "object": "model", "created": started, "owned_by": "qkiln",
+            "max_model_len": engine.max_request_len}
+
     @v1.get("/models")
     async def models():
-        card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "qkiln",
-                "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise _HTTPError(404, f"model {model_id!r} is not served here; {model_name!r} is (see GET /v1/models)",
+                             code="model_not_found", param="model")
+        return card
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -93,10 +97,14 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
+        tokenizer = engine.tokenizer
         try:
-            messages = [m.as_template_dict() for m in body.messages]
+            knows_developer = "developer" in (tokenizer.chat_template or "")
+            messages = [m.as_template_dict(knows_developer) for m in body.messages]
             _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
-            text = await asyncio.to_thread(engine.tokenizer.apply_chat_template, messages)
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
+            if body.continue_final_message:
+                text = _cut_after_final_message(text, messages[-1]["content"])
         except SourceModelError as e:  # no template, or the template refused these messages
             raise InvalidRequestError(str(e), param="messages") from e
         prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
@@ -155,6 +163,19 @@ def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLME
         raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "
                                   f"{holder}, leaving {room}; lower max_tokens", param="max_tokens")
     return requested
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """The rendered conversation up to the end of its last message's content (what follows closes
+    the turn), so generation continues that message, as vLLM's continue_final_message does."""
+    if not final:
+        raise InvalidRequestError("continue_final_message needs text in the last message to continue; send it "
+                                  "with add_generation_prompt true instead", param="continue_final_message")
+    end = text.rfind(final)
+    if end == -1:
+        raise InvalidRequestError("the chat template does not reproduce the last message's text, so it cannot be "
+                                  "continued; send it without continue_final_message", param="continue_final_message")
+    return text[:end + len(final)]
 
 
 async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompts: list, params: list,
@@ -268,6 +289,27 @@ async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams
     _abort_unfinished(engine, streams)
 
 
+class _ApiKeyMiddleware:
+    """`/v1/*` needs `Authorization: Bearer KEY`. A plain ASGI middleware, so a request without the
+    key is answered 401 before its body is read (a route dependency ran after body parsing, so a
+    malformed body got a 400 that told a caller without the key about the API)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            body = error_body("missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+            return await JSONResponse(body, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode("latin-1"), self.key)
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
@@ -284,6 +326,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         if errors[0].get("type") == "json_invalid":
             detail = errors[0].get("ctx", {}).get("error", errors[0]["msg"])
             return reply(400, f"the body is not valid JSON ({detail}); send a JSON object", code="invalid_json")
+        content_type = request.headers.get("content-type", "")
+        if tuple(errors[0].get("loc", ())) == ("body",) and "json" not in content_type:
+            return reply(400, f"the body was sent as {content_type or 'no content type'}; send JSON with "
+                              "'content-type: application/json'", code="invalid_json")
         param = _param(errors[0].get("loc", ()))
         # A union field (prompt: str | list[int]) fails once per alternative: name them all.
         messages = dict.fromkeys(e["msg"] for e in errors if _param(e.get("loc", ())) == param)
@@ -303,7 +349,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
-        return reply(exc.status_code, str(exc.detail))
+        response = reply(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}

@@ -91,7 +91,11 @@ def test_models_and_health(client, engine):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
     assert models["data"][0]["max_model_len"] == engine.max_model_len == 128
+    assert client.get("/v1/models/tiny").json() == models["data"][0]  # the openai client's models.retrieve
+    assert client.get("/v1/models/gpt-4").status_code == 404
     assert client.get("/health").json() == {"status": "ok"}
+    r = client.delete("/v1/models")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
 
 
 @pytest.mark.parametrize("as_ids", [False, True])
@@ -146,7 +150,8 @@ def test_completion_logprobs_and_stop(client):
 def test_stop_token_ids_stop_the_completion(client, reference):
     ids = reference("abc", 6).token_ids
     r = completion(client, prompt="abc", max_tokens=6, stop_token_ids=[ids[2]]).json()["choices"][0]
-    assert r["finish_reason"] == "stop" and r["text"] == reference("abc", 3).text  # vLLM's: the stop token is kept
+    # vLLM's: the stop token ends the text and is not in it (it is in the token ids and usage)
+    assert r["finish_reason"] == "stop" and r["text"] == reference("abc", 2).text
 
 
 def test_null_max_tokens_means_the_rest_of_the_context(client, engine):
@@ -165,6 +170,51 @@ def test_chat_uses_the_template_and_equals_offline_generate(client, reference, e
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert choice["message"] == {"role": "assistant", "content": ref.text} and choice["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == len(rendered) and body["usage"]["completion_tokens"] == 8
+
+
+def chat_prompt(client, **kw) -> str:
+    """The text the server rendered for a chat request: its prompt tokens, one byte each here."""
+    body = client.post("/v1/chat/completions", json=chat_body(max_tokens=1) | kw).json()
+    return body["usage"]["prompt_tokens"]
+
+
+def test_chat_roles_parts_and_prefill_render_as_vllm_renders_them(client, reference, engine):
+    developer = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    # "developer" is OpenAI's newer "system"; this template knows only system
+    assert chat_prompt(client, messages=developer) == chat_prompt(client, messages=system) == len(
+        "<system>be brief\n<user>hi\n<assistant>")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "cd"}]}]
+    assert chat_prompt(client, messages=parts) == len("<user>ab\ncd\n<assistant>")
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    body = client.post("/v1/chat/completions", json=chat_body(
+        messages=prefill, max_tokens=6, add_generation_prompt=False, continue_final_message=True)).json()
+    continued = "<user>hi\n<assistant>The answer is"  # the turn left open, not closed and a new one begun
+    assert body["usage"]["prompt_tokens"] == len(continued)
+    assert body["choices"][0]["message"]["content"] == reference(continued, 6).text
+
+
+def test_null_means_the_default_as_openai_clients_send_it(client):
+    nulls = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,
+                 logprobs=None, top_k=None, ignore_eos=None, min_tokens=None)
+    plain = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, temperature=1.0, seed=7)).json()
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, seed=7) | nulls)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == plain["choices"][0]["message"]
+    r = completion(client, prompt="abc", max_tokens=3, echo=None, temperature=None)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_tiny_temperature_is_raised_to_the_smallest_one_that_works(client):
+    """Below float32's range, logits / temperature overflowed: NaN, then token 0 ("!") every step."""
+    tiny = completion(client, prompt="abc", max_tokens=8, temperature=1e-38, seed=1).json()["choices"][0]
+    assert tiny["text"] == completion(client, prompt="abc", max_tokens=8, temperature=0.01, seed=1).json()[
+        "choices"][0]["text"] != "!" * 8
+
+
+def test_a_body_sent_as_another_content_type_is_told_to_send_json(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "x"}', headers={"Content-Type": "text/plain"})
+    assert r.status_code == 400 and "content-type: application/json" in r.json()["error"]["message"]
 
 
 def test_completion_stream_sse(client):
@@ -234,6 +284,9 @@ def test_api_key(engine):
                 r = c.post("/v1/completions", json=body, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert c.get("/v1/models").status_code == 401
+            # refused before the body is read: a malformed one tells a caller without the key nothing
+            r = c.post("/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
             assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
     finally:
@@ -287,6 +340,17 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "stream_options without stream": ("/v1/completions", {"model": "tiny", "prompt": "x",
                                                           "stream_options": {"include_usage": True}}, "stream_options"),
     "json mode": ("/v1/chat/completions", chat_body(response_format={"type": "json_object"}), "response_format"),
+    "legacy functions": ("/v1/chat/completions", chat_body(functions=[{"name": "f"}]), "functions"),
+    "tool_choice required": ("/v1/chat/completions", chat_body(tool_choice="required"), "tool_choice"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", chat_body(top_logprobs=3), "top_logprobs"),
+    "an image part": ("/v1/chat/completions", chat_body(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
+                      "messages.1.content"),
+    "continue a user message": ("/v1/chat/completions", chat_body(continue_final_message=True,
+                                                                  add_generation_prompt=False),
+                                "continue_final_message"),
+    "continue and open a turn": ("/v1/chat/completions", chat_body(continue_final_message=True),
+                                 "continue_final_message"),
+    "top_p NaN": ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": NaN}', "top_p"),
 }
 
 
