@@ -72,6 +72,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None  # legacy function calling, which `tools` replaced
+    function_call: str | dict | None = None
     response_format: dict | None = None
     best_of: int | None = None
     # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
@@ -89,11 +92,6 @@ class SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-    # legacy function calling, which `tools` replaced: refused as `tools` is
-    functions: list | None = None
-    function_call: str | dict | None = None
-    tool_choice: str | dict | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
