@@ -33,7 +33,8 @@ _MAJOR, _MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_DIR = "weights"
 # sibling dirs a writer uses while building or replacing; never an artifact
-UNFINISHED_RE = re.compile(r"\..+\.(partial|trash)-\d+")
+# what artifact_writer names a write in progress: .NAME.partial-HOST-PID-RANDOM (.NAME.partial-PID before)
+UNFINISHED_RE = re.compile(r"\..+\.(partial|trash)-(?:[0-9a-f]{8}-)?\d+(?:-[A-Za-z0-9_]+)?")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DEVICES = ("cpu", "cuda")
 
@@ -244,7 +245,7 @@ def verify_artifact(path, check_target: bool = True) -> list[str]:
 
 
 def check_finished_name(root: Path) -> None:
-    """A writer's `.NAME.partial-PID` / `.NAME.trash-PID` directory is never an artifact, even
+    """A writer's `.NAME.partial-*` / `.NAME.trash-*` directory is never an artifact, even
     with a manifest in it (a build killed between writing it and the rename)."""
     if UNFINISHED_RE.fullmatch(root.name):
         raise ArtifactError(f"{root}: leftover of an unfinished build, not an artifact; rerun qkiln build")

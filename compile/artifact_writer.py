@@ -4,9 +4,14 @@ Owns `write_artifact`, `write_archive` and `extract_archive`. The format itself 
 read) is `artifact.py`; this module only produces what that one accepts.
 
 Invariants:
-- Atomic: everything goes into a sibling `.{name}.partial-{pid}` directory, manifest.json last,
-  fsynced, then renamed to its name. A build killed at any point leaves only a partial dir that
-  `verify_artifact` refuses; the next write to the same name deletes partials of dead processes.
+- Atomic: everything goes into a sibling `.{name}.partial-{host}-{pid}-{random}` directory,
+  manifest.json last, fsynced, then renamed to its name. A build killed at any point leaves only a
+  partial dir that `verify_artifact` refuses; the next write to the same name deletes partials of
+  dead processes on this host. The host hash and the random part keep builds in other PID
+  namespaces (containers sharing a volume) or on other hosts (NFS) from taking or deleting each
+  other's partials: a pid alone collided (each container's build is pid 1).
+- `--force` replaces only what qkiln wrote: an earlier output whose own record (the manifest's file
+  list) covers every file in the folder; a file added beside it is never deleted.
 - Reproducible: same inputs give byte-identical files. Tensors are sorted by name, made
   contiguous and written with fixed safetensors metadata; JSON has sorted keys; archives have
   sorted entries and a fixed mtime/uid/gid/mode (and a gzip header without name or time).
@@ -14,11 +19,14 @@ Invariants:
 """
 
 import gzip
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tarfile
+import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path, PurePosixPath
@@ -48,34 +56,52 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
     blobs = _collect_blobs(tokenizer_files, reports, engines or {})
     tmp = fresh_partial_dir(out)
     try:
-        write_weights(tmp / WEIGHTS_DIR, tensors, shard_bytes)
-        for rel, data in sorted(blobs.items()):
-            _write_file(tmp / rel, data)
-        files = {rel: {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
-                 for rel in sorted(list_artifact_files(tmp))}  # hashed from disk: what verify will see
-        _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
-        _fsync_dirs(tmp)
+        with writing(out):
+            write_weights(tmp / WEIGHTS_DIR, tensors, shard_bytes)
+            for rel, data in sorted(blobs.items()):
+                _write_file(tmp / rel, data)
+            files = {rel: {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
+                     for rel in sorted(list_artifact_files(tmp))}  # hashed from disk: what verify will see
+            _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
+            _fsync_dirs(tmp)
         if check is not None:
             check(tmp)
-        _move_into_place(tmp, out, overwrite)
+        with writing(out):
+            move_into_place(tmp, out, lambda: check_destination(out, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it
         raise
     return out
 
 
+@contextmanager
+def writing(out: Path):
+    """An OSError while writing `out` (a full disk, a quota, a vanished mount) as an ArtifactError
+    naming the output; safetensors reports its own write errors as SafetensorError."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+        raise ArtifactError(f"{out}: writing failed ({reason}); nothing was written there: free space or "
+                            "choose another output path") from None
+
+
 def check_destination(out: Path, overwrite: bool) -> None:
     """Raise ArtifactError unless `out` may be written (absent, or a qkiln artifact and `overwrite`).
     build() calls it before any work too, so a taken path fails in a second, not after calibration."""
-    check_replaceable(out, overwrite, "a qkiln artifact", _is_artifact_dir)
+    check_replaceable(out, overwrite, "a qkiln artifact", _artifact_files)
 
 
-def check_replaceable(out: Path, overwrite: bool, kind: str, is_kind) -> None:
+def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> None:
     """Raise ArtifactError unless `out` may be written: absent, or with `overwrite` an empty
-    directory or one `is_kind(out)` recognizes as an earlier output of this kind. --force replaces
-    what qkiln wrote, never a folder that merely has a file of the same name (a web project's
-    manifest.json, a Hugging Face checkpoint's config.json). The parent must be writable: found
-    out now, not after minutes of calibration."""
+    directory or an earlier output of this kind holding nothing else. `files_written(out)` is the
+    set of files (posix relpaths) such an output records writing, or None when `out` is not one.
+    --force replaces what qkiln wrote: never a folder that merely has a file of the same name (a
+    web project's manifest.json, a Hugging Face checkpoint's config.json), nor an output a user
+    added files to (deploy notes, a .git). The parent must be writable: found out now, not after
+    minutes of calibration."""
     inside = next((p for p in out.parents if _is_artifact_dir(p)), None)
     if inside is not None:  # its verify would then fail on files the manifest does not list
         raise ArtifactError(f"{out}: is inside the artifact {inside}; choose an output path outside it")
@@ -83,10 +109,25 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, is_kind) -> None:
         if not out.is_dir() or out.is_symlink():
             raise ArtifactError(f"{out}: exists and is not a directory; choose another output path")
         if not overwrite:
-            raise ArtifactError(f"{out}: already exists; pass --force (overwrite=True) to replace {kind}")
-        if any(out.iterdir()) and not is_kind(out):
-            raise ArtifactError(f"{out}: exists and is not {kind}, refusing to replace it; choose another output path")
+            raise ArtifactError(f"{out}: already exists; pass --force to replace {kind}")
+        present = _files_under(out)
+        if present:
+            written = files_written(out)
+            if written is None:
+                raise ArtifactError(f"{out}: exists and is not {kind}, refusing to replace it; choose another "
+                                    "output path")
+            extra = sorted(present - written)
+            if extra:
+                raise ArtifactError(f"{out}: holds files qkiln did not write ({', '.join(extra[:3])}"
+                                    f"{', ...' if len(extra) > 3 else ''}); --force replaces only what qkiln "
+                                    "wrote: move them out or choose another output path")
     check_writable_dir(out.parent)
+
+
+def _files_under(root: Path) -> set[str]:
+    """Every file (and link) below `root` as a posix relpath; directories alone do not count."""
+    return {(Path(d) / n).relative_to(root).as_posix() for d, dirs, files in os.walk(root)
+            for n in files + [x for x in dirs if (Path(d) / x).is_symlink()]}
 
 
 def check_writable_dir(directory: Path) -> None:
@@ -105,6 +146,14 @@ def _is_artifact_dir(path: Path) -> bool:
     return read_json_field(path / MANIFEST_NAME, "format_version") is not None
 
 
+def _artifact_files(path: Path) -> set[str] | None:
+    """The files an artifact's manifest lists (and the manifest), or None when it has no readable one."""
+    files = read_json_field(path / MANIFEST_NAME, "files")
+    if not _is_artifact_dir(path) or not isinstance(files, dict):
+        return None
+    return set(files) | {MANIFEST_NAME}
+
+
 def read_json_field(path: Path, key: str):
     """`key` of the JSON object in `path`, or None when the file is absent, not JSON or lacks it."""
     try:
@@ -114,43 +163,55 @@ def read_json_field(path: Path, key: str):
     return value.get(key) if isinstance(value, dict) else None
 
 
+# this host, in the names of partial outputs: a pid says whether a writer is alive only on its host
+HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _unfinished_prefix(out: Path, kind: str) -> str:
+    return f".{out.name}.{kind}-{HOST_TAG}-{os.getpid()}-"
+
+
 def fresh_partial_dir(out: Path) -> Path:
-    """An empty `.NAME.partial-PID` sibling of `out` to build in, after clearing dead builds' leftovers."""
+    """A new empty `.NAME.partial-HOST-PID-RANDOM` sibling of `out` to build in, after clearing dead
+    builds' leftovers."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=_unfinished_prefix(out, "partial"), dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
     return tmp
 
 
 @contextmanager
-def staged_directory(out: Path):
+def staged_directory(out: Path, recheck):
     """Yield an empty partial sibling of `out` to write into. When the block ends without error it
-    takes `out`'s name, replacing what was there (the caller has agreed to replace it); when the
-    block raises, it is removed. Exports use it; artifacts go through write_artifact."""
+    takes `out`'s name, after `recheck()` (which raises) has agreed again to replace what is there
+    now (something may have appeared while writing); when the block raises, it is removed. Exports
+    use it; artifacts go through write_artifact."""
     tmp = fresh_partial_dir(out)
     try:
-        yield tmp
-        for f in tmp.rglob("*"):  # some writers create files owner-only; an export is meant to be shared
-            if f.is_file():
-                f.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        with writing(out):
+            yield tmp
+            for f in tmp.rglob("*"):  # some writers create files owner-only; an export is meant to be shared
+                if f.is_file():
+                    f.chmod(0o644)
+            move_into_place(tmp, out, recheck)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+_UNFINISHED = r"(partial|trash)-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?"
+
+
 def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete `.{name}.partial-PID` / `.{name}.trash-PID` siblings (directories, or an archive's
-    files) whose process is gone."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.(partial|trash)-(\d+)")
+    """Delete `.{name}.partial-*` / `.{name}.trash-*` siblings (directories, or an archive's files)
+    written on this host by a process that is gone (the untagged names earlier versions wrote
+    count as this host's)."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{_UNFINISHED}")
     removed = []
     for p in sorted(out.parent.iterdir()):
         m = pattern.fullmatch(p.name)
-        if m and not p.is_symlink() and (int(m[2]) == os.getpid() or not _pid_alive(int(m[2]))):
+        if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not _pid_alive(int(m["pid"])):
             shutil.rmtree(p) if p.is_dir() else p.unlink()  # artifacts are directories, archives files
             removed.append(p)
     return removed
@@ -260,13 +321,15 @@ def _fsync_dirs(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+def move_into_place(tmp: Path, out: Path, recheck) -> None:
     """rename(2) is atomic; replacing takes two renames (old away, new in), then the old is deleted.
-    A kill between the two leaves no artifact under the name and the rerun cleans both siblings."""
+    A kill between the two leaves no artifact under the name and the rerun cleans both siblings.
+    `recheck()` raises unless what is at `out` now may be replaced (it may have appeared, or been
+    added to, while we were building)."""
     if out.exists() or out.is_symlink():
-        check_destination(out, overwrite)  # again: it may have appeared while we were building
-        trash = out.parent / f".{out.name}.trash-{os.getpid()}"
-        os.rename(out, trash)
+        recheck()
+        trash = Path(tempfile.mkdtemp(prefix=_unfinished_prefix(out, "trash"), dir=out.parent))
+        os.rename(out, trash / "old")
         os.rename(tmp, out)
         _fsync_dir(out.parent)
         shutil.rmtree(trash)
@@ -313,7 +376,9 @@ def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
         mtime = int(epoch)
     archive.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(archive)  # what killed writes of this archive left
-    tmp = archive.parent / f".{archive.name}.partial-{os.getpid()}"
+    fd, name = tempfile.mkstemp(prefix=_unfinished_prefix(archive, "partial"), dir=archive.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         with open(tmp, "wb") as raw:
             # gzip header: no file name, fixed mtime, fixed level -> same bytes for the same tar
@@ -331,7 +396,12 @@ def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
                 stream.close()
             raw.flush()
             os.fsync(raw.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, archive)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ArtifactError(f"{archive}: writing the archive failed ({e.strerror or e}); free space or choose "
+                            "another path") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -358,7 +428,7 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
             raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '').replace(str(tmp), 'its contents')}") \
                 from None
         _fsync_dirs(tmp)
-        _move_into_place(tmp, out, overwrite)
+        move_into_place(tmp, out, lambda: check_destination(out, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -77,26 +77,39 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     """
     _require_compressed_tensors()
     out = Path(out_dir).absolute()
-    check_replaceable(out, overwrite, "a checkpoint qkiln exported",
-                      lambda d: read_json_field(d / EXPORT_NOTE, "producer") == "qkiln")
+    recheck = lambda: check_replaceable(out, overwrite, "a checkpoint qkiln exported", _export_files)  # noqa: E731
+    recheck()
     qm, stored = _load(artifact)
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
     # as the artifact stores them (bf16, norms fp32); a dequantized head as computed
     tensors.update({k: stored.get(k, qm.fp_tensors[k]) for k in qm.fp_tensors})
-    with staged_directory(out) as tmp:
+    with staged_directory(out, recheck) as tmp:
         config = qm.config
         if config.tie_word_embeddings and "lm_head.weight" in qm.fp_tensors:
             # the head was quantized as its own copy: an untied checkpoint carries it
             config = dataclasses.replace(config, tie_word_embeddings=False)
         _write_checkpoint(tmp, config, tensors, quant_config, Path(artifact) / "tokenizer")
         manifest = read_manifest(artifact)  # provenance, and what lets --force know its own export
+        files = sorted(p.name for p in tmp.iterdir()) + [EXPORT_NOTE]  # what --force may replace later
         (tmp / EXPORT_NOTE).write_text(json.dumps({"producer": "qkiln", "artifact": manifest.name,
                                                    "recipe": manifest.recipe.get("name"),
-                                                   "source_sha256": manifest.source.get("sha256")},
+                                                   "source_sha256": manifest.source.get("sha256"), "files": files},
                                                   indent=2, sort_keys=True) + "\n")
         if verify:
             check_export(artifact, tmp, qm)
     return ExportResult(out, len(qm.weights), *info)
+
+
+# what an export's note without a file list (qkiln before it kept one) stands for
+_EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", EXPORT_NOTE}
+
+
+def _export_files(directory: Path) -> set[str] | None:
+    """The files an export qkiln wrote lists in its note, or None when `directory` is not one."""
+    if read_json_field(directory / EXPORT_NOTE, "producer") != "qkiln":
+        return None
+    files = read_json_field(directory / EXPORT_NOTE, "files")
+    return set(files) if isinstance(files, list) else _EXPORT_FILES
 
 
 def load_artifact_quantized(artifact) -> QuantizedModel:

@@ -16,7 +16,7 @@ from qkiln.plugins import onnx_nodes
 from .artifact import Manifest, load_tensors, read_manifest, verify_artifact
 from .artifact_writer import check_replaceable, read_json_field, staged_directory
 from .onnx_check import OnnxCheck, check_fits_in_memory, require_engine_matches
-from .onnx_graph import CONTRACT_FILE, build_onnx_engine, write_onnx_engine
+from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
 INSTALL_HINT = "pip install 'qkiln[onnx]' (or: pip install onnx==1.23.2)"
 ENGINE_DIR = "onnx"  # under the artifact's engines/
@@ -43,16 +43,23 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     A check that would not fit in memory is skipped and said so (`log`); verify=False skips it."""
     require_onnx()
     out = Path(out_dir).absolute()
-    check_replaceable(out, overwrite, "an ONNX engine qkiln exported",
-                      lambda d: read_json_field(d / CONTRACT_FILE, "plugin_domain") == onnx_nodes.DOMAIN)
+    check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)
     verify_artifact(artifact, check_target=False)  # an engine may be built anywhere
     manifest = read_manifest(artifact)
     verify = verify and _check_fits(manifest, log)
     engine = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
-    with staged_directory(out) as tmp:
+    recheck = lambda: check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)  # noqa: E731
+    with staged_directory(out, recheck) as tmp:
         size = sum(f.stat().st_size for f in write_onnx_engine(engine, tmp))
         check = require_engine_matches(Path(artifact), tmp) if verify else None
     return OnnxExportResult(out, len(engine.model.graph.node), size, check)
+
+
+def _engine_files(directory: Path) -> set[str] | None:
+    """What an ONNX engine qkiln exported holds, or None when `directory` is not one."""
+    if read_json_field(directory / CONTRACT_FILE, "plugin_domain") != onnx_nodes.DOMAIN:
+        return None
+    return {MODEL_FILE, DATA_FILE, CONTRACT_FILE}
 
 
 def onnx_engine_files(manifest: Manifest, tensors: dict) -> dict[str, bytes]:

@@ -5,6 +5,7 @@ exit code; anything else is a bug and keeps its traceback.
 """
 
 import json
+import signal
 import sys
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -120,7 +121,10 @@ def build_cmd(
             check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))
         if archive:
-            write_archive(result.path, archive)
+            try:
+                write_archive(result.path, archive)
+            except QkilnError as e:  # a retry must know the artifact is there (and pass --force)
+                raise type(e)(f"the artifact {result.path} was written, its archive was not: {e}") from None
     except QkilnError as e:
         _fail(e)
     acc = result.manifest.accuracy
@@ -204,7 +208,14 @@ app.command("inspect")(inspect_cmd)
 
 
 def main():
+    # SIGTERM (CI cancelling a job, docker stop) ends a command as Ctrl-C does: a build's partial
+    # output is removed on the way out (the default handler killed it and left hundreds of MB)
+    signal.signal(signal.SIGTERM, _terminated)
     app()
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 app.add_typer(bench_app, name="bench")
@@ -251,7 +262,7 @@ def import_cmd(
     checkpoint: Annotated[Path, typer.Argument(help="quantized HF directory: compressed-tensors, GPTQ or AWQ")],
     out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
     target: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
-    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (and --archive file)")] = False,
+    force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (what qkiln wrote, nothing else)")] = False,
 ):
     """Convert a quantized checkpoint into a verified artifact (weights kept bit for bit)."""
     from qkiln.compile.import_checkpoint import import_checkpoint

@@ -205,8 +205,8 @@ def test_failure_mid_write_leaves_nothing_and_rerun_succeeds(tmp_path, monkeypat
         real_write_shard(path, tensors)
 
     monkeypatch.setattr(artifact_writer, "write_shard", write_then_fail)
-    with pytest.raises(OSError, match="No space"):
-        build(tmp_path / "a")
+    with pytest.raises(ArtifactError, match="writing failed \\(No space left on device\\); nothing was written"):
+        build(tmp_path / "a")  # the CLI's `error:` line, exit 2 (was an OSError traceback)
     assert not (tmp_path / "a").exists() and siblings(tmp_path / "a") == []
     monkeypatch.setattr(artifact_writer, "write_shard", real_write_shard)
     verify_artifact(build(tmp_path / "a"))
@@ -216,19 +216,29 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
     from test_artifact import build
+    from qkiln import cli
     from qkiln.compile import artifact_writer
+    signal.signal(signal.SIGTERM, cli._terminated)  # as `qkiln` installs it
     real = artifact_writer.write_shard
     def write_then_die(path, tensors):
         real(path, tensors)
-        os.kill(os.getpid(), signal.SIGKILL)  # killed after the first shard hit the disk
+        os.kill(os.getpid(), signal.{signal})  # after the first shard hit the disk
     artifact_writer.write_shard = write_then_die
     build({out!r})
 """)
 
 
+def test_sigterm_mid_write_leaves_nothing(tmp_path):
+    """CI cancelling a job and docker stop send SIGTERM: the partial output was left behind."""
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "a"), signal="SIGTERM")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_killed_build_leaves_only_a_partial_that_verify_refuses(tmp_path):
     out = tmp_path / "a"
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out), signal="SIGKILL")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     assert not out.exists()
@@ -259,10 +269,55 @@ def test_overwrite_semantics(tmp_path):
     with pytest.raises(ArtifactError, match="inside the artifact"):
         build(out / "weights" / "nested")
     verify_artifact(out)
-    (precious / "manifest.json").write_text('{"name": "a web app"}')  # a manifest.json, but not ours
-    with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
-        build(precious, overwrite=True)
-    assert (precious / "notes.txt").read_text() == "keep me"
+    for foreign in ('{"name": "a web app"}', '{"format_version": "1.0", "terraform_version": "1.5.0"}'):
+        (precious / "manifest.json").write_text(foreign)  # a manifest.json, but not ours
+        with pytest.raises(ArtifactError, match="not a qkiln artifact, refusing"):
+            build(precious, overwrite=True)
+        assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_force_never_deletes_files_added_to_an_artifact(tmp_path):
+    """--force replaces what qkiln wrote; deploy notes or a .git put beside it were deleted."""
+    out = build(tmp_path / "a")
+    (out / "DEPLOY_NOTES.md").write_text("keep me")
+    (out / ".git").mkdir()
+    (out / ".git" / "HEAD").write_text("ref: main")
+    with pytest.raises(ArtifactError, match=r"holds files qkiln did not write \(.git/HEAD, DEPLOY_NOTES.md\)"):
+        build(out, tensors=make_tensors(seed=1), overwrite=True)
+    assert (out / "DEPLOY_NOTES.md").read_text() == "keep me" and (out / ".git" / "HEAD").is_file()
+    (out / "DEPLOY_NOTES.md").unlink()
+    shutil.rmtree(out / ".git")
+    build(out, tensors=make_tensors(seed=1), overwrite=True)  # only qkiln's files: replaced
+
+
+def test_writes_in_other_pid_namespaces_keep_their_partials(tmp_path):
+    """Each container's build is pid 1: a partial named by pid alone was taken for this process's
+    own (or, across hosts, for a dead one's) and deleted while the other build wrote it."""
+    from qkiln.compile.artifact_writer import HOST_TAG
+
+    live_elsewhere = tmp_path / f".a.partial-0badc0de-{os.getpid()}-x1"  # another host: its pid means nothing here
+    same_pid_here = tmp_path / f".a.partial-{HOST_TAG}-{os.getpid()}-x2"  # this pid is alive: never ours to delete
+    dead_here = tmp_path / f".a.partial-{HOST_TAG}-999999999-x3"
+    legacy_dead = tmp_path / ".a.trash-999999999"
+    for d in (live_elsewhere, same_pid_here, dead_here, legacy_dead):
+        d.mkdir()
+    verify_artifact(build(tmp_path / "a"))
+    assert siblings(tmp_path / "a") == sorted([live_elsewhere.name, same_pid_here.name])
+    for d in (live_elsewhere, same_pid_here):
+        with pytest.raises(ArtifactError, match="unfinished build"):
+            verify_artifact(d)
+
+
+def test_an_output_that_appears_while_writing_is_not_replaced(tmp_path):
+    from qkiln.compile.artifact_writer import check_replaceable, staged_directory
+
+    out = tmp_path / "export"
+    with pytest.raises(ArtifactError, match="already exists"):
+        with staged_directory(out, lambda: check_replaceable(out, False, "an export", lambda d: None)) as tmp:
+            (tmp / "model.onnx").write_bytes(b"new")
+            out.mkdir()  # another program, meanwhile
+            (out / "mine.txt").write_text("user data")
+    assert (out / "mine.txt").read_text() == "user data" and siblings(out) == []
 
 
 def test_unwritable_destinations_fail_before_any_work(tmp_path):

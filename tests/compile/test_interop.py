@@ -510,6 +510,10 @@ def test_cli_export_and_import(tiny, tmp_path):
     again = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
     assert again.exit_code == 2 and again.stderr.startswith("error:") and "already exists" in again.stderr
     assert run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force").exit_code == 0
+    (tmp_path / "ct" / "README.md").write_text("model card")  # as a Hub upload adds: --force keeps it
+    kept = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force")
+    assert kept.exit_code == 2 and "holds files qkiln did not write (README.md)" in kept.stderr
+    (tmp_path / "ct" / "README.md").unlink()
     theirs = tmp_path / "hf"  # someone's Hugging Face checkpoint: --force must not delete it
     theirs.mkdir()
     (theirs / "config.json").write_text("{}")
