@@ -12,6 +12,7 @@
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,11 +180,15 @@ def _reference_report(source, ev, reference, progress) -> dict:
     data_sha = file_sha256([Path(ev.data)])
     key = hashlib.sha256(json.dumps([REFERENCE_FORMAT, source.sha256, data_sha, ev.seq_len, ev.max_tokens]).encode()).hexdigest()
     path = default_cache_dir().parent / "reference" / f"{key}.json"
-    if path.is_file():
+    try:
         return json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, or cut short by a kill or a full disk: computed again
+        pass
     report = evaluate(reference, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, path)  # whole or not at all
     return report
 
 

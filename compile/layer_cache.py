@@ -7,22 +7,26 @@ layer i depend on layers < i, and those are fixed by the same inputs, so the key
 for the thread count (results can differ across thread counts in the last bits, so a layer cached
 on one machine may differ from one computed on another: both are valid quantizations). The KV
 scheme, target and evaluation are *not* in the key: changing them reuses every layer.
-Entries are safetensors files written atomically (temp file + rename); a corrupt entry is a
-miss, never an error. The folder is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least
-recently used entries go.
+Entries are safetensors files written atomically (temp file, fsync, rename) with the sha256 of
+their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write, an edit in
+a shared cache) is a miss and is deleted, never an error and never data in an artifact. The folder
+is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least recently used entries go, and temp
+files a killed build left go after a day.
 """
 
 import functools
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: entries carry their payload's sha256
 DEFAULT_MAX_GB = 8.0
+STALE_TMP_SECONDS = 24 * 3600
 
 
 def default_cache_dir() -> Path:
@@ -47,6 +51,16 @@ def layer_key(source_sha256: str, scheme_dict: dict, token_sha256: str | None, l
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def payload_sha256(tensors: dict[str, torch.Tensor], report_json: str) -> str:
+    """sha256 over the report and every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256(report_json.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
 class LayerCache:
     def __init__(self, directory: Path | None, max_bytes: int | None = None):
         self.directory = directory
@@ -63,8 +77,12 @@ class LayerCache:
             from safetensors import safe_open
 
             with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["report"])
+                metadata = f.metadata()
             tensors = load_file(str(path))
+            if payload_sha256(tensors, metadata["report"]) != metadata["sha256"]:
+                path.unlink(missing_ok=True)  # damaged: recomputed and stored again
+                raise ValueError("payload does not match its sha256")
+            meta = json.loads(metadata["report"])
             os.utime(path)  # recently used: evicted last
         except Exception:  # missing or corrupt: recompute
             self.num_misses += 1
@@ -77,8 +95,11 @@ class LayerCache:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / f".{key}.{os.getpid()}.tmp"
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"report": json.dumps(report, sort_keys=True)})
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        report_json = json.dumps(report, sort_keys=True)
+        save_file(tensors, str(tmp), metadata={"report": report_json, "sha256": payload_sha256(tensors, report_json)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, self.directory / f"{key}.safetensors")
         self._evict(keep=key)
 
@@ -91,6 +112,12 @@ class LayerCache:
             except FileNotFoundError:  # another build evicted it meanwhile
                 continue
             entries.append((stat.st_mtime, stat.st_size, path))
+        for path in self.directory.glob(".*.tmp"):  # a killed build's; a live one's is seconds old
+            try:
+                if time.time() - path.stat().st_mtime > STALE_TMP_SECONDS:
+                    path.unlink()
+            except FileNotFoundError:
+                continue
         total = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):
             if total <= self.max_bytes:

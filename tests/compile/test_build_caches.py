@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qkiln.compile import calibrate
+from qkiln.compile.artifact import read_manifest
 from qkiln.compile.build import build
 from qkiln.compile.evaluate import evaluate
 from qkiln.compile.layer_cache import LayerCache
@@ -89,6 +90,34 @@ def test_the_cache_evicts_the_least_recently_used_entries(tmp_path):
     assert cache.get("a") is not None  # used: now the newest
     cache.put("d", entry, {})
     assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["a", "c", "d"]
+
+
+def test_a_damaged_cache_entry_is_a_miss_not_an_artifact_s_weights(tmp_path, monkeypatch):
+    """A flipped low bit passed as valid codes into a verified artifact; a high one crashed the build."""
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    recipe = _recipe("w4a16-rtn", calib, calib)
+    clean = _build(model, recipe, tmp_path / "a")
+    entries = sorted((tmp_path / "cache" / "layers").glob("*.safetensors"))
+    for path, flip in zip(entries, (0x01, 0x10)):
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= flip
+        path.write_bytes(bytes(raw))
+    rebuilt = _build(model, recipe, tmp_path / "b")
+    assert rebuilt.num_cached_layers == clean.num_layers - 2
+    weights = lambda r: {k: v for k, v in read_manifest(r.path).files.items() if k.startswith("weights/")}  # noqa: E731
+    assert weights(rebuilt) == weights(clean) != {}
+    assert _build(model, recipe, tmp_path / "c").num_cached_layers == clean.num_layers  # stored again
+
+
+def test_a_cut_short_reference_report_is_computed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    recipe = _recipe("w4a16-rtn", calib, calib)
+    first = _build(model, recipe, tmp_path / "a").manifest.accuracy
+    (cached,) = (tmp_path / "cache" / "reference").glob("*.json")
+    cached.write_text(cached.read_text()[:10])  # what a kill during the write left (a JSONDecodeError after calibration)
+    assert _build(model, recipe, tmp_path / "b").manifest.accuracy == first
 
 
 def test_fp8_weights_without_activations_are_refused_up_front():
