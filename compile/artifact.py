@@ -176,8 +176,12 @@ def read_manifest(path) -> Manifest:
     """The manifest of the artifact at `path`, validated; no weights are read."""
     root = Path(path)
     mpath = root / MANIFEST_NAME
+    if not root.exists():
+        raise ArtifactError(f"{root}: no such file or directory; pass the directory that qkiln build wrote "
+                            "(or its archive: .tar, .tar.gz, .tgz)")
     if not root.is_dir():
-        raise ArtifactError(f"{root}: not a directory; pass the directory that qkiln build wrote")
+        raise ArtifactError(f"{root}: not a directory; pass the directory that qkiln build wrote, or its archive "
+                            "named .tar, .tar.gz or .tgz")
     if not mpath.is_file():
         raise ArtifactError(f"{root}: not a finished artifact (no {MANIFEST_NAME}); "
                             "the build did not complete or this is the wrong directory, rerun qkiln build")
@@ -293,7 +297,11 @@ class TensorInfo:
 
 def _read_safetensors_header(path: Path) -> dict:
     """The JSON header (u64 little-endian length, then JSON) without reading tensor bytes."""
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:  # a listed shard missing or renamed: what verify says, not a traceback
+        raise ArtifactError(f"{path}: cannot read it ({e.strerror}); `qkiln verify` checks every file") from None
+    with f:
         raw = f.read(8)
         (length,) = struct.unpack("<Q", raw) if len(raw) == 8 else (-1,)
         if not 0 < length <= 100 << 20 or length + 8 > path.stat().st_size:

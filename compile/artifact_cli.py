@@ -85,7 +85,7 @@ def inspect_cmd(
             summary = summarize_artifact(Path(artifact))
     except QkilnError as e:
         _fail(e)
-    if as_json:
+    if as_json:  # whole: a registry keys on digest / files and reads the recipe as written
         print(json.dumps(summary, indent=2, sort_keys=True))
         return
     for line in _format_summary(summary):
@@ -129,9 +129,9 @@ def summarize_artifact(path) -> dict:
         "name": m.name,
         "format_version": m.format_version,
         "target": m.target,
-        "recipe": _short(m.recipe),
+        "recipe": m.recipe,
         "quantization": {"num_entries": len(linears), "schemes": dict(sorted(schemes.items()))},
-        "kv_cache": _short(m.kv_cache),
+        "kv_cache": m.kv_cache,
         "sizes": {
             "weights_bytes": weights_bytes,
             "num_shards": len(weight_shards(m)),
@@ -148,6 +148,8 @@ def summarize_artifact(path) -> dict:
         "source": m.source,
         "toolchain": m.toolchain,
         "created": m.created,
+        "digest": m.digest,  # sha256 of the manifest, which holds every file's sha256
+        "files": m.files,
     }
 
 
@@ -168,9 +170,9 @@ def _format_summary(s: dict) -> list[str]:
     lines = [
         f"name:         {s['name']} (format {s['format_version']})",
         f"target:       {json.dumps(s['target'], sort_keys=True)}",
-        f"recipe:       {json.dumps(s['recipe'], sort_keys=True)}",
+        f"recipe:       {json.dumps(_short(s['recipe']), sort_keys=True)}",
         f"quantization: {s['quantization']['num_entries']} linears {json.dumps(s['quantization']['schemes'])}",
-        f"kv cache:     {json.dumps(s['kv_cache'], sort_keys=True)}",
+        f"kv cache:     {json.dumps(_short(s['kv_cache']), sort_keys=True)}",
         f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
         f"{sizes['num_tensors']} tensors ({dtypes})",
         f"compression:  {ratio}",
@@ -179,5 +181,6 @@ def _format_summary(s: dict) -> list[str]:
         f"calibration:  {json.dumps(s['calibration'], sort_keys=True)}",
         f"source:       {json.dumps(s['source'], sort_keys=True)}",
         f"toolchain:    {json.dumps(s['toolchain'], sort_keys=True)}",
+        f"digest:       {s['digest']} ({len(s['files'])} files)",
     ]
     return lines

@@ -420,6 +420,10 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
     try:
         _extract_members(archive, tmp)
         if not (tmp / MANIFEST_NAME).is_file():
+            top = list(tmp.iterdir())
+            if len(top) == 1 and (top[0] / MANIFEST_NAME).is_file():  # `tar -cf x.tar a1` packs the folder too
+                raise ArtifactError(f"{archive}: the artifact is inside a folder {top[0].name}/; pack its contents "
+                                    f"(tar -C {top[0].name} -cf {archive.name} .) or use `qkiln build --archive`")
             raise ArtifactError(f"{archive}: no {MANIFEST_NAME} at its top level: not a qkiln artifact archive "
                                 "(`qkiln build --archive` writes one)")
         try:

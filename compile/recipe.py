@@ -86,7 +86,8 @@ class CalibrationSpec:
     def __post_init__(self):
         _check_types("calibration", self, {"source": str, "num_samples": int, "seq_len": int, "seed": int})
         if self.num_samples < 1 or self.seq_len < 2:
-            raise RecipeError(f"calibration needs num_samples >= 1 and seq_len >= 2, got {self}")
+            raise RecipeError(f"calibration needs num_samples >= 1 and seq_len >= 2 (--num-samples, the recipe's "
+                              f"calibration.seq_len), got num_samples {self.num_samples}, seq_len {self.seq_len}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,8 @@ class EvalSpec:
     def __post_init__(self):
         _check_types("evaluation", self, {"data": (str, type(None)), "seq_len": int, "max_tokens": int})
         if self.seq_len < 2 or self.max_tokens < 2:
-            raise RecipeError(f"evaluation needs seq_len >= 2 and max_tokens >= 2, got {self}")
+            raise RecipeError(f"evaluation needs seq_len >= 2 and max_tokens >= 2 (--eval-tokens, the recipe's "
+                              f"evaluation.seq_len), got seq_len {self.seq_len}, max_tokens {self.max_tokens}")
 
 
 def _check_types(section: str, spec, types: dict) -> None:

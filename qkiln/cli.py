@@ -112,11 +112,12 @@ def build_cmd(
         r = load_recipe(recipe)
         cal = {k: v for k, v in (("source", calib), ("num_samples", num_samples)) if v is not None}
         ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens)) if v is not None}
+        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        if cal and not r.needs_calibration:  # nor recorded: the manifest (its digest) stays what the build used
+            log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
+            cal = {}
         r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, **cal),
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
-        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-        if cal and not r.needs_calibration:
-            log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
         if archive:
             check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))

@@ -113,7 +113,10 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
-    return ServingModel(manifest.name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
+    # served as its folder's name (an archive's, unpacked), which a registry may have renamed; the
+    # manifest's name is the one it was built under
+    name = Path(path).resolve().name or manifest.name
+    return ServingModel(name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
                         kv_group_size=kv.get("group_size", 32) if kv else 32, kv_scales=kv_scales,
                         manifest=manifest)
 

@@ -107,6 +107,9 @@ def load_source(name: str | Path) -> SourceModel:
 def _load_hf_dir(path: Path) -> SourceModel:
     config_path = path / "config.json"
     if not config_path.is_file():
+        if (path / MANIFEST_NAME).is_file():
+            raise SourceModelError(f"{path} is a qkiln artifact, already quantized: build from the model it was "
+                                   "built from, or serve / generate / eval the artifact itself")
         if (path / WEIGHTS_DIR).is_dir():  # an artifact's layout without its manifest, which is written last
             raise ArtifactError(f"{path} looks like a qkiln artifact but has no {MANIFEST_NAME}: it is incomplete "
                                 "or damaged; rebuild it (qkiln build) or fetch it again")

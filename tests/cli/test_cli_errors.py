@@ -108,3 +108,23 @@ def test_artifact_without_manifest_is_named_as_such(tmp_path):
     (tmp_path / "a/weights").mkdir(parents=True)
     (tmp_path / "a/weights/model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
     assert_one_line_error(run_cli("generate", str(tmp_path / "a"), "--prompt", "hi"), "no manifest.json", "rebuild")
+
+
+def test_options_a_data_free_recipe_does_not_use_are_not_recorded(tmp_path):
+    """--num-samples on w4a16-rtn changed the manifest (and its digest) of identical weights."""
+    write_tiny_hf_model(tmp_path / "m")
+    digests = []
+    for i, extra in enumerate(([], ["--num-samples", "8"])):
+        done = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "x" / "a"),
+                       "--force", "--no-cache", *extra)
+        assert done.returncode == 0, done.stderr
+        assert ("are not used" in done.stderr) == bool(extra)
+        digests.append(json.loads((tmp_path / "x" / "a" / "manifest.json").read_text())["digest"])
+    assert digests[0] == digests[1]
+
+
+def test_an_artifact_given_as_a_build_source_is_named_as_one(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    assert run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a")).returncode == 0
+    again = run_cli("build", str(tmp_path / "a"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "b"))
+    assert_one_line_error(again, "is a qkiln artifact, already quantized")  # was: "has no manifest.json"

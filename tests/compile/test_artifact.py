@@ -439,8 +439,16 @@ def test_cli_verify_and_inspect(tmp_path):
     assert summary["sizes"]["compression_ratio"] == round(4096 / weights, 3)
     assert set(summary["sizes"]["tensor_bytes_by_dtype"]) == {"BF16", "F32", "F8_E4M3", "I8", "U8"}
     assert summary["accuracy"] == {"kl": 0.01, "ppl": 12.5}
+    # what a registry keys on, and the recipe whole (long fields were "<N entries>" strings)
+    manifest = read_manifest(out)
+    assert summary["digest"] == manifest.digest and summary["files"] == manifest.files
+    assert summary["recipe"] == manifest.recipe
     assert "compression:" in runner.invoke(cli(), ["inspect", str(out)]).stdout
     shard = sorted((out / "weights").iterdir())[1]
+    moved = shard.rename(shard.with_name("renamed.safetensors"))
+    renamed = runner.invoke(cli(), ["inspect", str(out)])  # was a FileNotFoundError traceback
+    assert renamed.exit_code == 2 and renamed.stderr.startswith(f"error: {shard}: cannot read it")
+    moved.rename(shard)
     shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
     bad = runner.invoke(cli(), ["verify", str(out)])
     assert bad.exit_code == 2 and bad.stdout == ""
@@ -471,3 +479,13 @@ def test_a_tar_of_something_else_says_so_without_naming_temp_folders(tmp_path):
     with pytest.raises(ArtifactError, match="not a qkiln artifact archive") as e:
         extract_archive(tmp_path / "other.tar", tmp_path / "x")
     assert "partial" not in str(e.value) and not (tmp_path / "x").exists()
+
+
+def test_a_tar_of_the_folder_itself_says_how_to_pack_it(tmp_path):
+    out = build(tmp_path / "a1")
+    with tarfile.open(tmp_path / "a1.tar", "w") as tar:  # `tar -cf a1.tar a1`, the common way
+        tar.add(out, arcname="a1")
+    with pytest.raises(ArtifactError, match=r"inside a folder a1/; pack its contents \(tar -C a1 -cf a1.tar \.\)"):
+        extract_archive(tmp_path / "a1.tar", tmp_path / "x")
+    with pytest.raises(ArtifactError, match="no such file or directory"):
+        verify_artifact(tmp_path / "typo")

@@ -3,6 +3,7 @@ recipes refused up front, and the artifact served by the runtime without transfo
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,11 @@ def test_fp8_gptq_preset_keeps_the_last_mlp_in_bf16_and_serves(tiny, tmp_path, m
 
     out = LLM(str(art), num_kv_blocks=16).generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+    # served under its folder's name, which a registry may have changed (was the name built under)
+    from qkiln.runtime.loader import load_for_serving
+
+    renamed = shutil.copytree(art, tmp_path / "registry-v7")
+    assert load_for_serving(str(renamed)).name == "registry-v7"
 
 
 def test_fp8_rtn_preset_is_data_free_and_quantizes_every_layer(tiny, tmp_path, monkeypatch):
