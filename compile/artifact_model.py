@@ -12,7 +12,7 @@ from qkiln.runtime.tokenizer import Tokenizer
 from .artifact import load_tensors, read_manifest, verify_artifact
 from .artifact_tensors import from_tensors
 from .model_ref import LoadedModel
-from .simulate import simulated_model
+from .simulate import SIMULATION_SCORING, simulated_model
 
 
 def load_artifact_model(path: Path, int8_activations: bool = False, verify: bool = True) -> LoadedModel:
@@ -26,5 +26,6 @@ def load_artifact_model(path: Path, int8_activations: bool = False, verify: bool
     qm = from_tensors(config, scheme, load_tensors(path, manifest, verify=False), manifest.quantization)
     model, backend = simulated_model(qm, int8_activations)
     return LoadedModel(str(path), Tokenizer.from_dir(Path(path) / "tokenizer"), model,
-                       {"kind": "artifact", "recipe": manifest.recipe.get("name"),
+                       {"kind": "artifact", "recipe": manifest.recipe.get("name"), "digest": manifest.digest,
+                        "source_sha256": manifest.source.get("sha256"), "scoring": SIMULATION_SCORING,
                         "int8_activations": int8_activations}, backend)

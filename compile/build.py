@@ -4,15 +4,12 @@
     calibration tokens (seeded, hashed)          calib_data/
     weights, layer by layer (cached per layer)    calibrate.py + layer_cache.py
     KV-cache scales                               kv_calibrate.py
-    accuracy vs the unquantized model            evaluate.py (reference results cached)
+    accuracy vs the unquantized model            evaluate.py (one pass: model and reference)
     engines (--engine onnx), checked in place     export_onnx.py
     write the artifact atomically                 artifact_tensors.py + artifact_writer.py
 """
 
 import dataclasses
-import hashlib
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +18,7 @@ import torch
 
 from qkiln.calib_data import load_text_source, sample_token_set
 from qkiln.errors import CalibrationDataError, RecipeError
-from qkiln.runtime.source import file_sha256, load_source
+from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
@@ -33,12 +30,10 @@ from .kv_calibrate import calibrate_kv
 from .layer_cache import LayerCache, default_cache_dir, layer_key
 from .recipe import Recipe
 from .self_generate import make_self_generator
-from .simulate import simulated_kv_backend
+from .simulate import SIMULATION_SCORING, simulated_kv_backend
 
 
 KV_CALIBRATION_SAMPLES = 16
-# Bumped when cached reference reports stop being valid (2: references were part bf16 before)
-REFERENCE_FORMAT = 2
 
 
 @dataclass
@@ -62,7 +57,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     source = load_source(source_name)
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
-    _check_lengths(recipe, source.config.max_position_embeddings)
+    _check_lengths(recipe, source.config.max_position_embeddings, source.tokenizer.add_bos)
     tokens = None
     if recipe.needs_calibration:
         spec = recipe.calibration
@@ -125,10 +120,13 @@ def _check_evaluation_data(recipe: Recipe) -> None:
                                    "evaluation.data / --eval-data out to build without an accuracy report")
 
 
-def _check_lengths(recipe: Recipe, max_len: int) -> None:
-    for what, n in (("calibration.seq_len", recipe.calibration.seq_len), ("evaluation.seq_len", recipe.evaluation.seq_len)):
+def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:
+    """Before calibration: an evaluation window is seq_len tokens, and a BOS when the tokenizer adds one."""
+    for what, n in (("calibration.seq_len", recipe.calibration.seq_len),
+                    ("evaluation.seq_len", recipe.evaluation.seq_len + int(add_bos))):
         if n > max_len:
-            raise RecipeError(f"{what} = {n} exceeds the model's context of {max_len} tokens: lower it")
+            raise RecipeError(f"{what} (a window of {n} tokens) exceeds the model's context of {max_len} tokens: "
+                              "lower it")
 
 
 def _round_as_stored(model, qm) -> None:
@@ -160,11 +158,11 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
         with torch.no_grad():
             return reference(ids)
 
+    # the reference's perplexity comes with the KL, from the same logits (a separate cached pass before)
     report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=ref_logits,
                       progress=progress)
-    base = _reference_report(source, ev, reference, progress)
-    report["reference_perplexity"] = base["perplexity"]
-    report["perplexity_change"] = report["perplexity"] / base["perplexity"] - 1
+    report["perplexity_change"] = report["perplexity"] / report["reference_perplexity"] - 1
+    report["scoring"] = SIMULATION_SCORING
     return report
 
 
@@ -172,24 +170,6 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
 def _cached_reference(source, ev, progress):
     model = source.build_model(torch.float32)  # a fresh copy: `model` in build() is quantized in place
     return lambda ids: model(ids)
-
-
-def _reference_report(source, ev, reference, progress) -> dict:
-    """Unquantized perplexity on the same protocol, cached on disk by (source, the data's content,
-    protocol): keyed on the path, an edited file (or a relative path from elsewhere) reused a stale one."""
-    data_sha = file_sha256([Path(ev.data)])
-    key = hashlib.sha256(json.dumps([REFERENCE_FORMAT, source.sha256, data_sha, ev.seq_len, ev.max_tokens]).encode()).hexdigest()
-    path = default_cache_dir().parent / "reference" / f"{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, or cut short by a kill or a full disk: computed again
-        pass
-    report = evaluate(reference, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)  # whole or not at all
-    return report
 
 
 def _tokenizer_files(source) -> dict[str, bytes]:

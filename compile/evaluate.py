@@ -5,9 +5,10 @@ Protocol (recorded verbatim in every report so numbers are comparable):
   keep the first `max_tokens`; cut into consecutive windows of `seq_len` (the last may be
   shorter); score every token of a window but its first. A tokenizer whose policy adds BOS
   gets BOS prepended to each window instead, and then every window token is scored.
-Bits per byte divide the scored tokens' total NLL (in bits) by those tokens' UTF-8 bytes.
-KL is KL(reference || model) per scored token, averaged; top-1 agreement is how often both
-argmaxes agree. Scoring is fp32 and deterministic.
+Bits per byte divide the scored tokens' total NLL (in bits) by those tokens' UTF-8 bytes
+(`Tokenizer.token_bytes`: a byte-fallback token is its one byte, a SentencePiece piece has its
+space). KL is KL(reference || model) in nats per scored token, averaged; top-1 agreement is the
+fraction of scored tokens where both argmaxes agree. Scoring is fp32 and deterministic.
 """
 
 import hashlib
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from qkiln.calib_data import read_text_exact
-from qkiln.errors import CalibrationDataError
+from qkiln.errors import CalibrationDataError, SourceModelError
 
 Scorer = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> logits [B, T, V] (fp32)
 
@@ -48,16 +49,35 @@ def make_windows(ids: list[int], seq_len: int, bos_id: int | None) -> list[list[
     return [w for w in windows if len(w) > 1]
 
 
-def token_byte_lengths(tokenizer, ids: list[int]) -> dict[int, int]:
-    """UTF-8 bytes each token stands for. Byte-level BPE tokens are one byte per character."""
-    from tokenizers.pre_tokenizers import ByteLevel
+def leading_tokens(tokenizer, text: str, n: int) -> list[int]:
+    """tokenize(text)[:n], tokenizing only as much text as those tokens can span (a 20 MB file
+    took 4 GB to score 1024 tokens). A token spells at most `max_token_chars` characters, so a
+    prefix that long holds n tokens; the tokens near its cut may differ from the whole text's, so
+    the prefix is accepted only when one twice as long begins with the same n tokens."""
+    budget = (n + 64) * max(getattr(tokenizer, "max_token_chars", 0), 1)
+    if 2 * budget < len(text):
+        first = tokenizer.encode(text[:budget], add_special_tokens=False)[:n]
+        if len(first) == n and tokenizer.encode(text[:2 * budget], add_special_tokens=False)[:n] == first:
+            return first
+    return tokenizer.encode(text, add_special_tokens=False)[:n]
 
-    alphabet = set(ByteLevel.alphabet())
-    lengths = {}
-    for i in set(ids):
-        piece = tokenizer.backend.id_to_token(i) or ""
-        lengths[i] = len(piece) if piece and set(piece) <= alphabet else len(tokenizer.decode([i]).encode())
-    return lengths
+
+def token_byte_lengths(tokenizer, ids: list[int]) -> dict[int, int]:
+    """UTF-8 bytes each token stands for in the text. (Counting a piece's characters made a
+    byte-fallback `<0xC3>` six bytes, and decoding a lone `▁word` lost its space.)"""
+    return {i: len(tokenizer.token_bytes(i)) for i in set(ids)}
+
+
+def check_reference(model_tokenizer, reference_tokenizer, vocab_sizes: tuple[int, int], reference_context: int,
+                    window_len: int) -> None:
+    """A reference is scored on the model's token ids: it must read them as the same text."""
+    if reference_tokenizer.backend.get_vocab(True) != model_tokenizer.backend.get_vocab(True) \
+            or vocab_sizes[0] != vocab_sizes[1]:
+        raise SourceModelError("the reference's tokenizer or vocabulary differs from the model's, so it would "
+                               "score other text (a KL of nonsense); compare models that share a tokenizer")
+    if window_len > reference_context:
+        raise SourceModelError(f"a window of {window_len} tokens exceeds the reference's context of "
+                               f"{reference_context}: lower --seq-len")
 
 
 def evaluate(
@@ -76,7 +96,7 @@ def evaluate_many(
     if seq_len < 2 or max_tokens < 2:
         raise CalibrationDataError("--seq-len and --max-tokens must be at least 2")
     text = read_text_exact(data_path)
-    ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
+    ids = leading_tokens(tokenizer, text, max_tokens)
     if len(ids) < min(seq_len, max_tokens):
         raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens, fewer than one window of "
                                    f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
@@ -86,7 +106,7 @@ def evaluate_many(
                             hashlib.sha256(text.encode("utf-8")).hexdigest())
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)
-    totals = {name: dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0) for name in models}
+    totals = {name: dict(nll=0.0, tokens=0, bytes=0, kl=0.0, agree=0, ref_nll=0.0) for name in models}
     # equal-length windows batch together; the shorter last one runs alone
     batches = [windows[i : i + batch_size] for i in range(0, len(windows), batch_size)]
     batches = [[w for w in b if len(w) == len(b[0])] for b in batches] + [
@@ -107,12 +127,15 @@ def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_referenc
         "perplexity": math.exp(totals["nll"] / n),
         "bits_per_byte": totals["nll"] / math.log(2) / totals["bytes"],
         "num_tokens": n,
+        "num_bytes": totals["bytes"],  # of the scored tokens: bits_per_byte = nll_nats / ln 2 / num_bytes
+        "nll_nats": totals["nll"],
         "num_windows": num_windows,
         "protocol": protocol.to_dict(),
     }
     if has_reference:
-        report["kl_divergence"] = totals["kl"] / n
-        report["top1_agreement"] = totals["agree"] / n
+        report["kl_divergence"] = totals["kl"] / n  # nats per scored token, KL(reference || model)
+        report["top1_agreement"] = totals["agree"] / n  # a fraction
+        report["reference_perplexity"] = math.exp(totals["ref_nll"] / n)
     return report
 
 
@@ -127,3 +150,4 @@ def _score_batch(ids: torch.Tensor, model: Scorer, ref_logp, byte_len: dict, tot
     if ref_logp is not None:
         totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
         totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+        totals["ref_nll"] += -ref_logp.gather(-1, targets.unsqueeze(-1)).sum().item()

@@ -46,11 +46,13 @@ def eval_cmd(
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
     from qkiln.compile.artifact_writer import check_writable_dir
-    from qkiln.compile.evaluate import evaluate
+    from qkiln.compile.evaluate import check_reference, evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
         if json_out is not None:  # found out now, not after the whole evaluation
+            if json_out.is_dir():
+                raise QkilnError(f"--json {json_out} is a directory; give a file name")
             check_writable_dir(json_out.absolute().parent)
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
@@ -64,14 +66,21 @@ def eval_cmd(
                 m = open_engine(Path(path), engine, ort_accuracy_level)
             else:
                 m = open_model(path, int8_activations)
-            context = (m.config if hasattr(m, "config") else m.model.config).max_position_embeddings
-            if seq_len > context:
-                raise QkilnError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens: lower it")
+            config = m.config if hasattr(m, "config") else m.model.config
+            window = seq_len + int(m.tokenizer.add_bos)  # a tokenizer that adds BOS puts one before each window
+            if window > config.max_position_embeddings:
+                raise QkilnError(f"--seq-len {seq_len} (a window of {window} tokens) exceeds the model's context of "
+                                 f"{config.max_position_embeddings} tokens: lower it")
             ref = open_model(ref_path) if reference else None
+            if ref is not None:
+                check_reference(m.tokenizer, ref.tokenizer, (config.vocab_size, ref.model.config.vocab_size),
+                                ref.model.config.max_position_embeddings, window)
+                _warn_if_swapped(getattr(m, "description", {}), ref.description)
             report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
         _fail(e)
     report["model"] = model
+    report |= {k: v for k, v in getattr(m, "description", {}).items() if k in ("sha256", "digest", "scoring")}
     if engine:
         report["engine"] = engine
     if engine == "onnxruntime":
@@ -81,9 +90,19 @@ def eval_cmd(
     if reference:
         report["reference"] = reference
     text = json.dumps(report, indent=2)
+    print(text)  # first: a failing write must not lose the evaluation
     if json_out:
         json_out.write_text(text + "\n")
-    print(text)
+
+
+def _warn_if_swapped(model: dict, reference: dict) -> None:
+    """KL(reference || model) is not symmetric: an artifact as the reference of its own source is
+    almost always the arguments the wrong way round."""
+    if model.get("kind") != "artifact" and reference.get("kind") == "artifact" \
+            and reference.get("source_sha256") == model.get("sha256"):
+        print("note: the reference is an artifact built from the model; KL is taken as KL(reference || model), "
+              "so for the artifact's own KL pass the artifact as the model and its source as --reference",
+              file=sys.stderr)
 
 
 @app.command("build")

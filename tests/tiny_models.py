@@ -49,6 +49,37 @@ def byte_tokenizer():
     return tok
 
 
+def trained_byte_level_bpe(corpus: list[str]):
+    """GPT-2 / SmolLM2 style byte-level BPE trained on `corpus`, with few merges so multibyte
+    characters span tokens; <eos> special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def sentencepiece_byte_fallback():
+    """Llama-2 style: metaspace pieces plus <0xNN> byte-fallback tokens for unknown characters."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["\u2581", "h", "e", "l", "o", "w", "r", "d", "c", "a", "f", "n", "i", "v", "!", ":", "\u2581h", "ll"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "h"), ("l", "l")], byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<eos>"])
+    return tok
+
+
 def write_tiny_hf_model(directory: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Random-weight HF checkpoint of `arch` in `directory`; returns the directory."""
     import json

@@ -128,3 +128,35 @@ def test_an_artifact_given_as_a_build_source_is_named_as_one(tmp_path):
     assert run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a")).returncode == 0
     again = run_cli("build", str(tmp_path / "a"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "b"))
     assert_one_line_error(again, "is a qkiln artifact, already quantized")  # was: "has no manifest.json"
+
+
+def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_context(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello there, general kenobi " * 40)
+    base = ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"), "--seq-len", "32", "--max-tokens", "96")
+    other = write_tiny_hf_model(tmp_path / "other", seed=1)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped: scored other text (a KL of nonsense)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    assert_one_line_error(run_cli(*base, "--reference", str(other)), "tokenizer or vocabulary differs")
+    short = write_tiny_hf_model(tmp_path / "short", max_position_embeddings=16)
+    assert_one_line_error(run_cli(*base, "--reference", str(short)), "exceeds the reference's context of 16")
+    same = run_cli(*base, "--reference", str(write_tiny_hf_model(tmp_path / "same", seed=2)))
+    report = json.loads(same.stdout)
+    assert same.returncode == 0 and report["kl_divergence"] > 0 and report["reference_perplexity"] > 1
+    assert report["sha256"] and report["num_bytes"] > 0
+    assert report["bits_per_byte"] == report["nll_nats"] / 0.6931471805599453 / report["num_bytes"]
+    (tmp_path / "out").mkdir()
+    assert_one_line_error(run_cli(*base, "--json", str(tmp_path / "out")), "is a directory")  # was lost after scoring
+
+
+def test_a_window_with_its_bos_must_fit_the_context(tmp_path):
+    model = write_tiny_hf_model(tmp_path / "m", max_position_embeddings=32)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))
+    (tmp_path / "t.txt").write_text("hello there " * 40)
+    base = ("eval", str(model), "--data", str(tmp_path / "t.txt"), "--max-tokens", "96")
+    assert_one_line_error(run_cli(*base, "--seq-len", "32"), "a window of 33 tokens")  # was an IndexError
+    assert run_cli(*base, "--seq-len", "31").returncode == 0

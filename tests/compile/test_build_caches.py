@@ -1,5 +1,5 @@
-"""What a build reuses must be what it would compute: the layer cache and the reference report
-miss when the model's config or the evaluation text changes, the unquantized reference is the
+"""What a build reuses must be what it would compute: the layer cache misses when the model's
+config changes, the reference follows the evaluation text, the unquantized reference is the
 fp32 source, the cache stays bounded, and AWQ's folding keeps the function it folds."""
 
 import dataclasses
@@ -108,16 +108,6 @@ def test_a_damaged_cache_entry_is_a_miss_not_an_artifact_s_weights(tmp_path, mon
     weights = lambda r: {k: v for k, v in read_manifest(r.path).files.items() if k.startswith("weights/")}  # noqa: E731
     assert weights(rebuilt) == weights(clean) != {}
     assert _build(model, recipe, tmp_path / "c").num_cached_layers == clean.num_layers  # stored again
-
-
-def test_a_cut_short_reference_report_is_computed_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
-    model, calib = write_tiny_model_and_text(tmp_path)
-    recipe = _recipe("w4a16-rtn", calib, calib)
-    first = _build(model, recipe, tmp_path / "a").manifest.accuracy
-    (cached,) = (tmp_path / "cache" / "reference").glob("*.json")
-    cached.write_text(cached.read_text()[:10])  # what a kill during the write left (a JSONDecodeError after calibration)
-    assert _build(model, recipe, tmp_path / "b").manifest.accuracy == first
 
 
 def test_fp8_weights_without_activations_are_refused_up_front():

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkiln.compile.evaluate import evaluate, make_windows
+from qkiln.compile.evaluate import evaluate, leading_tokens, make_windows, token_byte_lengths
 from qkiln.compile.model_ref import open_model
-from tiny_models import write_tiny_hf_model
+from tiny_models import sentencepiece_byte_fallback, trained_byte_level_bpe, write_tiny_hf_model
 
 
 def test_windows_cover_tokens_and_last_is_shorter():
@@ -68,3 +68,32 @@ def test_smollm2_perplexity_agrees_with_transformers(smollm2, wiki_test_path):
     b = evaluate(hf_scorer, ours.tokenizer, str(wiki_test_path), **kw)
     assert a["num_tokens"] == b["num_tokens"] == 2044
     assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-3)
+
+
+TEXT = "Naïve café, smörgåsbord: 日本語 😀 and a plain sentence.\n" * 3
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_bytes_per_token_spell_the_text(kind):
+    """bits per byte divide by the scored text's bytes: a byte-fallback `<0xC3>` counted as six
+    bytes and a SentencePiece word lost its space (4.5x too low a bpb on such text)."""
+    from qkiln.runtime.tokenizer import Tokenizer
+
+    backend = trained_byte_level_bpe([TEXT]) if kind == "byte_level" else sentencepiece_byte_fallback()
+    tok = Tokenizer(backend, {})
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    lengths = token_byte_lengths(tok, ids)
+    spelled = sum(lengths[i] for i in ids)
+    # SentencePiece's normalizer adds one space before the text
+    assert spelled == len(TEXT.encode()) + (kind == "byte_fallback")
+
+
+def test_only_the_text_the_tokens_span_is_tokenized(tmp_path):
+    write_tiny_hf_model(tmp_path / "m", "llama")
+    tok = open_model(str(tmp_path / "m")).tokenizer
+    text = TEXT * 200
+    calls = []
+    real = tok.encode
+    tok.encode = lambda t, **kw: calls.append(len(t)) or real(t, **kw)
+    assert leading_tokens(tok, text, 100) == real(text, add_special_tokens=False)[:100]
+    assert max(calls) < len(text) / 4  # two prefixes, not the whole file

@@ -1,9 +1,9 @@
 """Incremental detokenization on real (tiny, in-memory) tokenizers, and stop-string handling."""
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from qkiln.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from tiny_models import sentencepiece_byte_fallback, trained_byte_level_bpe
 
 CORPUS = ["hello world, the quick brown fox", "naïve café, smörgåsbord and crème brûlée",
           "日本語のテキスト 😀 emoji 🚀 rockets", "hello hello world world"] * 3
@@ -12,30 +12,12 @@ TEXT = "hello wörld: 日本語 🚀 café naïve 😀!"
 
 @pytest.fixture(scope="module")
 def byte_level():
-    """GPT-2 / SmolLM2 style byte-level BPE, with few merges so multibyte chars span tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
+    return trained_byte_level_bpe(CORPUS)
 
 
 @pytest.fixture(scope="module")
 def byte_fallback():
-    """Llama-2 style: metaspace pieces plus <0xNN> byte-fallback tokens for unknown characters."""
-    vocab = {"<unk>": 0, "<eos>": 1}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", "h", "e", "l", "o", "w", "r", "d", "c", "a", "f", "n", "i", "v", "!", ":", "▁h", "ll"]:
-        vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "h"), ("l", "l")], byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(["<eos>"])
-    return tok
+    return sentencepiece_byte_fallback()
 
 
 def stream(tok, prompt_ids, output_ids, **kwargs):
