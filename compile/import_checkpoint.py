@@ -67,10 +67,25 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
                 "imported_from": {"format": ckpt.format, "quantization_config": ckpt.quantization_config},
                 "fallbacks": {}},
         quantization=quantization, kv_cache=None if kv is None else dataclasses.asdict(kv), calibration=None,
-        source={"name": src.name, "kind": ckpt.format, "sha256": ckpt.sha256}, toolchain=toolchain_versions(),
+        source={"name": src.name, "kind": ckpt.format, "sha256": ckpt.sha256} | _export_provenance(src),
+        toolchain=toolchain_versions(),
         accuracy={"skipped": "imported checkpoint: run `qkiln eval` on the artifact"},
         num_parameters=num_params, source_bytes_bf16=2 * num_params)
     return write_artifact(out, manifest, tensors, _tokenizer_files(src), {}, overwrite=overwrite)
+
+
+def _export_provenance(src: Path) -> dict:
+    """A checkpoint `qkiln export` wrote names the artifact, recipe and source model it came from
+    (its note); kept, so the round trip does not lose where the weights were made."""
+    from .export_compressed_tensors import EXPORT_NOTE
+
+    try:
+        note = json.loads((src / EXPORT_NOTE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(note, dict) or note.get("producer") != "qkiln":
+        return {}
+    return {"exported_from": {k: note.get(k) for k in ("artifact", "recipe", "source_sha256")}}
 
 
 def _check_cpu_groups(weights: dict) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qkiln.compile.artifact import verify_artifact
+from qkiln.compile.artifact import read_manifest, verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.export_compressed_tensors import (check_export, export_compressed_tensors, hf_config_dict,
                                                      load_artifact_quantized)
@@ -527,6 +527,10 @@ def test_cli_export_and_import(tiny, tmp_path):
     assert imported.exit_code == 0, imported.output
     assert run_cli("verify", tmp_path / "a").exit_code == 0
     inspected = run_cli("inspect", tmp_path / "a", "--json")
-    assert inspected.exit_code == 0 and json.loads(inspected.stdout)["source"]["kind"] == "compressed-tensors"
+    source = json.loads(inspected.stdout)["source"]
+    assert inspected.exit_code == 0 and source["kind"] == "compressed-tensors"
+    made = read_manifest(artifact)  # where the weights were made survives the round trip
+    assert source["exported_from"] == {"artifact": made.name, "recipe": made.recipe["name"],
+                                       "source_sha256": made.source["sha256"]}
     missing = run_cli("import", tmp_path / "nope", "-o", tmp_path / "b")
     assert missing.exit_code == 2 and "config.json" in missing.stderr
