@@ -23,7 +23,9 @@ from tqdm import tqdm
 from qkiln.calib_data import read_text_exact
 from qkiln.errors import CalibrationDataError, SourceModelError
 
-Scorer = Callable[[torch.Tensor], torch.Tensor]  # ids [B, T] -> logits [B, T, V] (fp32)
+# ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
+# of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
+Scorer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -141,12 +143,16 @@ def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_referenc
 
 @torch.no_grad()
 def _score_batch(ids: torch.Tensor, model: Scorer, ref_logp, byte_len: dict, totals: dict) -> None:
-    logits = model(ids)[:, :-1].float()  # [B, T-1, V] predicts ids[:, 1:]
     targets = ids[:, 1:]
-    logp = F.log_softmax(logits, dim=-1)
-    totals["nll"] += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
     totals["tokens"] += targets.numel()
     totals["bytes"] += sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
+    if hasattr(model, "score_targets"):  # the targets' logprobs only (served_eval.py): no KL
+        assert ref_logp is None, "a scorer of target logprobs has no distributions to compare"
+        totals["nll"] += -model.score_targets(ids).sum().item()
+        return
+    logits = model(ids)[:, :-1].float()  # [B, T-1, V] predicts ids[:, 1:]
+    logp = F.log_softmax(logits, dim=-1)
+    totals["nll"] += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
     if ref_logp is not None:
         totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
         totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()

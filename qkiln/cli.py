@@ -43,6 +43,8 @@ def eval_cmd(
     int8_activations: Annotated[bool, typer.Option("--int8-activations", help="score an artifact as served with --int8-activations")] = False,
     engine: Annotated[Optional[str], typer.Option(help="score the artifact's engines/onnx/ instead of its simulation, run by onnx (the reference evaluator) or onnxruntime")] = None,
     ort_accuracy_level: Annotated[int, typer.Option(help="--engine onnxruntime: MatMulNBits accuracy level, 0 float activations .. 4 int8 (ONNX Runtime's default)")] = 0,
+    served: Annotated[bool, typer.Option("--served", help="score as `qkiln serve` computes: the runtime engine, its dtype and paged KV cache (no KL)")] = False,
+    dtype: Annotated[str, typer.Option(help="--served: auto (bf16), bf16, fp16 or fp32, as `serve --dtype`")] = "auto",
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
     from qkiln.compile.artifact_writer import check_writable_dir
@@ -59,11 +61,20 @@ def eval_cmd(
                              "(the engine computes the recipe exactly)")
         if (ort_accuracy_level and engine != "onnxruntime") or not 0 <= ort_accuracy_level <= 4:
             raise QkilnError("--ort-accuracy-level takes 0..4 and applies to --engine onnxruntime")
+        if served and (engine or reference):
+            raise QkilnError("--served scores target logprobs as the server computes them: without --engine or "
+                             "--reference (KL needs whole distributions)")
+        if dtype != "auto" and not served:
+            raise QkilnError("--dtype applies to --served (the simulation scores in fp32)")
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             if engine:
                 from qkiln.compile.onnx_eval import open_engine
 
                 m = open_engine(Path(path), engine, ort_accuracy_level)
+            elif served:
+                from qkiln.compile.served_eval import ServedScorer
+
+                m = ServedScorer(path, dtype, int8_activations)
             else:
                 m = open_model(path, int8_activations)
             config = m.config if hasattr(m, "config") else m.model.config

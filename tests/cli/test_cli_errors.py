@@ -150,6 +150,8 @@ def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_con
     assert report["bits_per_byte"] == report["nll_nats"] / 0.6931471805599453 / report["num_bytes"]
     (tmp_path / "out").mkdir()
     assert_one_line_error(run_cli(*base, "--json", str(tmp_path / "out")), "is a directory")  # was lost after scoring
+    assert_one_line_error(run_cli(*base, "--served", "--reference", str(tmp_path / "m")), "KL needs")
+    assert_one_line_error(run_cli(*base, "--dtype", "bf16"), "--dtype applies to --served")
 
 
 def test_a_window_with_its_bos_must_fit_the_context(tmp_path):

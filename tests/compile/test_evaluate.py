@@ -97,3 +97,27 @@ def test_only_the_text_the_tokens_span_is_tokenized(tmp_path):
     tok.encode = lambda t, **kw: calls.append(len(t)) or real(t, **kw)
     assert leading_tokens(tok, text, 100) == real(text, add_special_tokens=False)[:100]
     assert max(calls) < len(text) / 4  # two prefixes, not the whole file
+
+
+def test_served_scoring_is_the_engine_s_prompt_logprobs(tmp_path, monkeypatch):
+    """`qkiln eval --served`: each window through the runtime engine (paged KV cache, kernels, its
+    dtype); in fp32 without KV quantization it agrees with the simulation the build records."""
+    import dataclasses
+
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+    from qkiln.compile.served_eval import ServedScorer
+    from tiny_models import write_tiny_model_and_text
+
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, text = write_tiny_model_and_text(tmp_path)
+    art = build(str(model_dir), dataclasses.replace(preset("w4a16-rtn"), target="cpu"), tmp_path / "a",
+                progress=False, log=lambda m: None).path
+    simulated = evaluate(open_model(str(art)), open_model(str(art)).tokenizer, str(text), 32, 256, progress=False)
+    served = ServedScorer(str(art), "fp32")
+    assert "served" in served.description["scoring"] and "float32" in served.description["scoring"]
+    report = evaluate(served, served.tokenizer, str(text), 32, 256, progress=False)
+    assert report["num_tokens"] == simulated["num_tokens"] and report["num_bytes"] == simulated["num_bytes"]
+    assert report["perplexity"] == pytest.approx(simulated["perplexity"], rel=2e-3)
+    bf16 = ServedScorer(str(art), "bf16")
+    assert evaluate(bf16, bf16.tokenizer, str(text), 32, 256, progress=False)["perplexity"] != report["perplexity"]
