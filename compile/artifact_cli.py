@@ -6,6 +6,9 @@ manifest and the safetensors headers. Failures are one `error: <file>: <what>` l
 """
 
 import json
+import os
+import re
+import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -41,11 +44,30 @@ def unpacked(model: str, check_target: bool = False):
     if not _is_archive(path):
         yield model
         return
-    from .artifact_writer import extract_archive  # lazy: imports the writer only for archives
+    from .artifact_writer import HOST_TAG, extract_archive  # lazy: imports the writer only for archives
 
     name = next(path.name[: -len(s)] for s in _ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
-    with tempfile.TemporaryDirectory(prefix="qkiln-") as tmp:
+    remove_dead_unpacked()
+    with tempfile.TemporaryDirectory(prefix=f"{_UNPACKED_PREFIX}{HOST_TAG}-{os.getpid()}-") as tmp:
         yield str(extract_archive(path, Path(tmp) / name, check_target=check_target))
+
+
+_UNPACKED_PREFIX = "qkiln-unpacked-"
+
+
+def remove_dead_unpacked() -> list[Path]:
+    """Delete archives unpacked by processes of this host that are gone: a SIGKILLed `serve
+    ARCHIVE` cannot clean up after itself, and each copy is the artifact's size."""
+    from .artifact_writer import HOST_TAG, pid_alive
+
+    pattern = re.compile(rf"{_UNPACKED_PREFIX}{HOST_TAG}-(\d+)-\w+")
+    removed = []
+    for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*"):
+        m = pattern.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m[1])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def verify_cmd(

@@ -211,13 +211,13 @@ def remove_stale_partials(out: Path) -> list[Path]:
     removed = []
     for p in sorted(out.parent.iterdir()):
         m = pattern.fullmatch(p.name)
-        if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not _pid_alive(int(m["pid"])):
+        if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not pid_alive(int(m["pid"])):
             shutil.rmtree(p) if p.is_dir() else p.unlink()  # artifacts are directories, archives files
             removed.append(p)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

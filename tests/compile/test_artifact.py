@@ -489,3 +489,25 @@ def test_a_tar_of_the_folder_itself_says_how_to_pack_it(tmp_path):
         extract_archive(tmp_path / "a1.tar", tmp_path / "x")
     with pytest.raises(ArtifactError, match="no such file or directory"):
         verify_artifact(tmp_path / "typo")
+
+
+def test_a_killed_process_s_unpacked_archive_is_removed_by_the_next(tmp_path, monkeypatch):
+    """`serve ARCHIVE` killed with SIGKILL leaves its unpacked copy (the artifact's size) in the temp dir."""
+    import tempfile
+
+    from qkiln.compile.artifact_cli import unpacked
+    from qkiln.compile.artifact_writer import HOST_TAG
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    dead = temp / f"qkiln-unpacked-{HOST_TAG}-999999999-abc"
+    alive = temp / f"qkiln-unpacked-{HOST_TAG}-{os.getpid()}-def"
+    elsewhere = temp / "qkiln-unpacked-0badc0de-999999999-ghi"
+    for d in (dead, alive, elsewhere):
+        (d / "a").mkdir(parents=True)
+    archive = write_archive(build(tmp_path / "a"), tmp_path / "a.tar")
+    with unpacked(str(archive)) as path:
+        verify_artifact(path)
+        assert sorted(p.name for p in temp.iterdir()) == sorted([alive.name, elsewhere.name, Path(path).parent.name])
+    assert sorted(p.name for p in temp.iterdir()) == sorted([alive.name, elsewhere.name])
