@@ -13,13 +13,14 @@ rate is reported as a percentage of weights-plus-live-KV bytes per step. Each fi
 over repeats with its spread; the prefix cache is reset between repeats.
 """
 
+import bisect
 import gc
 from pathlib import Path
 
 from .report import fmt, log, make_report, plot_throughput_vs_concurrency, print_table, summarize_runs
 from .report import write_report
 from .roofline import decode_roofline, kv_bytes_per_token, measure_bandwidth, percent_of_roofline, weight_bytes
-from .throughput import RunTrace, drive, load_model, make_engine, parse_int_list, set_threads
+from .throughput import RunTrace, check_fits, drive, load_model, make_engine, parse_int_list, set_threads
 from .workload import BenchConfigError, Workload, check_at_least, make_workload
 
 _FIGURES = ("prefill_s", "prefill_tokens_per_s", "decode_tokens_per_s", "decode_step_ms", "e2e_s")
@@ -29,7 +30,11 @@ def latency_figures(trace: RunTrace) -> dict:
     reqs = trace.requests
     prefill_s = max(r.ttft_s for r in reqs)
     end_s = max(r.e2e_s for r in reqs)
-    num_decoded = sum(r.num_output_tokens - 1 for r in reqs)
+    # Tokens made after the whole batch had its first token, one per step a request ran in: a batch
+    # whose prompts take several steps decodes its first sequences during the others' prefill, and
+    # counting those tokens over the time after it gave 10-33% too many tokens/s.
+    after = bisect.bisect_right(trace.step_end_s, prefill_s)
+    num_decoded = sum(bisect.bisect_right(trace.step_end_s, r.e2e_s) - after for r in reqs)
     decode_steps = [b - a for a, b in zip(trace.step_end_s, trace.step_end_s[1:]) if a >= prefill_s]
     decode_steps.sort()
     return {"prefill_s": prefill_s, "prefill_tokens_per_s": sum(r.num_prompt_tokens for r in reqs) / prefill_s,
@@ -42,6 +47,7 @@ def run_latency(engine, workload: Workload, num_repeats: int = 3, label: str = "
     """`num_repeats` timed passes of one batch -> summaries of the prefill and decode figures."""
     if min(workload.output_lens) < 2:
         raise BenchConfigError("latency needs output_len >= 2 (one prefill token, then decode)")
+    check_fits(engine, workload)  # before the warmup, whose outputs are shorter
     drive(engine, Workload(workload.prompts, [2] * workload.num_requests))  # warmup, untimed
     runs = []
     for i in range(num_repeats):
@@ -80,7 +86,9 @@ def main(model: str, *,
                                  model_vocab_size=loaded.model.config.vocab_size)
         engine = make_engine(loaded, max_num_seqs=b, max_num_batched_tokens=max(max_num_batched_tokens, input_len),
                              kv_dtype=kv_dtype)
-        result = {"batch_size": b, **run_latency(engine, workload, repeats, label=f"batch {b}")}
+        result = {"batch_size": b, "kv_dtype": engine.kv_dtype,  # what ran: an artifact's KV scheme, say
+                  "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                  **run_latency(engine, workload, repeats, label=f"batch {b}")}
         if bandwidth:
             result["roofline"] = engine_roofline(engine, bandwidth["bytes_per_s"]["median"], b, input_len,
                                                  output_len, result["decode_tokens_per_s"]["median"])
@@ -88,7 +96,8 @@ def main(model: str, *,
         del engine
         gc.collect()
     config = {"model": model, "dtype": dtype, "kv_dtype": kv_dtype, "threads": num_threads, "repeats": repeats,
-              "input_len": input_len, "output_len": output_len, "seed": seed}
+              "input_len": input_len, "output_len": output_len, "seed": seed, "batch_sizes": sizes,
+              "max_num_batched_tokens": max_num_batched_tokens, "roofline": roofline}
     report = make_report("latency", config, {"bandwidth": bandwidth, "runs": runs})
     write_report(json_out, report)
     rows = [[r["batch_size"], fmt(r["prefill_s"], scale=1000.0),

@@ -85,6 +85,8 @@ def run_prefill(model: str, artifact: Path, args: dict) -> dict:
     for n in args["prompt_lens"]:
         prompt = make_workload(loaded.tokenizer, 1, n, 1, seed=args["seed"]).prompts[0]
         _qkiln_ttft(engine, prompt, True)  # warm-up: the step's buffers at this length
+        if hf_model is not None:
+            _hf_prefill(hf_model, prompt)  # and HF's, whose first call at a length was 7x its next
         times = {name: [] for name in sides} | ({"hf-bf16": []} if hf_model is not None else {})
         for i in range(args["repeats"]):
             for name, amx in sides.items():

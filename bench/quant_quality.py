@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkiln.bench.workload import BenchConfigError
+
 SHARED = Path(__file__).resolve().parents[1] / "../shared"
 WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
 WIKI_VALID = SHARED / "data/wikitext-2/valid.txt"
@@ -114,6 +116,13 @@ def main(argv=None) -> dict:
         from qkiln.compile.recipe import DEFAULT_CALIBRATION_SOURCE
 
         args.calib = DEFAULT_CALIBRATION_SOURCE
+    from qkiln.bench import llmc_reference  # reference rows: built in llm-compressor's own interpreter
+
+    if args.only:  # a misspelt name silently measured nothing but the unquantized row
+        known = [r["name"] for r in rows(args.calib)] + list(llmc_reference.ROWS)
+        unknown = [n for n in args.only.split(",") if n not in known]
+        if unknown:
+            raise BenchConfigError(f"--only: no row named {', '.join(map(repr, unknown))}; rows: {', '.join(known)}")
     selected = [r for r in rows(args.calib) if not args.only or r["name"] in args.only.split(",")]
     for row in selected:
         if row["name"].startswith("AWQ") and args.awq_num_samples:
@@ -121,8 +130,6 @@ def main(argv=None) -> dict:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
     results = {row["name"]: _build_in_subprocess(row, workdir, args, f"[{i + 1}/{len(selected)}]")
                for i, row in enumerate(selected)}
-    from qkiln.bench import llmc_reference  # reference rows: built in llm-compressor's own interpreter
-
     results |= llmc_reference.llmc_rows(
         args.llmcompressor_python, args.llmc_workdir or workdir / "llmc", calib=args.calib,
         num_samples=args.num_samples, awq_num_samples=args.awq_num_samples, threads=args.threads, reuse=args.reuse,
@@ -201,7 +208,7 @@ def _gap_closed(table: dict) -> None:
 
 def print_table(report: dict) -> None:
     print(f"{'recipe':40s} {'ppl':>8s} {'change':>8s} {'KL':>8s} {'top-1':>7s} {'gap closed':>10s} "
-          f"{'held-out':>9s} {'closed':>7s} {'calib s':>8s} {'RSS MiB':>8s}")
+          f"{'held-out':>9s} {'closed':>7s} {'build s':>8s} {'RSS MiB':>8s}")
     for name, r in report["rows"].items():
         def f(key, fmt):  # "-" padded to the column's width
             return format(r[key], fmt) if key in r else "-".rjust(int(fmt.lstrip("+").split(".")[0]))

@@ -45,9 +45,8 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def summarize(values) -> dict:
     """Median over repeats with its spread: min/max and the interquartile range."""
     vals = sorted(float(v) for v in values)
-    if not vals:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "q1": float("nan"),
-                "q3": float("nan"), "mean": float("nan"), "n": 0, "values": []}
+    if not vals:  # null in JSON (NaN is not JSON), "-" in tables
+        return {"median": None, "min": None, "max": None, "q1": None, "q3": None, "mean": None, "n": 0, "values": []}
     return {"median": _quantile(vals, 0.5), "min": vals[0], "max": vals[-1], "q1": _quantile(vals, 0.25),
             "q3": _quantile(vals, 0.75), "mean": sum(vals) / len(vals), "n": len(vals),
             "values": [float(v) for v in values]}

@@ -86,12 +86,16 @@ _SCALARS = ("duration_s", "completed", "failed", "request_throughput", "output_t
 _DISTS = ("ttft", "tpot", "itl", "e2el")
 
 
+LEVEL_SEED_STRIDE = 1_000_000  # level k's repeats use seeds seed + (k + 1) * stride + repeat
+
+
 def run_serve_level(base_url: str, model_name: str, make, tokenizer, concurrency: int | None,
                     request_rate: float, num_repeats: int, slos: dict, prompt_format: str, seed: int) -> dict:
     """`num_repeats` loads at one concurrency -> summaries over repeats plus per-request samples."""
     runs, samples = [], {"ttft_ms": [], "tpot_ms": [], "e2el_ms": []}
     for rep in range(num_repeats):
-        workload = make(seed + rep)  # fresh prompts per repeat: no prefix-cache hits across repeats
+        # fresh prompts per repeat and per level (`seed` is the level's): no prefix-cache hits across them
+        workload = make(seed + rep)
         prompts = workload.prompts if prompt_format == "ids" else [tokenizer.decode(p) for p in workload.prompts]
         results, duration = asyncio.run(run_load(base_url, model_name, workload, concurrency, request_rate,
                                                  seed + rep, prompts))
@@ -108,8 +112,9 @@ def run_serve_level(base_url: str, model_name: str, make, tokenizer, concurrency
             f"{m['failed']} failed")
     keys = _SCALARS + (("goodput",) if slos else ())
     out = {k: summarize([r[k] for r in runs]) for k in keys}
-    for d in _DISTS:
-        out[d] = {stat: summarize([r[d][stat] for r in runs]) for stat in ("mean_ms", "median_ms", "p90_ms", "p99_ms")}
+    for d in _DISTS:  # over the repeats that had samples (no TPOT with 1-token outputs: "-", not 0 ms)
+        out[d] = {stat: summarize([r[d][stat] for r in runs if r[d]["n"]])
+                  for stat in ("mean_ms", "median_ms", "p90_ms", "p99_ms")}
     out["errors"] = sorted({e for r in runs for e in r.get("errors", [])})[:5]
     out["samples"] = samples
     return out
@@ -135,8 +140,12 @@ def main(model: str, *,
         url = base_url or server.base_url
         name = served_model_name(url, model)
         warmup_server(url, name, make(seed + 10_000).prompts[0], prompt_format, tokenizer)
-        runs = [{"concurrency": c, **run_serve_level(url, name, make, tokenizer, c, request_rate, repeats, slos,
-                                                      prompt_format, seed)} for c in levels]
+        # each level its own prompts: the same ones again were answered from the server's prefix cache
+        # (a second level of the same concurrency measured TTFT 9x lower)
+        level_seeds = [seed + LEVEL_SEED_STRIDE * (k + 1) for k in range(len(levels))]
+        runs = [{"concurrency": c, "seed": s, **run_serve_level(url, name, make, tokenizer, c, request_rate, repeats,
+                                                                 slos, prompt_format, s)}
+                for c, s in zip(levels, level_seeds)]
     finally:
         if server is not None:
             server.close()

@@ -106,10 +106,10 @@ async def run_load(base_url: str, model_name: str, workload: Workload, concurren
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=pool, headers=auth_headers()) as client:
         start = time.perf_counter()
         tasks = []
-        for prompt, ids, n in zip(prompts, workload.prompts, workload.output_lens):
-            tasks.append(asyncio.create_task(one(client, prompt, n, len(ids))))
-            if math.isfinite(request_rate):
+        for i, (prompt, ids, n) in enumerate(zip(prompts, workload.prompts, workload.output_lens)):
+            if i and math.isfinite(request_rate):  # Poisson gaps between arrivals, none after the last
                 await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.create_task(one(client, prompt, n, len(ids))))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
 

@@ -76,13 +76,19 @@ def make_engine(loaded: ServingModel, **engine_kwargs) -> LLMEngine:
     return LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales)
 
 
+def check_fits(engine: LLMEngine, workload: Workload) -> None:
+    """Every request's prompt and output fit what the engine lets a request reach: else it would be
+    stopped at the context and the table would name lengths that did not run."""
+    too_long = [(len(p), n) for p, n in zip(workload.prompts, workload.output_lens) if len(p) + n > engine.max_request_len]
+    if too_long:
+        raise BenchConfigError(f"a request of {too_long[0][0]} prompt + {too_long[0][1]} output tokens does not fit "
+                               f"the {engine.max_request_len} tokens a request can reach here (the model's context, "
+                               "or the KV pool); lower the input / output lengths")
+
+
 def drive(engine: LLMEngine, workload: Workload, temperature: float = 0.0) -> RunTrace:
     """Submit every request, step until all finish; time each request's first token and end."""
-    too_long = [(len(p), n) for p, n in zip(workload.prompts, workload.output_lens) if len(p) + n > engine.max_request_len]
-    if too_long:  # the engine would stop them at the context: the table would name lengths not run
-        raise BenchConfigError(f"a request of {too_long[0][0]} prompt + {too_long[0][1]} output tokens does not fit "
-                               f"the {engine.max_request_len} tokens a request can reach here (the context or the "
-                               "KV pool); lower the input / output lengths or raise --num-kv-blocks")
+    check_fits(engine, workload)
     timings = {}
     start = time.perf_counter()
     for prompt, n in zip(workload.prompts, workload.output_lens):
@@ -164,7 +170,7 @@ def main(model: str, *,
         engine = make_engine(loaded, max_num_seqs=limit, max_num_batched_tokens=max_num_batched_tokens,
                              num_kv_blocks=num_kv_blocks, kv_dtype=kv_dtype, enable_prefix_caching=prefix_caching)
         result = run_throughput(engine, workload, repeats, label=f"max_num_seqs={limit}")
-        runs.append({"max_num_seqs": limit, **result})
+        runs.append({"max_num_seqs": limit, "kv_dtype": engine.kv_dtype, **result})  # kv_dtype: what ran
         del engine
         gc.collect()
     config = {"model": model, "dtype": dtype, "int8_activations": int8_activations, "threads": num_threads,

@@ -101,7 +101,9 @@ def make_workload(tokenizer, num_requests: int, input_len: str | int = 128, outp
         fixed_outs = [None] * num_requests
         in_desc = str(input_len)
     outs = [n if n is not None else rng.randint(out_lo, out_hi) for n in fixed_outs]
-    description = {"num_requests": num_requests, "input_len": in_desc, "output_len": str(output_len),
+    # a record's own output length overrides --output-len: say what ran
+    out_desc = str(output_len) if all(n is None for n in fixed_outs) else f"{min(outs)}:{max(outs)} (from the file)"
+    description = {"num_requests": num_requests, "input_len": in_desc, "output_len": out_desc,
                    "shared_prefix_len": shared_prefix_len, "seed": seed}
     return Workload([prefix + b for b in bodies], outs, description)
 

@@ -65,6 +65,7 @@ def test_workload_from_jsonl(tiny, tmp_path):
     w = make_workload(Tokenizer.from_dir(tiny), 4, output_len=5, prompts_jsonl=path, seed=0)
     assert sorted(len(p) for p in w.prompts) == [3, 3, 5, 5]  # "hello" is 5 byte tokens
     assert sorted(w.output_lens) == [5, 5, 9, 9]
+    assert w.description["output_len"] == "5:9 (from the file)"  # what ran, not --output-len alone
 
 
 def test_summaries_and_metrics():
@@ -238,7 +239,41 @@ def test_serve_against_a_started_server(tiny, tmp_path):
             assert _positive(r[key]), key
         assert _positive(r["ttft"]["median_ms"]) and _positive(r["e2el"]["p99_ms"])
         assert len(r["samples"]["ttft_ms"]) == 3
+    # each level its own prompts: the same ones again came from the server's prefix cache
+    assert len({r["seed"] for r in report["results"]["runs"]}) == 2
     assert (tmp_path / "plots" / "serve_ttft_cdf.png").is_file()
+
+
+def test_latency_counts_only_tokens_decoded_after_the_batch_prefilled():
+    """A batch whose prompts take several steps decodes its first sequences meanwhile: those
+    tokens are not decode throughput (they were counted, over the time after: +10-33%)."""
+    from qkiln.bench.throughput import RequestTiming, RunTrace
+
+    steps = [float(t) for t in range(1, 11)]  # one step a second
+    early = RequestTiming(8, num_output_tokens=10, ttft_s=1.0, e2e_s=10.0)
+    late = RequestTiming(8, num_output_tokens=8, ttft_s=3.0, e2e_s=10.0)
+    figures = latency.latency_figures(RunTrace(10.0, 10, [early, late], steps))
+    assert figures["prefill_s"] == 3.0 and figures["decode_tokens_per_s"] == 14 / 7  # steps 4..10, both
+
+
+def test_poisson_arrivals_end_with_the_last_request(monkeypatch):
+    """The run waited one more random gap after sending the last request, counted in its duration."""
+    import asyncio
+    import random
+
+    from qkiln.bench import serve_client
+    from qkiln.bench.workload import Workload
+
+    async def instant(client, url, payload, prompt_len):
+        return RequestResult(prompt_len=prompt_len, output_tokens=1, success=True)
+
+    monkeypatch.setattr(serve_client, "send_completion", instant)
+    workload = Workload([[1], [2], [3]], [1, 1, 1])
+    _, duration = asyncio.run(serve_client.run_load("http://127.0.0.1:9", "m", workload, None, 2.0, 5,
+                                                    workload.prompts))
+    rng = random.Random(5)
+    gaps = [rng.expovariate(2.0) for _ in range(3)]
+    assert sum(gaps[:2]) <= duration < sum(gaps[:2]) + 0.5 * gaps[2]
 
 
 def test_cli_wiring_and_errors(tiny):
@@ -258,6 +293,9 @@ def test_cli_wiring_and_errors(tiny):
     assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "prefill", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "ort-model", "--help"]).exit_code == 0
+    # a misspelt row measured only the unquantized model, exit 0
+    misspelt = runner.invoke(app, ["bench", "quality", "--only", "RTN W4 G128", "--json", "/dev/null"])
+    assert misspelt.exit_code == 2 and "no row named 'RTN W4 G128'" in misspelt.output, misspelt.output
 
 
 def test_cpu_kernels_report(tmp_path):
