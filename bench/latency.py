@@ -107,5 +107,5 @@ def main(model: str, *,
                 ["batch", "prefill ms", "decode tok/s", "step ms", "% roofline"], rows)
     if plot:
         series = {"qkiln decode tok/s": [(r["batch_size"], r["decode_tokens_per_s"]) for r in runs]}
-        plot_throughput_vs_concurrency(plot / "decode_vs_batch.png", series, "decode tokens/s")
+        plot_throughput_vs_concurrency(plot / "decode_vs_batch.png", series, "decode tokens/s", "batch size")
     return report

@@ -180,7 +180,8 @@ def _pyplot():
     return plt
 
 
-def plot_throughput_vs_concurrency(path: Path, series: dict[str, list[tuple[float, dict]]], ylabel: str) -> Path:
+def plot_throughput_vs_concurrency(path: Path, series: dict[str, list[tuple[float, dict]]], ylabel: str,
+                                   xlabel: str = "concurrency (requests in flight)") -> Path:
     """series: name -> [(concurrency, summary)]; error bars span min..max over repeats."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -193,7 +194,7 @@ def plot_throughput_vs_concurrency(path: Path, series: dict[str, list[tuple[floa
     ticks = sorted({x for points in series.values() for x, _ in points})
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
-    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend()

@@ -75,6 +75,8 @@ async def send_completion(client, url: str, payload: dict, prompt_len: int) -> R
                     last, num_chunks = now, num_chunks + 1
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens")
+                    # the server's count: a text prompt re-tokenizes to other than its intended length
+                    result.prompt_len = chunk["usage"].get("prompt_tokens", result.prompt_len)
     except Exception as e:  # one failed request is a data point ("failed"), not the end of the run
         result.error = f"{type(e).__name__}: {e}"
         return result
@@ -103,7 +105,9 @@ async def run_load(base_url: str, model_name: str, workload: Workload, concurren
             return await send_completion(client, url, payload, prompt_len)
 
     pool = httpx.Limits(max_connections=concurrency or workload.num_requests, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=pool, headers=auth_headers()) as client:
+    # no bound on a whole generation, but a server silent for 10 minutes fails the request (hung the run)
+    timeout = httpx.Timeout(None, connect=60.0, read=600.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=pool, headers=auth_headers()) as client:
         start = time.perf_counter()
         tasks = []
         for i, (prompt, ids, n) in enumerate(zip(prompts, workload.prompts, workload.output_lens)):

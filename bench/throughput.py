@@ -185,6 +185,7 @@ def main(model: str, *,
                 ["max_num_seqs", "req/s", "output tok/s", "total tok/s", "elapsed s", "prefix hit"], rows)
     if plot:
         series = {"qkiln output tok/s": [(r["max_num_seqs"], r["output_tokens_per_s"]) for r in runs]}
-        plot_throughput_vs_concurrency(plot / "throughput_vs_concurrency.png", series, "output tokens/s")
+        plot_throughput_vs_concurrency(plot / "throughput_vs_concurrency.png", series, "output tokens/s",
+                                       "max_num_seqs (sequences the engine runs at once)")
     return report
 

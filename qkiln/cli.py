@@ -143,6 +143,9 @@ def build_cmd(
         cal = {k: v for k, v in (("source", calib), ("num_samples", num_samples)) if v is not None}
         ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens)) if v is not None}
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        if eval_tokens is not None and r.evaluation.data is None and eval_data is None:
+            log("note: --eval-tokens applies with --eval-data (or the recipe's evaluation.data); no accuracy report")
+            ev = {}
         if cal and not r.needs_calibration:  # nor recorded: the manifest (its digest) stays what the build used
             log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
             cal = {}
@@ -159,7 +162,8 @@ def build_cmd(
     except QkilnError as e:
         _fail(e)
     acc = result.manifest.accuracy
-    ppl = f"perplexity {acc['perplexity']:.3f} ({acc['perplexity_change']:+.2%} vs unquantized)" if "perplexity" in acc else "no accuracy report"
+    ppl = f"perplexity {acc['perplexity']:.3f} ({acc['perplexity_change']:+.2%} vs the source model in fp32)" \
+        if "perplexity" in acc else "no accuracy report"
     print(f"built {result.path} in {result.seconds:.1f} s: {result.num_cached_layers}/{result.num_layers} "
           f"layers from cache, {ppl}")
 

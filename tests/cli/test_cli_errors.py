@@ -111,14 +111,15 @@ def test_artifact_without_manifest_is_named_as_such(tmp_path):
 
 
 def test_options_a_data_free_recipe_does_not_use_are_not_recorded(tmp_path):
-    """--num-samples on w4a16-rtn changed the manifest (and its digest) of identical weights."""
+    """--num-samples on w4a16-rtn (or --eval-tokens with no evaluation data) changed the manifest,
+    and its digest, of identical weights."""
     write_tiny_hf_model(tmp_path / "m")
     digests = []
-    for i, extra in enumerate(([], ["--num-samples", "8"])):
+    for i, extra in enumerate(([], ["--num-samples", "8", "--eval-tokens", "64"])):
         done = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "x" / "a"),
                        "--force", "--no-cache", *extra)
         assert done.returncode == 0, done.stderr
-        assert ("are not used" in done.stderr) == bool(extra)
+        assert ("are not used" in done.stderr) == ("--eval-tokens applies with --eval-data" in done.stderr) == bool(extra)
         digests.append(json.loads((tmp_path / "x" / "a" / "manifest.json").read_text())["digest"])
     assert digests[0] == digests[1]
 
