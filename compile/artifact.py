@@ -34,7 +34,8 @@ MANIFEST_NAME = "manifest.json"
 WEIGHTS_DIR = "weights"
 # sibling dirs a writer uses while building or replacing; never an artifact
 # what artifact_writer names a write in progress: .NAME.partial-HOST-PID-RANDOM (.NAME.partial-PID before)
-UNFINISHED_RE = re.compile(r"\..+\.(partial|trash)-(?:[0-9a-f]{8}-)?\d+(?:-[A-Za-z0-9_]+)?")
+UNFINISHED_SUFFIX = r"(partial|trash)-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?"
+UNFINISHED_RE = re.compile(rf"\..+\.{UNFINISHED_SUFFIX}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DEVICES = ("cpu", "cuda")
 

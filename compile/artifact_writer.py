@@ -33,8 +33,8 @@ from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
 
-from .artifact import (MANIFEST_NAME, WEIGHTS_DIR, Manifest, list_artifact_files, sha256_file,
-                       verify_artifact, verify_contents)
+from .artifact import (MANIFEST_NAME, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest, list_artifact_files,
+                       sha256_file, verify_artifact, verify_contents)
 
 GiB = 1 << 30
 # one key only: safetensors keeps metadata in a hash map, so more keys could be written in any order
@@ -200,14 +200,11 @@ def staged_directory(out: Path, recheck):
         raise
 
 
-_UNFINISHED = r"(partial|trash)-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?"
-
-
 def remove_stale_partials(out: Path) -> list[Path]:
     """Delete `.{name}.partial-*` / `.{name}.trash-*` siblings (directories, or an archive's files)
     written on this host by a process that is gone (the untagged names earlier versions wrote
     count as this host's)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.{_UNFINISHED}")
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{UNFINISHED_SUFFIX}")
     removed = []
     for p in sorted(out.parent.iterdir()):
         m = pattern.fullmatch(p.name)
