@@ -200,3 +200,6 @@ def warmup_server(base_url: str, model_name: str, prompt: list[int], prompt_form
     if resp.status_code != 200:
         raise BenchConfigError(f"the warmup request failed with HTTP {resp.status_code}: {resp.text[:300]}; "
                                "does the server accept this prompt format (--prompt-format ids|text)?")
+    # and once through the measured path: a process's first async request paid ~35 ms of httpx start-up,
+    # which landed in the first level's TTFT
+    asyncio.run(run_load(base_url, model_name, Workload([prompt], [2]), None, math.inf, 0, [body["prompt"]]))

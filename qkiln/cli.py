@@ -66,6 +66,9 @@ def eval_cmd(
                              "--reference (KL needs whole distributions)")
         if dtype != "auto" and not served:
             raise QkilnError("--dtype applies to --served (the simulation scores in fp32)")
+        if data.suffix in (".jsonl", ".json"):
+            print(f"note: {data} is scored as the file's text as stored, JSON syntax included; to score its "
+                  "documents, put their text in a plain file", file=sys.stderr)
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             if engine:
                 from qkiln.compile.onnx_eval import open_engine
