@@ -129,6 +129,7 @@ def build_cmd(
     target: Annotated[Optional[str], typer.Option(help="cpu or cuda")] = None,
     eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report")] = None,
     eval_tokens: Annotated[Optional[int], typer.Option(help="tokens scored in the accuracy report")] = None,
+    eval_seq_len: Annotated[Optional[int], typer.Option(help="window length of the accuracy report (as eval's --seq-len)")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="also write the artifact as one .tar/.tar.gz")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (and --archive file)")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="ignore the per-layer build cache")] = False,
@@ -144,10 +145,12 @@ def build_cmd(
     try:
         r = load_recipe(recipe)
         cal = {k: v for k, v in (("source", calib), ("num_samples", num_samples)) if v is not None}
-        ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens)) if v is not None}
+        ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens), ("seq_len", eval_seq_len))
+              if v is not None}
         log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
-        if eval_tokens is not None and r.evaluation.data is None and eval_data is None:
-            log("note: --eval-tokens applies with --eval-data (or the recipe's evaluation.data); no accuracy report")
+        if (eval_tokens, eval_seq_len) != (None, None) and r.evaluation.data is None and eval_data is None:
+            log("note: --eval-tokens / --eval-seq-len apply with --eval-data (or the recipe's evaluation.data); "
+                "no accuracy report")
             ev = {}
         if cal and not r.needs_calibration:  # nor recorded: the manifest (its digest) stays what the build used
             log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")

@@ -119,7 +119,7 @@ def test_options_a_data_free_recipe_does_not_use_are_not_recorded(tmp_path):
         done = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "x" / "a"),
                        "--force", "--no-cache", *extra)
         assert done.returncode == 0, done.stderr
-        assert ("are not used" in done.stderr) == ("--eval-tokens applies with --eval-data" in done.stderr) == bool(extra)
+        assert ("are not used" in done.stderr) == ("--eval-tokens / --eval-seq-len apply" in done.stderr) == bool(extra)
         digests.append(json.loads((tmp_path / "x" / "a" / "manifest.json").read_text())["digest"])
     assert digests[0] == digests[1]
 
@@ -166,3 +166,13 @@ def test_a_window_with_its_bos_must_fit_the_context(tmp_path):
     base = ("eval", str(model), "--data", str(tmp_path / "t.txt"), "--max-tokens", "96")
     assert_one_line_error(run_cli(*base, "--seq-len", "32"), "a window of 33 tokens")  # was an IndexError
     assert run_cli(*base, "--seq-len", "31").returncode == 0
+
+
+def test_build_takes_the_accuracy_report_s_window(tmp_path):
+    write_tiny_hf_model(tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello there, general kenobi " * 40)
+    done = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"), "--no-cache",
+                   "--eval-data", str(tmp_path / "t.txt"), "--eval-seq-len", "32", "--eval-tokens", "128")
+    assert done.returncode == 0, done.stderr
+    protocol = json.loads((tmp_path / "a" / "manifest.json").read_text())["accuracy"]["protocol"]
+    assert (protocol["seq_len"], protocol["max_tokens"]) == (32, 128)
