@@ -184,6 +184,25 @@ def _size(n: int | None) -> str:
     return f"{n} B"
 
 
+def _accuracy_line(acc: dict | None) -> str:
+    """The headline numbers in words; whatever else the report holds is in `inspect --json`."""
+    if not acc or "perplexity" not in acc:
+        return json.dumps(acc, sort_keys=True)
+    words = [f"perplexity {acc['perplexity']:.3f}"]
+    if "perplexity_change" in acc and "reference_perplexity" in acc:
+        words[0] += f" ({acc['perplexity_change']:+.2%} vs the source's {acc['reference_perplexity']:.3f})"
+    if "bits_per_byte" in acc:
+        words.append(f"bits/byte {acc['bits_per_byte']:.4f}")
+    if "kl_divergence" in acc:
+        words.append(f"KL {acc['kl_divergence']:.4f} nats/token")
+    if "top1_agreement" in acc:
+        words.append(f"top-1 {acc['top1_agreement']:.1%}")
+    protocol = acc.get("protocol") or {}
+    if "num_tokens" in acc:
+        words.append(f"{acc['num_tokens']} tokens of {Path(str(protocol.get('data', '?'))).name}")
+    return ", ".join(words)
+
+
 def _format_summary(s: dict) -> list[str]:
     sizes = s["sizes"]
     dtypes = ", ".join(f"{k} {_size(v)}" for k, v in sizes["tensor_bytes_by_dtype"].items()) or "none"
@@ -199,7 +218,7 @@ def _format_summary(s: dict) -> list[str]:
         f"{sizes['num_tensors']} tensors ({dtypes})",
         f"compression:  {ratio}",
         f"engines:      {', '.join(f'{k} ({_size(v)})' for k, v in s['engines'].items()) or 'none'}",
-        f"accuracy:     {json.dumps(s['accuracy'], sort_keys=True)}",
+        f"accuracy:     {_accuracy_line(s['accuracy'])}",
         f"calibration:  {json.dumps(s['calibration'], sort_keys=True)}",
         f"source:       {json.dumps(s['source'], sort_keys=True)}",
         f"toolchain:    {json.dumps(s['toolchain'], sort_keys=True)}",

@@ -113,6 +113,10 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
         present = _files_under(out)
         if present:
             written = files_written(out)
+            if written is None and (out / WEIGHTS_DIR).is_dir():  # an artifact's layout, its record unreadable
+                raise ArtifactError(f"{out}: looks like a damaged qkiln artifact (no readable manifest lists its "
+                                    "files), so what qkiln wrote there cannot be told apart; delete it by hand or "
+                                    "choose another output path")
             if written is None:
                 raise ArtifactError(f"{out}: exists and is not {kind}, refusing to replace it; choose another "
                                     "output path")

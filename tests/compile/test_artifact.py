@@ -290,6 +290,25 @@ def test_force_never_deletes_files_added_to_an_artifact(tmp_path):
     build(out, tensors=make_tensors(seed=1), overwrite=True)  # only qkiln's files: replaced
 
 
+def test_a_damaged_artifact_is_named_as_one_when_force_cannot_replace_it(tmp_path):
+    out = build(tmp_path / "a")
+    (out / "manifest.json").write_text('{"format_version": ')  # cut short: its file list is gone
+    with pytest.raises(ArtifactError, match="looks like a damaged qkiln artifact"):
+        build(out, overwrite=True)
+    assert (out / "weights").is_dir()
+
+
+def test_inspect_says_the_accuracy_in_words():
+    from qkiln.compile.artifact_cli import _accuracy_line
+
+    acc = {"perplexity": 36.5721, "reference_perplexity": 30.0746, "perplexity_change": 0.21605,
+           "bits_per_byte": 1.24037, "kl_divergence": 0.22929, "top1_agreement": 0.73288, "num_tokens": 4088,
+           "protocol": {"data": "../shared/data/wikitext-2-raw/wiki.test.raw"}}
+    assert _accuracy_line(acc) == ("perplexity 36.572 (+21.61% vs the source's 30.075), bits/byte 1.2404, "
+                                   "KL 0.2293 nats/token, top-1 73.3%, 4088 tokens of wiki.test.raw")
+    assert _accuracy_line({"skipped": "no data"}) == '{"skipped": "no data"}'
+
+
 def test_writes_in_other_pid_namespaces_keep_their_partials(tmp_path):
     """Each container's build is pid 1: a partial named by pid alone was taken for this process's
     own (or, across hosts, for a dead one's) and deleted while the other build wrote it."""
