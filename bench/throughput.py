@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.runtime.engine import EngineConfig, LLMEngine
+from qkiln.runtime.engine import LLMEngine
 from qkiln.runtime.loader import ServingModel, load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
 
@@ -71,9 +71,7 @@ def load_model(model: str, dtype: str = "auto", int8_activations: bool = False) 
 
 def make_engine(loaded: ServingModel, **engine_kwargs) -> LLMEngine:
     """An engine over an already loaded model (what `LLM.__init__` does, without reloading)."""
-    kv_dtype = engine_kwargs.pop("kv_dtype", None) or loaded.kv_dtype
-    config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=loaded.kv_group_size, **engine_kwargs)
-    return LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales)
+    return loaded.engine(**engine_kwargs)
 
 
 def check_fits(engine: LLMEngine, workload: Workload) -> None:

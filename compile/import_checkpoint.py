@@ -29,7 +29,7 @@ from qkiln.quant import Fp8Weight, QuantizedWeight
 from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
-from qkiln.runtime.source import file_sha256, weight_files
+from qkiln.runtime.source import file_sha256, load_weight_files, weight_files
 from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import Manifest, toolchain_versions
@@ -77,13 +77,10 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
 def _export_provenance(src: Path) -> dict:
     """A checkpoint `qkiln export` wrote names the artifact, recipe and source model it came from
     (its note); kept, so the round trip does not lose where the weights were made."""
-    from .export_compressed_tensors import EXPORT_NOTE
+    from .export_compressed_tensors import read_export_note
 
-    try:
-        note = json.loads((src / EXPORT_NOTE).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(note, dict) or note.get("producer") != "qkiln":
+    note = read_export_note(src)
+    if note is None:
         return {}
     return {"exported_from": {k: note.get(k) for k in ("artifact", "recipe", "source_sha256")}}
 
@@ -113,7 +110,7 @@ def read_checkpoint(path) -> ImportedCheckpoint:
     config = ModelConfig.from_hf(hf)
     fmt, qc = _quantization_config(src, hf)
     files = weight_files(src)
-    tensors = _load_weights(files)
+    tensors = load_weight_files(files)
     with torch.device("meta"):
         model = CausalLM(config)
     shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -144,25 +141,6 @@ def read_checkpoint(path) -> ImportedCheckpoint:
                                      ignore=tuple(n for n in scheme.ignore if n != "lm_head"))
     qm = QuantizedModel(config, scheme, fp_tensors, weights, act_scales, kv)
     return ImportedCheckpoint(fmt, qc, qm, file_sha256(files))
-
-
-def _load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of every file; a damaged file or a tensor in two files is an error, not a guess."""
-    from safetensors.torch import load_file
-
-    tensors, origin = {}, {}
-    for f in files:
-        try:
-            loaded = load_file(str(f))
-        except Exception as e:  # safetensors raises SafetensorError / OSError on damage
-            raise SourceModelError(f"{f} is not a valid safetensors file ({e}); re-download or re-save it") from None
-        for name in loaded:
-            if name in origin:
-                raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
-                                       "remove the stray file")
-            origin[name] = f
-        tensors.update(loaded)
-    return tensors
 
 
 def _exact_int8_head(weight: torch.Tensor | None) -> QuantizedWeight | None:

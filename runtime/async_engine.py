@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from qkiln.errors import QkilnError, RequestError
 
-from .engine import EngineConfig, LLMEngine, RequestOutput
+from .engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -142,10 +142,7 @@ class AsyncLLMEngine:
         from .loader import load_for_serving
 
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
-        kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
-        kv_group_size = engine_kwargs.pop("kv_group_size", loaded.kv_group_size)
-        config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs)
-        return cls(LLMEngine(loaded.model, loaded.tokenizer, config, kv_scales=loaded.kv_scales), name or loaded.name)
+        return cls(loaded.engine(**engine_kwargs), name or loaded.name)
 
     @property
     def is_running(self) -> bool:

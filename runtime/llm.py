@@ -7,7 +7,6 @@ from tqdm import tqdm
 
 from qkiln.errors import RequestError
 
-from .engine import EngineConfig, LLMEngine
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
@@ -27,11 +26,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, **engine_kwargs):
         """int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
-        kv_dtype = engine_kwargs.pop("kv_dtype", loaded.kv_dtype)
-        kv_group_size = engine_kwargs.pop("kv_group_size", loaded.kv_group_size)
-        self.engine = LLMEngine(loaded.model, loaded.tokenizer,
-                                EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs),
-                                kv_scales=loaded.kv_scales)
+        self.engine = loaded.engine(**engine_kwargs)
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
 

@@ -18,6 +18,7 @@ from qkiln.plugins.weight_arena import gather_gemv_weights
 
 from .config import ModelConfig
 from .dense_linear import pack_dense_linears
+from .engine import EngineConfig, LLMEngine
 from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
 from .quantized_linear import QuantizedLinear, make_quantized_linear
@@ -37,6 +38,14 @@ class ServingModel:
     kv_group_size: int = 32
     kv_scales: dict | None = None  # per-layer static scales for the KV cache
     manifest: object = None
+
+    def engine(self, **engine_kwargs) -> LLMEngine:
+        """An engine over this model: its KV dtype, group size and scales unless `engine_kwargs`
+        name others (None: the model's)."""
+        kv_dtype = engine_kwargs.pop("kv_dtype", None) or self.kv_dtype
+        kv_group_size = engine_kwargs.pop("kv_group_size", None) or self.kv_group_size
+        config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs)
+        return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales)
 
 
 def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:

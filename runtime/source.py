@@ -118,14 +118,27 @@ def _load_hf_dir(path: Path) -> SourceModel:
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
-    state_dict, origin = {}, {}
-    for f in weight_files(path):
-        for name, tensor in _read_safetensors(f).items():
+    state_dict = load_weight_files(weight_files(path), convert=torch.Tensor.float)
+    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+
+
+def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor]:
+    """Every tensor of every file (each passed through `convert`, if given); a damaged file or a
+    tensor in two files is an error, not a guess."""
+    from safetensors.torch import load_file
+
+    tensors, origin = {}, {}
+    for f in files:
+        try:
+            loaded = load_file(str(f))
+        except Exception as e:  # safetensors raises SafetensorError / OSError on damage
+            raise SourceModelError(f"{f} is not a valid safetensors file ({e}); re-download or re-save it") from None
+        for name, tensor in loaded.items():
             if name in origin:
                 raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
                                        "remove the stray file")
-            origin[name], state_dict[name] = f, tensor
-    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+            origin[name], tensors[name] = f, convert(tensor) if convert else tensor
+    return tensors
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -160,15 +173,6 @@ def source_files(path: Path) -> list[Path]:
         return [path]
     named = [path / name for name in ("config.json", *TOKENIZER_FILES) if (path / name).is_file()]
     return named + weight_files(path)
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return {k: v.float() for k, v in load_file(str(path)).items()}
-    except Exception as e:  # safetensors raises SafetensorError / OSError on corruption
-        raise SourceModelError(f"{path} is not a valid safetensors file ({e}); re-download or re-save it") from e
 
 
 def file_sha256(paths: list[Path]) -> str:
