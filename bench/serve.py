@@ -149,16 +149,17 @@ def main(model: str, *,
     finally:
         if server is not None:
             server.close()
+    shape = make(seed)  # describes the workload (lengths, source) for the config and the table
     config = {"model": model, "base_url": base_url, "server_args": server_args, "request_rate": request_rate,
               "goodput_slos_s": slos, "prompt_format": prompt_format, "repeats": repeats,
-              "workload": make(seed).description}
+              "workload": shape.description}
     report = make_report("serve", config, {"runs": runs})
     write_report(json_out, report)
     rows = [[r["concurrency"] or "all", fmt(r["request_throughput"], 2), fmt(r["output_throughput"]),
              fmt(r["ttft"]["median_ms"]), fmt(r["ttft"]["p99_ms"]), fmt(r["tpot"]["median_ms"]),
              fmt(r["itl"]["p99_ms"]), fmt(r["e2el"]["median_ms"]), fmt(r.get("goodput"), 2),
              fmt(r["failed"], 0)] for r in runs]
-    print_table(f"serving: {model}, {num_requests} requests, {make(seed).lengths_label}, rate {request_rate}",
+    print_table(f"serving: {model}, {num_requests} requests, {shape.lengths_label}, rate {request_rate}",
                 ["conc", "req/s", "out tok/s", "TTFT med ms", "TTFT p99", "TPOT med ms", "ITL p99", "E2EL med ms",
                  "goodput", "failed"], rows)
     if plot:

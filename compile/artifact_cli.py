@@ -7,8 +7,6 @@ manifest and the safetensors headers. Failures are one `error: <file>: <what>` l
 
 import json
 import os
-import re
-import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -58,16 +56,11 @@ _UNPACKED_PREFIX = "qkiln-unpacked-"
 def remove_dead_unpacked() -> list[Path]:
     """Delete archives unpacked by processes of this host that are gone: a SIGKILLed `serve
     ARCHIVE` cannot clean up after itself, and each copy is the artifact's size."""
-    from .artifact_writer import HOST_TAG, pid_alive
+    from .artifact_writer import remove_left_by_gone_processes
 
-    pattern = re.compile(rf"{_UNPACKED_PREFIX}{HOST_TAG}-(\d+)-\w+")
-    removed = []
-    for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*"):
-        m = pattern.fullmatch(p.name)
-        if m and p.is_dir() and not p.is_symlink() and not pid_alive(int(m[1])):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+    unpacked = (p for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*") if p.is_dir())
+    return remove_left_by_gone_processes(unpacked, rf"{_UNPACKED_PREFIX}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-\w+",
+                                         ignore_errors=True)  # a shared temp dir: another user's may resist
 
 
 def verify_cmd(

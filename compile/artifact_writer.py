@@ -152,19 +152,25 @@ def _is_artifact_dir(path: Path) -> bool:
 
 def _artifact_files(path: Path) -> set[str] | None:
     """The files an artifact's manifest lists (and the manifest), or None when it has no readable one."""
-    files = read_json_field(path / MANIFEST_NAME, "files")
-    if not _is_artifact_dir(path) or not isinstance(files, dict):
+    manifest = read_json_object(path / MANIFEST_NAME)
+    files = manifest.get("files")
+    if manifest.get("format_version") is None or not isinstance(files, dict):
         return None
     return set(files) | {MANIFEST_NAME}
 
 
-def read_json_field(path: Path, key: str):
-    """`key` of the JSON object in `path`, or None when the file is absent, not JSON or lacks it."""
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path`, or {} when the file is absent, not JSON or not an object."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    return value.get(key) if isinstance(value, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_json_field(path: Path, key: str):
+    """`key` of the JSON object in `path`, or None when the file is absent, not JSON or lacks it."""
+    return read_json_object(path).get(key)
 
 
 # this host, in the names of partial outputs: a pid says whether a writer is alive only on its host
@@ -208,12 +214,19 @@ def remove_stale_partials(out: Path) -> list[Path]:
     """Delete `.{name}.partial-*` / `.{name}.trash-*` siblings (directories, or an archive's files)
     written on this host by a process that is gone (the untagged names earlier versions wrote
     count as this host's)."""
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.{UNFINISHED_SUFFIX}")
-    removed = []
-    for p in sorted(out.parent.iterdir()):
-        m = pattern.fullmatch(p.name)
+    return remove_left_by_gone_processes(out.parent.iterdir(), rf"\.{re.escape(out.name)}\.{UNFINISHED_SUFFIX}")
+
+
+def remove_left_by_gone_processes(paths, pattern: str, ignore_errors: bool = False) -> list[Path]:
+    """Delete the `paths` (directories, or files) whose names match `pattern` (groups `pid` and an
+    optional `host` tag) that a process of this host wrote and that is gone: a pid says whether a
+    writer lives only on its own host, so another host's are never touched (an untagged name counts
+    as this host's)."""
+    regex, removed = re.compile(pattern), []
+    for p in sorted(paths):
+        m = regex.fullmatch(p.name)
         if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not pid_alive(int(m["pid"])):
-            shutil.rmtree(p) if p.is_dir() else p.unlink()  # artifacts are directories, archives files
+            shutil.rmtree(p, ignore_errors=ignore_errors) if p.is_dir() else p.unlink()
             removed.append(p)
     return removed
 

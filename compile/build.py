@@ -147,7 +147,7 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
     ev = recipe.evaluation
     if ev.data is None:
         return {"skipped": "no evaluation data (set evaluation.data or --eval-data)"}
-    reference = _cached_reference(source, ev, progress)
+    reference = _reference_model(source)
     backend = simulated_kv_backend(qm)
 
     def quantized(ids):
@@ -167,7 +167,7 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
 
 
 
-def _cached_reference(source, ev, progress):
+def _reference_model(source):
     model = source.build_model(torch.float32)  # a fresh copy: `model` in build() is quantized in place
     return lambda ids: model(ids)
 

@@ -45,7 +45,7 @@ from qkiln.runtime.model import CausalLM
 
 from .artifact import load_tensors, read_manifest
 from .artifact_tensors import from_tensors
-from .artifact_writer import check_replaceable, read_json_field, staged_directory
+from .artifact_writer import check_replaceable, read_json_object, staged_directory
 from .quantized_model import QuantizedModel
 
 INSTALL_HINT = "install the interop extra: pip install 'qkiln[interop]' (compressed-tensors==0.20.0)"
@@ -104,12 +104,19 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
 _EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", EXPORT_NOTE}
 
 
+def read_export_note(directory: Path) -> dict | None:
+    """The note `export_compressed_tensors` leaves beside a checkpoint (what it came from, the files
+    written), or None when `directory` is not an export qkiln wrote."""
+    note = read_json_object(directory / EXPORT_NOTE)
+    return note if note.get("producer") == "qkiln" else None
+
+
 def _export_files(directory: Path) -> set[str] | None:
     """The files an export qkiln wrote lists in its note, or None when `directory` is not one."""
-    if read_json_field(directory / EXPORT_NOTE, "producer") != "qkiln":
+    note = read_export_note(directory)
+    if note is None:
         return None
-    files = read_json_field(directory / EXPORT_NOTE, "files")
-    return set(files) if isinstance(files, list) else _EXPORT_FILES
+    return set(note["files"]) if isinstance(note.get("files"), list) else _EXPORT_FILES
 
 
 def load_artifact_quantized(artifact) -> QuantizedModel:

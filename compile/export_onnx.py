@@ -43,12 +43,12 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     A check that would not fit in memory is skipped and said so (`log`); verify=False skips it."""
     require_onnx()
     out = Path(out_dir).absolute()
-    check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)
+    recheck = lambda: check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)  # noqa: E731
+    recheck()
     verify_artifact(artifact, check_target=False)  # an engine may be built anywhere
     manifest = read_manifest(artifact)
     verify = verify and _check_fits(manifest, log)
     engine = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
-    recheck = lambda: check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)  # noqa: E731
     with staged_directory(out, recheck) as tmp:
         size = sum(f.stat().st_size for f in write_onnx_engine(engine, tmp))
         check = require_engine_matches(Path(artifact), tmp) if verify else None
