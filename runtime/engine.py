@@ -53,6 +53,9 @@ class RequestOutput:
     text: str
     finished: bool
     finish_reason: str | None = None
+    # vLLM's extension: the stop string or stop_token_ids entry that ended the text; None for EOS,
+    # length and abort
+    stop_reason: int | str | None = None
     logprobs: list[dict] = field(default_factory=list)  # for new tokens, when asked
     metrics: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
@@ -195,9 +198,10 @@ class LLMEngine:
         req.first_token_time = req.first_token_time or now
         is_done = s.seq_id in finished
         if is_done and s.seq.finish_reason == "stop":  # the scheduler stops on tokens: EOS, stop_token_ids
-            stop_str = req.detok.finish_on_stop_token()
+            req.detok.finish_on_stop_token()
+            stop_str, stop_reason = None, self.scheduler.stop_token(s.seq)
         else:
-            stop_str = req.detok.update([token_id], is_final=is_done)
+            stop_str = stop_reason = req.detok.update([token_id], is_final=is_done)
         if stop_str is not None and not is_done:
             self.scheduler.finish(s.seq_id, "stop")
             is_done = True
@@ -212,7 +216,7 @@ class LLMEngine:
         result = RequestOutput(
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,
-            s.seq.finish_reason if is_done else None, logprobs)
+            s.seq.finish_reason if is_done else None, stop_reason, logprobs)
         if req.prompt_logprobs is not None and s.seq.num_output_tokens == 1:
             assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt token went unscored"
             result.prompt_logprobs = req.prompt_logprobs

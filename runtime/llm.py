@@ -17,6 +17,7 @@ class CompletionOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    stop_reason: int | str | None  # the stop string or stop token id that ended the text (engine.RequestOutput)
     # SamplingParams.logprobs / prompt_logprobs: entries {"token_id", "logprob", "top"} (engine.RequestOutput)
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
@@ -63,7 +64,7 @@ class LLM:
                     prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)  # the first output's
                     if out.finished:
                         done[out.request_id] = CompletionOutput(
-                            out.prompt_token_ids, out.token_ids, out.text, out.finish_reason,
+                            out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.stop_reason,
                             logprobs[out.request_id], prompt_logprobs[out.request_id])
                         bar.update(1)
         return [done[i] for i in ids]

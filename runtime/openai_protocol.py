@@ -331,14 +331,14 @@ class CompletionResponse(ResponseBuilder):
             self._echoed = True
             prefix, entries = self.echo, self._prompt_entries(self._prompt_logprobs) + entries
         return {"index": self.index, "text": prefix + out.new_text, "logprobs": self._logprobs(entries),
-                "finish_reason": out.finish_reason}
+                "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         final = outputs[-1] if self.generates else _nothing_generated(outputs[-1])
         entries = self._prompt_entries(outputs[0].prompt_logprobs) + self._generated_entries(outputs)
         text = (self.echo or "") + final.text
         choice = {"index": self.index, "text": text, "logprobs": self._logprobs(entries),
-                  "finish_reason": final.finish_reason}
+                  "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
         return self._envelope(self.object_name, [choice]) | {"usage": self.usage(final)}
 
     def usage(self, final: RequestOutput) -> dict:
@@ -382,7 +382,7 @@ class CompletionResponse(ResponseBuilder):
 def _nothing_generated(out: RequestOutput) -> RequestOutput:
     """max_tokens 0: the engine made one token (it always samples), which is not returned."""
     return replace(out, new_token_ids=[], new_text="", token_ids=[], text="", logprobs=[],
-                   finish_reason="length" if out.finished else None)
+                   finish_reason="length" if out.finished else None, stop_reason=None)
 
 
 class ChatResponse(ResponseBuilder):
@@ -395,11 +395,13 @@ class ChatResponse(ResponseBuilder):
 
     def _chunk_choice(self, out: RequestOutput) -> dict:
         return {"index": self.index, "delta": {"content": out.new_text} if out.new_text else {},
-                "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason}
+                "logprobs": self._logprobs(out.logprobs), "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
 
     def _choice(self, final: RequestOutput, entries: list[dict]) -> dict:
         return {"index": self.index, "message": {"role": "assistant", "content": final.text},
-                "logprobs": self._logprobs(entries), "finish_reason": final.finish_reason}
+                "logprobs": self._logprobs(entries), "finish_reason": final.finish_reason,
+                "stop_reason": final.stop_reason}
 
     def _logprobs(self, entries: list[dict]) -> dict | None:
         if not entries:

@@ -268,6 +268,13 @@ class Scheduler:
             return "length"
         return None
 
+    def stop_token(self, seq: Sequence) -> int | None:
+        """The stop_token_ids entry that stopped a sequence, None when EOS did (vLLM checks EOS first)."""
+        token_id, params = seq.last_token_id, seq.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return None
+        return token_id if token_id in params.stop_token_ids else None
+
     def check_integrity(self) -> None:
         """The KV manager's checks plus the queue invariants of the module docstring."""
         self.kv.check_integrity()

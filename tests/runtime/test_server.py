@@ -140,6 +140,7 @@ def test_completion_logprobs_and_stop(client):
     stop = text[2:4]  # a stop string the greedy continuation is known to contain
     cut = completion(client, prompt="abc", max_tokens=6, stop=stop).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == text[:text.index(stop)]
+    assert cut["stop_reason"] == stop and r["choices"][0]["stop_reason"] is None  # vLLM's: what stopped it
     # a stop string completed by the last allowed token is still a stop, as in OpenAI's API
     tokens = lp["tokens"]
     k = next(k for k in range(1, 6) if tokens[k] and text.find(tokens[k]) == len("".join(tokens[:k])))
@@ -151,7 +152,11 @@ def test_stop_token_ids_stop_the_completion(client, reference):
     ids = reference("abc", 6).token_ids
     r = completion(client, prompt="abc", max_tokens=6, stop_token_ids=[ids[2]]).json()["choices"][0]
     # vLLM's: the stop token ends the text and is not in it (it is in the token ids and usage)
-    assert r["finish_reason"] == "stop" and r["text"] == reference("abc", 2).text
+    assert r["finish_reason"] == "stop" and r["text"] == reference("abc", 2).text and r["stop_reason"] == ids[2]
+    with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 6,
+                                                        "temperature": 0, "stop_token_ids": [ids[2]], "stream": True}) as s:
+        last = sse_events(s.read().decode())[-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == ids[2]
 
 
 def test_null_max_tokens_means_the_rest_of_the_context(client, engine):
