@@ -54,11 +54,16 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
     from qkiln.compile.recipe import preset
     from qkiln.runtime.source import file_sha256, source_files
 
-    if artifact is not None:
-        return artifact
     source = resolve_source(model)
-    out = work_dir / f"{source.stem}-{recipe}"
     files = source_files(source)
+    if artifact is not None:
+        # Its rows are compared with Hugging Face's on `model`: say so when they are other weights.
+        built_from = read_manifest(artifact).source
+        if built_from.get("sha256") != file_sha256(files):
+            log(f"warning: {artifact} was built from {built_from.get('name', 'another model')}, not from the "
+                f"files of --model {model}: the baseline rows measure another model")
+        return artifact
+    out = work_dir / f"{source.stem}-{recipe}"
     built = preset(recipe)
     if num_samples is not None:
         built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))
@@ -127,7 +132,8 @@ def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tu
     hf = load_hf_model(model, torch.bfloat16)
     lat = hf_latency(hf, decode_wl, args["repeats"], label="hf-bf16 batch-1")
     c = hf.config
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen3 sets its own
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K and V, bf16
     roof = decode_roofline(bandwidth, weight_bytes(hf), kv_per_token, 1, args["input_len"] + args["output_len"] / 2)
     roof["percent_of_roofline"] = percent_of_roofline(lat["decode_tokens_per_s"]["median"], roof)
     lat["roofline"] = roof

@@ -72,9 +72,10 @@ def run_prefill(model: str, artifact: Path, args: dict) -> dict:
         raise BenchConfigError(f"prompt_lens must stay below the model's {limit} positions, "
                                f"got {max(args['prompt_lens'])}")
     engine = make_engine(loaded, max_num_seqs=1, max_num_batched_tokens=args["max_num_batched_tokens"])
-    sides = {"qkiln-w4a16": True}
+    label = f"qkiln-{loaded.manifest.recipe['name']}" if loaded.manifest is not None else "qkiln"
+    sides = {label: True}
     if _amx_ready():
-        sides = {"qkiln-w4a16-amx": True, "qkiln-w4a16-avx512": False}
+        sides = {f"{label}-amx": True, f"{label}-avx512": False}
     hf_model = None
     if args["hf"]:
         from .baselines import load_hf_model
@@ -101,8 +102,8 @@ def run_prefill(model: str, artifact: Path, args: dict) -> dict:
         if "hf-bf16" in row:
             row["hf_vs_qkiln"] = row["hf-bf16"]["seconds"]["median"] / row[first]["seconds"]["median"]
         if len(sides) == 2:
-            row["avx512_vs_amx"] = (row["qkiln-w4a16-avx512"]["seconds"]["median"]
-                                    / row["qkiln-w4a16-amx"]["seconds"]["median"])
+            row["avx512_vs_amx"] = (row[f"{label}-avx512"]["seconds"]["median"]
+                                    / row[f"{label}-amx"]["seconds"]["median"])
         rows[str(n)] = row
     del engine, hf_model
     gc.collect()

@@ -168,8 +168,9 @@ def main(model: str, *,
             plot_throughput_vs_concurrency(plot / "serve_throughput_vs_concurrency.png",
                                            {"qkiln": [(r["concurrency"], r["output_throughput"]) for r in bounded]},
                                            "output tokens/s")
+        names = [f"c={r['concurrency'] or 'all'}" for r in runs]
+        names = [f"{n} (level {i + 1})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # one curve each
         for metric in ("ttft", "tpot", "e2el"):
             plot_latency_cdfs(plot / f"serve_{metric}_cdf.png",
-                              {f"c={r['concurrency'] or 'all'}": r["samples"][f"{metric}_ms"] for r in runs},
-                              f"{metric.upper()} (ms)")
+                              {n: r["samples"][f"{metric}_ms"] for n, r in zip(names, runs)}, f"{metric.upper()} (ms)")
     return report

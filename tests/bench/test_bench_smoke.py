@@ -218,9 +218,11 @@ def test_prefill_tiny(tiny, tmp_path):
     for n, row in rows.items():
         engines = [e for e, v in row.items() if isinstance(v, dict)]
         assert "hf-bf16" in engines and len(engines) in (2, 3), engines  # qkiln: AMX on / off, or one
+        assert all(e == "hf-bf16" or e.startswith("qkiln-w4a16-rtn") for e in engines), engines  # the recipe built
         for e in engines:
             assert row[e]["seconds"]["n"] == 2 and _positive(row[e]["seconds"]), (n, e)
-            assert row[e]["tokens_per_s"]["median"] == pytest.approx(int(n) / row[e]["seconds"]["median"], rel=0.5)
+            secs = row[e]["seconds"]  # the median of n / seconds lies within n / its extremes, however noisy
+            assert int(n) / secs["max"] * 0.999 <= row[e]["tokens_per_s"]["median"] <= int(n) / secs["min"] * 1.001
         assert _positive(row["hf_vs_qkiln"])
     assert (tmp_path / "plots" / "prefill_100.png").is_file()
     with pytest.raises(BenchConfigError, match="below the model's 1024 positions"):
