@@ -13,7 +13,7 @@ import pytest
 from qkiln.runtime.async_engine import AsyncLLMEngine
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
-from qkiln.runtime.server import BackgroundServer, create_app
+from loopback import serving_app, serving_model
 from tiny_models import write_tiny_hf_model
 
 ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=8)
@@ -26,17 +26,19 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **ENGINE_KW)
-    yield eng
-    eng.shutdown()
+def served(model_dir):
+    with serving_model(model_dir, dtype="fp32", **ENGINE_KW) as engine_and_server:
+        yield engine_and_server
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    srv = BackgroundServer(create_app(engine, "tiny"))
-    yield srv
-    srv.stop()
+def engine(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -281,21 +283,17 @@ def test_metrics_change_after_requests(client):
 
 
 def test_api_key(engine):
-    srv = BackgroundServer(create_app(engine, "tiny", api_key=KEY))
-    try:
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
-            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-                r = c.post("/v1/completions", json=body, headers=headers)
-                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            assert c.get("/v1/models").status_code == 401
-            # refused before the body is read: a malformed one tells a caller without the key nothing
-            r = c.post("/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"})
+    with serving_app(engine, api_key=KEY) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = c.post("/v1/completions", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-            assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
-    finally:
-        srv.stop()
+        assert c.get("/v1/models").status_code == 401
+        # refused before the body is read: a malformed one tells a caller without the key nothing
+        r = c.post("/v1/completions", content=b'{"prompt": ', headers={"Content-Type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
 BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
@@ -416,12 +414,11 @@ def test_real_model_chat_through_the_server(smollm2):
     ref.add_request(ids, SamplingParams(max_tokens=24, temperature=0))
     expected = [out for _ in range(100) for out in ref.step() if out.finished]
     eng = AsyncLLMEngine(LLMEngine(model, smollm2.tokenizer, EngineConfig(num_kv_blocks=32)), "smollm2")
-    srv = BackgroundServer(create_app(eng))
     try:
-        body = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
-            "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0}).json()
+        with serving_app(eng, None) as srv:
+            body = httpx.post(f"{srv.url}/v1/chat/completions", timeout=120, json={
+                "model": "smollm2", "messages": messages, "max_tokens": 24, "temperature": 0}).json()
     finally:
-        srv.stop()
         eng.shutdown()
     choice = body["choices"][0]
     assert choice["message"]["content"] == expected[0].text and choice["finish_reason"] == expected[0].finish_reason

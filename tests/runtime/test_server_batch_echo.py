@@ -10,9 +10,8 @@ import httpx
 import pytest
 import torch
 
-from qkiln.runtime.async_engine import AsyncLLMEngine
 from qkiln.runtime.loader import load_for_serving
-from qkiln.runtime.server import BackgroundServer, create_app
+from loopback import serving_model
 from tiny_models import write_tiny_hf_model
 
 ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=48)
@@ -25,17 +24,10 @@ def model_dir(tmp_path_factory):
 
 @contextmanager
 def serving(model_dir, **engine_kw):
-    """The tiny model's engine behind a real server on loopback: (engine, HTTP client); both stop on exit."""
-    engine = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", name="tiny", **engine_kw)
-    try:
-        server = BackgroundServer(create_app(engine, "tiny"))
-        try:
-            with httpx.Client(base_url=server.url, timeout=120) as client:
-                yield engine, client
-        finally:
-            server.stop()
-    finally:
-        engine.shutdown()
+    """The tiny model behind a real server on loopback: (engine, HTTP client); both stop on exit."""
+    with serving_model(model_dir, dtype="fp32", **engine_kw) as (engine, server):
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield engine, client
 
 
 @pytest.fixture(scope="module")

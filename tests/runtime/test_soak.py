@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from qkiln.runtime.async_engine import AsyncLLMEngine
-from qkiln.runtime.server import BackgroundServer, create_app
+from loopback import serving_model
 from tiny_models import write_tiny_hf_model
 
 NUM_REQUESTS = 200
@@ -23,12 +22,9 @@ CANCEL_FRACTION = 0.3
 def served(tmp_path_factory):
     model_dir = write_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
     # 120 blocks of 16 slots cannot hold 48 running requests of up to ~90 tokens: preemption happens.
-    engine = AsyncLLMEngine.from_model(str(model_dir), name="tiny", num_kv_blocks=120, max_num_seqs=48,
-                                       max_num_batched_tokens=512, max_model_len=256)
-    server = BackgroundServer(create_app(engine, "tiny"))
-    yield engine, server
-    server.stop()
-    engine.shutdown()
+    with serving_model(model_dir, num_kv_blocks=120, max_num_seqs=48, max_num_batched_tokens=512,
+                       max_model_len=256) as engine_and_server:
+        yield engine_and_server
 
 
 def _request(rng: random.Random, i: int, shared: str) -> tuple[str, dict]:
