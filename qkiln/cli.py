@@ -223,6 +223,7 @@ def serve_cmd(
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
+    allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
@@ -242,7 +243,8 @@ def serve_cmd(
                   f"{engine.max_model_len}: a request (prompt and output) is limited to that; raise --kv-cache-mb "
                   "to serve the whole context", file=sys.stderr)
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
-        serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout)
+        serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
+              allowed_origins=allowed_origin)
 
 
 app.command("verify")(verify_cmd)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key)` and `serve()`.
+"""The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key, allowed_origins)` and `serve()`.
 
 Owns routes, authentication, the HTTP error mapping and the server-sent-event framing. Wire
 shapes live in openai_protocol.py, the engine thread in async_engine.py, Prometheus in
@@ -13,6 +13,9 @@ Invariants:
   the connection while it waits.
 - `/v1/*` needs `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are
   open (probes and scrapers), as in vLLM.
+- Browsers may call it cross-origin only from `allowed_origins` (none by default, unlike vLLM's
+  `*`: a page the user visits must not reach a server on their loopback). The CORS layer is
+  outside the key check, so a preflight, which carries no key, is answered.
 """
 
 import asyncio
@@ -25,6 +28,7 @@ import uuid
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,7 +42,9 @@ from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionReq
                               usage_chunk)
 
 
-def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None,
+               allowed_origins: list[str] | None = None) -> FastAPI:
+    """allowed_origins: origins browsers may call from (`*` for any); none by default."""
     model_name = model_name or engine.name
     metrics = ServerMetrics(engine, model_name)
     app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
@@ -46,6 +52,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     _install_error_handlers(app)
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:  # added last: the outermost layer
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     v1 = APIRouter(prefix="/v1")
     started = int(time.time())
 
@@ -364,7 +373,8 @@ def _param(loc) -> str | None:
 
 
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0) -> None:
+          model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0,
+          allowed_origins: list[str] | None = None) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
 
     SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn stops accepting, requests in flight
@@ -377,8 +387,8 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
     previous = signal.signal(signal.SIGTERM, _exit_cleanly) if on_main_thread else None
     try:
         # uvicorn's own bound is a backstop: by then every handler has had its EngineError
-        config = uvicorn.Config(create_app(engine, model_name, api_key), host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=shutdown_timeout + 5)
+        config = uvicorn.Config(create_app(engine, model_name, api_key, allowed_origins), host=host, port=port,
+                                log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5)
         server = _DrainingServer(config, engine, shutdown_timeout)
         server.run()
         if not server.started:  # the port was taken, say: uvicorn has logged why

@@ -296,6 +296,26 @@ def test_api_key(engine):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
+
+def test_cross_origin_calls_only_from_allowed_origins(engine, client):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    plain = client.post("/v1/completions", json=body, headers={"Origin": "https://app.example"})
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers  # none by default
+    with serving_app(engine, api_key=KEY, allowed_origins=["https://app.example"]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        ok = c.options("/v1/completions", headers=preflight)  # answered though it carries no key
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        r = c.post("/v1/completions", json=body,
+                   headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert c.post("/v1/completions", json=body, headers={"Origin": "https://app.example"}).status_code == 401
+        other = c.options("/v1/completions", headers=preflight | {"Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
 BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     "malformed json": ("/v1/completions", b'{"model": "tiny", "prompt": ', None),
