@@ -24,12 +24,14 @@ BLOCK_SIZE = 16
 
 
 def _step_inputs(vocab: int, num_tokens: int, context: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """One sequence's step: its last `num_tokens` positions of `context`, blocks 0.. in order."""
+    """One sequence's step: its last `num_tokens` positions of `context`, blocks 0.. in order; the
+    logits of its last row only, as a server samples."""
     tables = torch.arange(-(-context // BLOCK_SIZE), dtype=torch.int32)[None]
     positions = torch.arange(context - num_tokens, context)
     slots = tables[0, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
     return [torch.randint(0, vocab, (num_tokens,), generator=generator), positions, slots, tables,
-            torch.tensor([context], dtype=torch.int32), torch.tensor([0, num_tokens], dtype=torch.int32)]
+            torch.tensor([context], dtype=torch.int32), torch.tensor([0, num_tokens], dtype=torch.int32),
+            torch.tensor([num_tokens - 1])]
 
 
 def run_onnx_engine(artifact: Path, levels: list[int], context: int, repeats: int, threads: int) -> dict:

@@ -12,13 +12,14 @@ import tempfile
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from qkiln.errors import QkilnError
 
-from .artifact import check_finished_name, read_manifest, read_tensor_index, verify_artifact, weight_shards
+from .artifact import (MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index, verify_artifact,
+                       weight_shards)
 
 _ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
@@ -64,12 +65,24 @@ def remove_dead_unpacked() -> list[Path]:
 
 
 def verify_cmd(
-    path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz)")],
+    path: Annotated[Path, typer.Argument(help="artifact directory, or an archive (.tar, .tar.gz), or an ONNX engine "
+                                              "folder (qkiln export --format onnx)")],
     check_target: Annotated[bool, typer.Option(help="also refuse an artifact this machine cannot run")] = True,
-    engines: Annotated[bool, typer.Option("--engines", help="also run the ONNX engine against the artifact's weights")] = False,
+    engines: Annotated[bool, typer.Option("--engines",
+                                          help="also check engines/onnx/ against the artifact's weights")] = False,
+    artifact: Annotated[Optional[Path],
+                        typer.Option(help="for an engine folder: also check it is this artifact's engine")] = None,
 ):
     """Check the manifest version, target and every file's size and sha256 (no weights loaded);
-    with --engines, also that engines/onnx/ computes what the weights compute (two paged steps)."""
+    with --engines, also that engines/onnx/ is the engine this qkiln builds from the weights and
+    computes what they compute (two paged steps). An engine folder on its own: its files against
+    engine.json's sha256, and with --artifact, as --engines checks an artifact's."""
+    if _is_engine_folder(path):
+        _verify_engine_folder(path, artifact)
+        return
+    if artifact is not None:
+        _fail(QkilnError(f"--artifact is for an ONNX engine folder; {path} is not one (use --engines for an "
+                         "artifact's own engine)"))
     try:
         with ExitStack() as stack:
             if _is_archive(path):  # verified as it unpacks
@@ -83,10 +96,34 @@ def verify_cmd(
     print(f"ok: {num_files} files verified{checked}")
 
 
-def _check_onnx_engine(artifact: Path) -> str:
+def _is_engine_folder(path: Path) -> bool:
+    from .onnx_contract import CONTRACT_FILE
+
+    return path.is_dir() and (path / CONTRACT_FILE).is_file() and not (path / MANIFEST_NAME).exists()
+
+
+def _verify_engine_folder(path: Path, artifact: Path | None) -> None:
+    from .export_onnx import verify_engine_files
+
+    try:
+        contract = verify_engine_files(path)
+        checked = ""
+        if artifact is not None:
+            with unpacked(str(artifact)) as unpacked_artifact:
+                verify_artifact(unpacked_artifact, check_target=False)  # an engine may be checked anywhere
+                checked = _check_onnx_engine(Path(unpacked_artifact), path)
+    except QkilnError as e:
+        _fail(e)
+    made_from = contract.get("artifact", {})
+    print(f"ok: ONNX engine, {len(contract['files'])} files match engine.json's sha256 (exported from artifact "
+          f"{made_from.get('name')!r}, recipe {made_from.get('recipe')}){checked}"
+          + ("" if artifact else "; --artifact ARTIFACT also checks it is that artifact's engine"))
+
+
+def _check_onnx_engine(artifact: Path, engine_dir: Path | None = None) -> str:
     from .export_onnx import check_artifact_engine
 
-    check = check_artifact_engine(artifact, log=lambda msg: print(msg, file=sys.stderr))
+    check = check_artifact_engine(artifact, log=lambda msg: print(msg, file=sys.stderr), engine_dir=engine_dir)
     return f"; onnx engine checked: {check.summary()}" if check else "; onnx engine not checked"
 
 

@@ -6,14 +6,17 @@ serving steps and held to the artifact's own numerics before the directory appea
 package is an optional extra (`pip install 'qkiln[onnx]'`); nothing else imports it.
 """
 
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import onnx_nodes
 
-from .artifact import Manifest, load_tensors, read_manifest, verify_artifact
+from .artifact import Manifest, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, read_json_field, staged_directory
 from .onnx_check import OnnxCheck, check_fits_in_memory, require_engine_matches
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
@@ -79,14 +82,96 @@ def artifact_engine_dir(artifact: Path, purpose: str) -> Path:
     return engine_dir
 
 
-def check_artifact_engine(artifact: Path, log=print) -> OnnxCheck | None:
-    """Hold an artifact's engines/onnx/ to the artifact (onnx_check.py); ArtifactError if it misses,
-    None when the check would not fit in memory (said through `log`)."""
-    engine_dir = artifact_engine_dir(artifact, "check")
+def check_artifact_engine(artifact: Path, log=print, engine_dir: Path | None = None) -> OnnxCheck | None:
+    """Hold an artifact's engines/onnx/ (or `engine_dir`) to the artifact: it must be the engine
+    this qkiln builds from the artifact (require_engine_as_built), then compute what the artifact
+    computes (onnx_check.py). ArtifactError if it misses; None when the numerical check would not
+    fit in memory (said through `log`)."""
+    engine_dir = engine_dir or artifact_engine_dir(artifact, "check")
     require_onnx()
+    require_engine_as_built(Path(artifact), engine_dir)
     if not _check_fits(read_manifest(artifact), log):
         return None
     return require_engine_matches(Path(artifact), engine_dir)
+
+
+def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
+    """The engine in `engine_dir` must be the one this qkiln builds from the artifact: the same
+    nodes, graph inputs and outputs, engine.json, and every initializer the same bytes, except the
+    RoPE tables, computed with the platform's sin / cos, which must agree to 1e-6. Two numerical
+    steps cannot see a weight they never read (an embedding row, a far RoPE position); this covers
+    them all."""
+    import onnx
+    from onnx import numpy_helper
+
+    manifest = read_manifest(artifact)
+    expected = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
+    try:
+        actual = onnx.load(str(engine_dir / MODEL_FILE))
+        contract = json.loads((engine_dir / CONTRACT_FILE).read_text())
+    except Exception as e:  # a damaged file: onnx / json raise their own types
+        raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
+                            "re-export it from this artifact (qkiln export --format onnx)") from None
+    want, have = expected.model.graph, actual.graph
+    differs = [what for what, a, b in (
+        ("engine.json content", json.loads(json.dumps(expected.contract)), {k: v for k, v in contract.items()
+                                                                    if k != "files"}),
+        ("nodes", _serialized(want.node), _serialized(have.node)),
+        ("graph inputs", _serialized(want.input), _serialized(have.input)),
+        ("graph outputs", _serialized(want.output), _serialized(have.output)),
+        ("opsets", _serialized(expected.model.opset_import), _serialized(actual.opset_import))) if a != b]
+    theirs = {t.name: t for t in have.initializer}
+    weights = [t.name for t in want.initializer if t.name not in theirs or not _same_values(
+        numpy_helper.to_array(t), numpy_helper.to_array(theirs[t.name]), computed=t.name.startswith("rope."))]
+    weights += sorted(set(theirs) - {t.name for t in want.initializer})
+    if weights:
+        names = ", ".join(weights[:3]) + (", ..." if len(weights) > 3 else "")
+        differs.append(f"{len(weights)} of {len(want.initializer)} initializers ({names})")
+    if differs:
+        versions = (actual.producer_version or "?", expected.model.producer_version)
+        raise ArtifactError(f"the ONNX engine in {engine_dir} is not the one this qkiln builds from this artifact "
+                            f"(differing: {'; '.join(differs)}); re-export it (qkiln export --format onnx)"
+                            + (f" (it was written by qkiln {versions[0]}, this is {versions[1]})"
+                               if versions[0] != versions[1] else ""))
+
+
+def _serialized(protos) -> list[bytes]:
+    return [p.SerializeToString(deterministic=True) for p in protos]
+
+
+def _same_values(a, b, computed: bool) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if computed:  # torch's sin / cos differ by an ulp across CPUs
+        return bool(np.allclose(a, b, rtol=0.0, atol=1e-6))
+    return a.tobytes() == b.tobytes()
+
+
+def verify_engine_files(engine_dir: Path) -> dict:
+    """An engine folder on its own (qkiln export --format onnx): its files against engine.json's
+    sha256; returns engine.json. ArtifactError naming what differs."""
+    contract = _read_contract(engine_dir)
+    files = contract.get("files")
+    if not isinstance(files, dict) or set(files) != {MODEL_FILE, DATA_FILE}:
+        raise ArtifactError(f"{engine_dir / CONTRACT_FILE} lists no sha256 for {MODEL_FILE} and {DATA_FILE} "
+                            "(written before qkiln recorded them); re-export the engine")
+    for name, digest in sorted(files.items()):
+        if not (engine_dir / name).is_file():
+            raise ArtifactError(f"{engine_dir}: {name} is missing; re-export the engine")
+        if sha256_file(engine_dir / name) != digest:
+            raise ArtifactError(f"{engine_dir / name}: sha256 differs from engine.json's; the file was changed or "
+                                "damaged: re-export the engine")
+    return contract
+
+
+def _read_contract(engine_dir: Path) -> dict:
+    try:
+        contract = json.loads((Path(engine_dir) / CONTRACT_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
+    if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
+        raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract")
+    return contract
 
 
 def _check_fits(manifest: Manifest, log) -> bool:

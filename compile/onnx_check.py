@@ -36,7 +36,7 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_graph import CONTRACT_FILE, INPUTS, MODEL_FILE
+from .onnx_graph import CONTRACT_FILE, MODEL_FILE, step_inputs
 
 BLOCK_SIZE = 4
 # Peak resident memory of a check per model parameter: the float32 simulation, its float64 copy,
@@ -188,8 +188,9 @@ class ReferenceEngine:
         self.outputs = ["logits"] + [name.replace("cache.", "cache_out.", 1) for name in self.state]
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """INPUTS as torch tensors -> logits [num_tokens, vocab] float32; the caches advance."""
-        logits, *written = self.session.run(self.outputs, {n: t.numpy() for n, t in zip(INPUTS, inputs)} | self.state)
+        """INPUTS as torch tensors (step_inputs) -> logits [rows, vocab] float32; the caches advance."""
+        feeds = {n: t.numpy() for n, t in step_inputs(*inputs).items()}
+        logits, *written = self.session.run(self.outputs, feeds | self.state)
         self.state = dict(zip(self.state, written))
         for name, value in self.state.items():
             _, i, field = name.split(".")

@@ -7,9 +7,11 @@ auto_functionalized). Standard ops (opset 21) for everything but the cache, whic
 nodes of plugins/onnx_nodes.py read and write:
 
     inputs   input_ids, positions, slot_mapping [N] int64; block_tables [S, B], seq_lens [S],
-             query_start_loc [S + 1] int32; per layer `cache.{i}.{field}` in the cache's storage
-             dtype (k, v; int4 adds k_group_scale, k_group_min, v_group_scale, v_group_min)
-    outputs  logits [N, vocab] float32; `cache_out.{i}.{field}`, the caches after this step's write
+             query_start_loc [S + 1] int32; logits_indices [L] int64; per layer `cache.{i}.{field}`
+             in the cache's storage dtype (k, v; int4 adds k_group_scale, k_group_min,
+             v_group_scale, v_group_min)
+    outputs  logits [L, vocab] float32 (the rows logits_indices names: a server asks for the
+             sampled rows only); `cache_out.{i}.{field}`, the caches after this step's write
 
 Activations are float32. Weights keep their stored precision. int4 and fp8 linears are
 DequantizeLinear of codes laid out [in, out] (block-wise along in_features for groups) feeding
@@ -21,7 +23,7 @@ Symmetric int4 is INT4 without a zero point; asymmetric int4 is UINT4 with its i
 points, which ONNX Runtime takes and TensorRT's dequantize layer refuses (engine.json says which).
 
 The file: `model.onnx` with its weights in `model.onnx.data` (external data: protobuf's 2 GB limit)
-and `engine.json`, the input / output contract. Same artifact, same bytes.
+and `engine.json`, the contract a runtime drives it by (onnx_contract.py). Same artifact, same bytes.
 """
 
 import json
@@ -38,14 +40,9 @@ from qkiln.quant.pack import unpack_int4
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.rope import RotaryEmbedding
 
-from .artifact import Manifest
+from .artifact import Manifest, sha256_file
+from .onnx_contract import CONTRACT_FILE, DATA_FILE, INPUTS, IR_VERSION, MODEL_FILE, OPSET, engine_contract
 
-OPSET = 21  # block-wise DequantizeLinear with INT4 / UINT4
-# IR 10 came with opset 21 and the 4-bit types: the oldest that holds this graph, so the widest
-# range of runtimes reads it (onnx 1.23 writes IR 14 by default, which ONNX Runtime 1.31 refuses)
-IR_VERSION = 10
-MODEL_FILE, DATA_FILE, CONTRACT_FILE = "model.onnx", "model.onnx.data", "engine.json"
-INPUTS = ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 _FP8_MIN_SCALE = 1e-12  # the runtime's per-token fp8 scale floor (plugins/reference.py)
 _FLOAT = 1  # onnx.TensorProto.FLOAT; onnx itself is imported where used (the extra is optional)
 
@@ -95,8 +92,9 @@ def build_onnx_engine(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> O
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["num_tokens"]) for n in INPUTS[:3]]
     inputs += [helper.make_tensor_value_info("block_tables", TensorProto.INT32, ["num_seqs", "max_blocks"]),
                helper.make_tensor_value_info("seq_lens", TensorProto.INT32, ["num_seqs"]),
-               helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["num_seqs_plus_1"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_tokens", config.vocab_size])]
+               helper.make_tensor_value_info("query_start_loc", TensorProto.INT32, ["num_seqs_plus_1"]),
+               helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["num_logits"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["num_logits", config.vocab_size])]
     cache_io = []
     for i in range(config.num_hidden_layers):
         for field, (dtype, last) in builder.cache_fields().items():
@@ -112,31 +110,19 @@ def build_onnx_engine(manifest: Manifest, tensors: dict[str, torch.Tensor]) -> O
                                              helper.make_opsetid(onnx_nodes.DOMAIN, onnx_nodes.DOMAIN_VERSION)])
     model.doc_string = "one serving step of a qkiln artifact over its paged KV cache; see engine.json"
     onnx.helper.set_model_props(model, {"qkiln.artifact": manifest.name, "qkiln.kv_cache": kv["dtype"]})
-    contract = {
-        "format": "onnx", "ir_version": IR_VERSION, "opset": OPSET, "plugin_domain": onnx_nodes.DOMAIN,
-        "plugin_version": onnx_nodes.PLUGIN_VERSION, "plugins": ["CacheWrite", "PagedAttention"],
-        "model": MODEL_FILE, "external_data": DATA_FILE, "activation_dtype": "float32",
-        "kv_cache": {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
-                     "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
-                     "head_dim": config.head_dim},
-        "int4_zero_points": any(f"{n}.zeros" in tensors for n, e in linears.items() if e.get("format") == "int4"),
-        "artifact": {"name": manifest.name, "recipe": manifest.recipe.get("name"),
-                     "source_sha256": manifest.source.get("sha256")},
-        "inputs": list(INPUTS), "outputs": ["logits"],
-        "semantics": {  # what the runtime feeds (runtime/paged_attention.py, plugins/kv_cache.py)
-            "input_ids": "the step's tokens, all sequences flattened: sequence s owns rows "
-                         "query_start_loc[s] .. query_start_loc[s + 1], its last positions",
-            "positions": "each token's position in its sequence (RoPE)",
-            "slot_mapping": "where each token's K/V is written: block_id * block_size + offset; -1: not written",
-            "block_tables": "each sequence's cache blocks in order; rows padded with any valid block id",
-            "seq_lens": "each sequence's context length including this step's tokens",
-            "query_start_loc": "prefix sums of the sequences' token counts, starting at 0",
-            "cache": "layout and quantization per kv dtype: plugins/kv_cache.py; node inputs: plugins/onnx_nodes.py",
-        },
-        "cache": cache_io,
-        "aliasing": "each cache_out.* is its cache.* written in place: bind them to one buffer",
-    }
+    first_attention = "model.layers.0.self_attn."
+    contract = engine_contract(
+        manifest, config, kv, cache_io,
+        int4_zero_points=any(f"{n}.zeros" in tensors for n, e in linears.items() if e.get("format") == "int4"),
+        key_smoothing=first_attention + "k_channel_scale" in tensors, key_offset=first_attention + "k_offset" in tensors)
     return OnnxEngine(model, contract)
+
+
+def step_inputs(*inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A step's INPUTS by name; without logits_indices, every row's logits (scoring)."""
+    if len(inputs) == len(INPUTS) - 1:
+        inputs = (*inputs, torch.arange(len(inputs[0])))
+    return dict(zip(INPUTS, inputs, strict=True))
 
 
 def write_onnx_engine(engine: OnnxEngine, out_dir: Path) -> list[Path]:
@@ -150,7 +136,9 @@ def write_onnx_engine(engine: OnnxEngine, out_dir: Path) -> list[Path]:
                     location=DATA_FILE, size_threshold=1024)  # small constants (shapes, axes, eps) stay inline, so
     # checkers and shape inference that read the file by path (the only way past 2 GB) see them
     (out_dir / DATA_FILE).chmod(0o644)  # onnx creates it owner-only; an engine is meant to be shared
-    (out_dir / CONTRACT_FILE).write_text(json.dumps(engine.contract, indent=2, sort_keys=True) + "\n")
+    files = {name: sha256_file(out_dir / name) for name in (MODEL_FILE, DATA_FILE)}
+    (out_dir / CONTRACT_FILE).write_text(json.dumps(engine.contract | {"files": files}, indent=2, sort_keys=True)
+                                         + "\n")
     return [out_dir / MODEL_FILE, out_dir / DATA_FILE, out_dir / CONTRACT_FILE]
 
 
@@ -187,7 +175,7 @@ class _Builder:
             p = f"model.layers.{i}."
             x = g.op("Add", [x, self.attention(i, self.rms_norm(x, p + "input_layernorm.weight"))])
             x = g.op("Add", [x, self.mlp(p + "mlp.", self.rms_norm(x, p + "post_attention_layernorm.weight"))])
-        h = self.rms_norm(x, "model.norm.weight")
+        h = g.op("Gather", [self.rms_norm(x, "model.norm.weight"), "logits_indices"], axis=0)  # the rows asked for
         if "lm_head" in self.linears or not c.tie_word_embeddings:
             self.linear("lm_head", h, outputs=["logits"])
         else:

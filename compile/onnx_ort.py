@@ -21,7 +21,7 @@ from qkiln.errors import ArtifactError
 from qkiln.plugins import onnx_nodes
 from qkiln.plugins.kv_cache import KVCache
 
-from .onnx_graph import INPUTS, MODEL_FILE
+from .onnx_graph import MODEL_FILE, step_inputs
 
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 float activations .. 4 int8
 
@@ -78,14 +78,14 @@ class OrtEngine:
         self.caches = caches
 
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """INPUTS as torch tensors -> logits [num_tokens, vocab] float32; the caches are written."""
-        values: dict[str, np.ndarray] = {n: t.numpy() for n, t in zip(INPUTS, inputs)}
-        step_inputs = dict(zip(INPUTS, inputs))  # the same tensor objects for every layer's kernels
+        """INPUTS as torch tensors (step_inputs) -> logits [rows, vocab] float32; the caches are written."""
+        by_name = step_inputs(*inputs)  # the same tensor objects for every layer's kernels
+        values: dict[str, np.ndarray] = {n: t.numpy() for n, t in by_name.items()}
         for i, segment in enumerate(self.segments):
             if segment:
                 self._standard(i, values)
             if i < len(self.plugins):
-                self._plugin(self.plugins[i], values, step_inputs)
+                self._plugin(self.plugins[i], values, by_name)
         return torch.from_numpy(values["logits"])
 
     def fused_op_counts(self) -> dict[str, int]:
@@ -132,14 +132,14 @@ class OrtEngine:
         results = self.sessions[index].run(self.needed[index], {i: values[i] for i in inputs})
         values.update(zip(self.needed[index], results))
 
-    def _plugin_input(self, name: str, values: dict, step_inputs: dict) -> torch.Tensor | None:
+    def _plugin_input(self, name: str, values: dict, feeds: dict) -> torch.Tensor | None:
         if not name:
             return None
         if name.startswith(("cache.", "cache_out.")):  # the caches, written in place
             _, layer, field = name.split(".")
             return getattr(self.caches[int(layer)], field)
-        if name in step_inputs:
-            return step_inputs[name]
+        if name in feeds:
+            return feeds[name]
         if name in self.initializers:
             if name not in self.constants:
                 from onnx import numpy_helper
@@ -148,8 +148,8 @@ class OrtEngine:
             return self.constants[name]
         return torch.from_numpy(values[name])
 
-    def _plugin(self, node, values: dict, step_inputs: dict) -> None:
-        args = [self._plugin_input(name, values, step_inputs) for name in node.input]
+    def _plugin(self, node, values: dict, feeds: dict) -> None:
+        args = [self._plugin_input(name, values, feeds) for name in node.input]
         if node.op_type == "CacheWrite":
             torch.ops.qkiln.cache_write(*args)
         elif node.op_type == "PagedAttention":

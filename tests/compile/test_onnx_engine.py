@@ -6,6 +6,7 @@ with a bug fails that check; the CLI and `build --engine onnx` write complete, h
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_engine_computes_what_the_artifact_computes(root, case):
     assert contract["int4_zero_points"] == has_zeros == (case in ("w4a16-rtn", "w4a16-per-channel", "awq-kv-fp8",
                                                                           "w4a16-qwen2"))
     assert contract["kv_cache"]["dtype"] == (manifest.kv_cache or {"dtype": "bf16"})["dtype"]
-    assert [i.name for i in model.graph.input][:6] == contract["inputs"]
+    assert [i.name for i in model.graph.input][:7] == contract["inputs"]
     assert {c["output"] for c in contract["cache"]} == {o.name for o in model.graph.output} - {"logits"}
 
 
@@ -192,7 +193,8 @@ def test_smollm2_engine(smollm2, root):
 
 def test_engine_generates_what_the_artifact_generates(root):
     """Greedy decoding through the engine (a prefill, then one token a step, the caches carried
-    from step to step) gives the tokens the artifact's simulation gives."""
+    from step to step, logits for the last row only, as a server asks) gives the tokens the
+    artifact's simulation gives; engine.json names the limits and tokens a runtime needs."""
     import torch
 
     from qkiln.compile.onnx_check import ReferenceEngine
@@ -217,11 +219,20 @@ def test_engine_generates_what_the_artifact_generates(root):
         slots = table[0, positions // 4].long() * 4 + positions % 4
         logits = engine.step(torch.tensor(ids), positions, slots, table,
                              torch.tensor([position + len(ids)], dtype=torch.int32),
-                             torch.tensor([0, len(ids)], dtype=torch.int32))
+                             torch.tensor([0, len(ids)], dtype=torch.int32), torch.tensor([len(ids) - 1]))
+        assert logits.shape == (1, config.vocab_size)
         position += len(ids)
         ids = [int(logits[-1].argmax())]
         tokens += ids
     assert tokens == simulated_greedy(artifact, prompt, 8)
+    contract = json.loads((engine_dir / onnx_graph.CONTRACT_FILE).read_text())
+    assert contract["max_positions"] == config.max_position_embeddings
+    assert contract["tokens"]["eos_token_ids"] == list(config.eos_token_ids)
+    assert contract["attention"]["num_heads"] == config.num_attention_heads
+    assert set(contract["plugin_nodes"]) == {"CacheWrite", "PagedAttention"}
+    assert "round half to even" in contract["kv_cache"]["encoding"]  # this artifact's int4 cache, spelled out
+    assert contract["files"] == {n: hashlib.sha256((engine_dir / n).read_bytes()).hexdigest()
+                                 for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -264,11 +275,14 @@ def test_onnx_runtime_runs_the_engine(root, case, tmp_path):
 
 
 def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
-    """`qkiln verify --engines` runs the engine against the artifact's weights: an engine swapped in
-    from another artifact, with the manifest's hashes redone to match, passes the hash check and
-    fails this one: its engine.json names another cache, or (graph swapped alone) it cannot run on
-    this artifact's caches; both are typed errors, not the evaluator's stack."""
+    """`qkiln verify --engines` holds the engine to the artifact's weights: an engine swapped in from
+    another artifact, a graph swapped alone, an embedding row the numerical steps never read, or an
+    edited engine.json, each with the manifest's hashes redone to match, passes the hash check and
+    fails this one with a typed error."""
     import shutil
+
+    import onnx
+    from onnx import numpy_helper
 
     artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
     cmd = [sys.executable, "-m", "qkiln", "verify", "--engines"]
@@ -276,21 +290,56 @@ def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
     assert done.returncode == 0 and "onnx engine checked: logits" in done.stdout, done.stderr
     other = _artifact(root, "w4a16-rtn")
     export_onnx(other, tmp_path / "other", verify=False)
-    for files, message in (((onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE, onnx_graph.CONTRACT_FILE),
-                            "was built for another model or cache"),
-                           ((onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE), "failed to run")):
-        swapped = tmp_path / f"swapped-{len(files)}"
+    engine = artifact / "engines/onnx"
+    model = onnx.load(str(engine / onnx_graph.MODEL_FILE))
+    table = next(t for t in model.graph.initializer if t.name == "model.embed_tokens.weight")
+    rows = numpy_helper.to_array(table).copy()
+    rows[-1] = rows[-2]  # the last token's row: two short random steps almost never draw it
+    table.CopyFrom(numpy_helper.from_array(rows, table.name))
+    onnx.save_model(model, tmp_path / onnx_graph.MODEL_FILE, save_as_external_data=True,
+                    location=onnx_graph.DATA_FILE, size_threshold=1024)
+    contract = json.loads((engine / onnx_graph.CONTRACT_FILE).read_text())
+    (tmp_path / onnx_graph.CONTRACT_FILE).write_text(json.dumps(contract | {"int4_zero_points": True}))
+    cases = {"other": [tmp_path / "other" / n for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE,
+                                                         onnx_graph.CONTRACT_FILE)],
+             "graph": [tmp_path / "other" / n for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE)],
+             "one-row": [tmp_path / onnx_graph.MODEL_FILE, tmp_path / onnx_graph.DATA_FILE],
+             "contract": [tmp_path / onnx_graph.CONTRACT_FILE]}
+    errors = {}
+    for label, files in cases.items():
+        swapped = tmp_path / f"swapped-{label}"
         shutil.copytree(artifact, swapped)
         manifest = json.loads((swapped / "manifest.json").read_text())
-        for name in files:
-            data = (tmp_path / "other" / name).read_bytes()
-            (swapped / "engines/onnx" / name).write_bytes(data)
-            manifest["files"][f"engines/onnx/{name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        for path in files:
+            data = path.read_bytes()
+            (swapped / "engines/onnx" / path.name).write_bytes(data)
+            manifest["files"][f"engines/onnx/{path.name}"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                                               "size": len(data)}
         manifest["digest"] = manifest_digest(manifest)  # hashes redone, as a tamperer would
         (swapped / "manifest.json").write_text(json.dumps(manifest))
         assert subprocess.run([sys.executable, "-m", "qkiln", "verify", str(swapped)]).returncode == 0
         done = subprocess.run(cmd + [str(swapped)], capture_output=True, text=True)
-        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert done.returncode != 0 and "is not the one this qkiln builds" in done.stderr, (label, done.stderr)
+        assert "Traceback" not in done.stderr, done.stderr
+        errors[label] = done.stderr
+    assert re.search(r"\(differing: 1 of \d+ initializers \(model.embed_tokens.weight\)\)", errors["one-row"])
+    assert "(differing: engine.json content)" in errors["contract"], errors["contract"]
+
+
+def test_an_exported_engine_folder_is_verified_on_its_own_and_against_its_artifact(root, tmp_path):
+    artifact, other = _artifact(root, "w4a16-rtn"), _artifact(root, "gptq-symmetric-kv-int4")
+    export_onnx(artifact, tmp_path / "engine", verify=False)
+    verify = [sys.executable, "-m", "qkiln", "verify", str(tmp_path / "engine")]
+    done = subprocess.run(verify, capture_output=True, text=True)
+    assert done.returncode == 0 and "2 files match engine.json's sha256" in done.stdout, done.stderr
+    done = subprocess.run(verify + ["--artifact", str(artifact)], capture_output=True, text=True)
+    assert done.returncode == 0 and "onnx engine checked: logits" in done.stdout, done.stderr
+    done = subprocess.run(verify + ["--artifact", str(other)], capture_output=True, text=True)
+    assert done.returncode != 0 and "is not the one this qkiln builds" in done.stderr, done.stderr
+    data = tmp_path / "engine" / onnx_graph.DATA_FILE
+    data.write_bytes(data.read_bytes()[:-1] + b"\x01")
+    done = subprocess.run(verify, capture_output=True, text=True)
+    assert done.returncode != 0 and "model.onnx.data: sha256 differs" in done.stderr, done.stderr
 
 
 def test_builds_with_an_engine_are_byte_identical(root, tmp_path):
