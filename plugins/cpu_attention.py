@@ -196,6 +196,8 @@ def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale
         ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                             k_scale, v_scale, k_group_scale, k_group_min, v_group_scale, v_group_min)
         return out
+    if query.shape[0] == 0:  # no rows (the native kernels and the reference return this too)
+        return torch.empty(query.shape, dtype=query.dtype)
     step = _step_memo.get((block_tables, seq_lens, query_start_loc), block_size,
                           lambda: _StepIndex(block_tables, seq_lens, query_start_loc, block_size))
     q = _fold_query(query, k_scale, k_channel_scale, num_kv_heads, scale)

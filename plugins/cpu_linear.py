@@ -113,7 +113,9 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None, amx_codes=F
         return cpu_native.w8a16_gemm(rows, weight, scales, bias).reshape(*x.shape[:-1],
                                                                           out_features)
     rows = rows.to(torch.bfloat16)
-    if rows.shape[0] <= SMALL_M:
+    # torch's int8 kernel reads whole vectors along in_features: another width read past each
+    # weight row (NaN, 1e32, or a SIGSEGV at 2+ rows); the GEMM below takes any width
+    if rows.shape[0] <= SMALL_M and in_features % 32 == 0:
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight, scales)
     else:  # per-output-channel scale commutes with the GEMM: scale the result, not the weight
         if amx_codes:

@@ -16,6 +16,7 @@ depend only on the canonical weights (not on the CPU), but they are still a runt
 stored in an artifact. Layouts and math: the headers of the .cpp files.
 """
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -49,8 +50,11 @@ def _build(extra_cflags: list[str]):
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
     # -march=native code must not be reused on another CPU: the extensions dir is per machine
     # (~/.cache/torch_extensions), and a source or flag change rebuilds.
-    name = "qkiln_cpu" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
-                                 for f in extra_cflags)
+    # The checkout's path is in the name: two checkouts on one machine would otherwise share one
+    # build folder and rebuild every object each time the other one loaded (minutes each switch).
+    checkout = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
+    name = f"qkiln_cpu_{checkout}" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
+                                             for f in extra_cflags)
     return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
 

@@ -224,6 +224,9 @@ def triton_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_sc
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads, block_size = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:  # the kernels give each kv head num_heads // num_kv_heads query heads
+        raise ValueError(f"paged_attention: {num_heads} query heads cannot share {num_kv_heads} kv heads "
+                         "(query heads must be a multiple of kv heads)")
     if out is None:
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
     if num_tokens == 0:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qkiln.errors import RecipeError
 from qkiln.plugins.kv_cache import FP8_MAX, kv_dtype_of
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -168,8 +169,9 @@ def triton_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_s
         return
     assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
     groups = k_group_scale.shape[-1] if kv_mode == 2 else 1
-    assert kv_mode != 2 or triton.next_power_of_2(head_dim // groups) == head_dim // groups, \
-        "the Triton int4 cache needs a power-of-two group size"
+    if kv_mode == 2 and triton.next_power_of_2(head_dim // groups) != head_dim // groups:
+        raise RecipeError(f"the GPU's int4 KV cache needs a power-of-two group size, this one has "
+                          f"{head_dim // groups}; serve it on a CPU or rebuild with kv_cache group_size 16, 32 or 64")
     dummy = k_cache  # placeholder pointer for absent optional tensors (never read)
     _cache_write_kernel[(num_tokens, num_kv_heads)](
         key, value, k_cache, v_cache,

@@ -135,6 +135,30 @@ constexpr int64_t kSplitTokens = 512;
 // and 1.02x slower with parts from 48 tokens.
 constexpr int64_t kMinSplitTokens = 128;
 
+// The step's metadata against the cache and the query, before any row is read or written: a
+// scheduler bug or a malformed engine feed (compile/onnx_ort.py) is an error naming it, not a read
+// past the cache or a write past `out`. O(sequences + their blocks): nothing beside a step.
+void check_step_metadata(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, int64_t num_rows, int64_t num_blocks,
+                         int64_t block_size) {
+  const int64_t num_seqs = seq_lens.size(0), width = block_tables.size(1);
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_rows, "paged_attention: query_start_loc must run from 0 to ",
+              num_rows, " (the query's rows), got ", starts[0], " .. ", starts[num_seqs]);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = starts[s + 1] - starts[s], len = lens[s];
+    TORCH_CHECK(rows >= 0 && rows <= len && len <= width * block_size, "paged_attention: sequence ", s,
+                " has ", rows, " query rows and context ", len, "; needs 0 <= rows <= context <= ",
+                width * block_size, " (its block-table row)");
+    for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tables[s * width + b] >= 0 && tables[s * width + b] < num_blocks, "paged_attention: sequence ",
+                  s, " reads block ", tables[s * width + b], " (table entry ", b, "); the cache has ", num_blocks,
+                  " blocks");
+  }
+}
+
 // paged_attention's argument checks (AttentionTasks makes them; paged_attention before AmxPrefill).
 void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -155,9 +179,15 @@ void check_paged_attention_args(const at::Tensor& query, const at::Tensor& k_cac
   params.check(k_cache, D, "paged_attention");
   if (k_cache.scalar_type() == at::kByte)
     TORCH_CHECK(D == 32 || D == 64 || D == 128, "paged_attention: int4 caches need head_dim 32, 64 or 128");
-  TORCH_CHECK(cache_head_dim(k_cache) == D && D % kW == 0 && Hq % Hkv == 0 &&
-              query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
-              "paged_attention: shapes do not match (needs head_dim % 16 == 0)");
+  TORCH_CHECK(Hq % Hkv == 0, "paged_attention: ", Hq, " query heads cannot share ", Hkv,
+              " kv heads (query heads must be a multiple of kv heads)");
+  TORCH_CHECK(cache_head_dim(k_cache) == D && D % kW == 0, "paged_attention: query head_dim ", D,
+              " must equal the cache's and be a multiple of ", kW);
+  TORCH_CHECK(block_tables.dim() == 2 && query_start_loc.size(0) == num_seqs + 1 &&
+                  block_tables.size(0) == num_seqs,
+              "paged_attention: block_tables [S, B], seq_lens [S] and query_start_loc [S + 1] must agree on S");
+  check_step_metadata(block_tables, seq_lens, query_start_loc, query.size(0), k_cache.size(0),
+                      k_cache.size(1));
 }
 
 }  // namespace

@@ -50,6 +50,9 @@
 // noise or slower; on session 10's host); no row chunks (1024 rows: 1.19x instead of 1.38x).
 // Without AVX512-VNNI the same layout runs through plain C++ (tests of the portable build).
 
+#include <cmath>
+#include <limits>
+
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
 #include "vec.h"
@@ -80,7 +83,10 @@ inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   alignas(16) int8_t codes[kBlock];
 #ifdef QKILN_W4A8_VNNI
   const __m512 lo = load(x), hi = load(x + 16);  // exact widening to fp32
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  // max drops a NaN: the sum keeps it, so a NaN activation gives a NaN scale (the reference's)
+  if (std::isnan(_mm512_reduce_add_ps(_mm512_add_ps(lo, hi))))
+    amax = std::numeric_limits<float>::quiet_NaN();
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
   const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
@@ -89,8 +95,12 @@ inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   *scale = amax / 127.f;
   const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
 #else
-  float v[kBlock], amax = 0.f;
-  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i] = static_cast<float>(x[i])));
+  float v[kBlock], amax = 0.f, total = 0.f;
+  for (int i = 0; i < kBlock; ++i) {
+    amax = std::max(amax, std::fabs(v[i] = static_cast<float>(x[i])));
+    total += v[i];  // std::max drops a NaN; the sum keeps it
+  }
+  if (std::isnan(total)) amax = std::numeric_limits<float>::quiet_NaN();
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   int sum = 0;
   for (int i = 0; i < kBlock; ++i) {

@@ -38,6 +38,9 @@
 // ends and a 4-wide finish. Tried and not kept there: decoding both blocks of a chunk at once from
 // the word layout (vpshufb evens / odds): 0.8x at 4 rows.
 
+#include <cmath>
+#include <limits>
+
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
 #include "vec.h"
@@ -52,7 +55,10 @@ constexpr int64_t kBlock = 32;  // input channels per activation scale
 template <typename scalar_t>
 inline int quantize_block(const scalar_t* x, int8_t* q, float* scale) {
   const Vf lo = load(x), hi = load(x + 16);  // exact widening to fp32
-  const float amax = reduce_max(vmax(vmax(lo, sub(set1(0.f), lo)), vmax(hi, sub(set1(0.f), hi))));
+  float amax = reduce_max(vmax(vmax(lo, sub(set1(0.f), lo)), vmax(hi, sub(set1(0.f), hi))));
+  // max drops a NaN (it returns its other operand): the block's sum keeps it, so a NaN activation
+  // gives a NaN scale and output, as the reference's amax does, not finite codes
+  if (std::isnan(reduce_add(add(lo, hi)))) amax = std::numeric_limits<float>::quiet_NaN();
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   *scale = amax / 127.f;
 #if defined(__AVX2__)

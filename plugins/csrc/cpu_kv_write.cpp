@@ -86,9 +86,11 @@ void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_c
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   params.check(k_cache, D, "cache_write");
   for (const at::Tensor* x : {&key, &value})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == N && x->size(1) * x->size(2) == width &&
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == N && x->size(1) == Hkv && x->size(2) == D &&
                 x->stride(2) == 1 && x->stride(1) == x->size(2),
-                "cache_write: key/value must be [N, Hkv, D] with dense heads");
+                "cache_write: key/value must be [N, Hkv, D] as the cache is, with dense heads");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == N, "cache_write: slot_mapping has ",
+              slot_mapping.numel(), " slots for ", N, " rows");
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(slots[i] < num_slots, "cache_write: slot ", slots[i], " is past the cache");
   for (int which = 0; which < 2; ++which) {

@@ -192,3 +192,62 @@ def test_avx2_group_decode_agrees_with_the_tiled_kernel(head_dim, group, block_s
     assert rel_error(outs["1"], reference_paged_attention(*args).float()) < TOLERANCE[torch.bfloat16]
     assert rel_error(outs["1"], outs["0"]) < 1e-5
     assert not torch.equal(outs["1"], outs["0"])
+
+
+def _broken(batch, what: str):
+    """The batch's metadata with one thing wrong, as a scheduler bug or a malformed engine feed has it."""
+    tables, lens, starts = batch.block_tables.clone(), batch.seq_lens.clone(), batch.query_start_loc.clone()
+    if what in ("far block", "next block", "padding block"):
+        tables[0, 0] = {"far block": 10_000_000, "next block": 24, "padding block": -1}[what]
+    elif what == "context past its table":
+        lens[0] = tables.shape[1] * 16 + 1
+    elif what == "rows past the query":
+        starts[-1] += 5
+    elif what == "more rows than context":
+        lens[1] = 0
+    return tables, lens, starts
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("what, message", [
+    ("far block", "reads block 10000000"), ("next block", "reads block 24"), ("padding block", "reads block -1"),
+    ("context past its table", "needs 0 <= rows <= context"), ("rows past the query", "query_start_loc must run"),
+    ("more rows than context", "needs 0 <= rows <= context")])
+def test_native_attention_refuses_metadata_that_would_read_or_write_out_of_bounds(native_ext, kv_dtype, what,
+                                                                                 message):
+    """Where the torch path raised IndexError, the native kernels read past the cache (NaN output,
+    a SIGSEGV for a far block) or wrote past `out` (heap corruption): now a RuntimeError naming it."""
+    cache = make_cache(kv_dtype, 24, 2, 32)
+    batch = PagedBatch(MIXED, cache, num_heads=4)
+    query = batch.attention_args(cache, torch.float32)[0]
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(")):
+        paged_attention(query, cache, *_broken(batch, what), batch.scale)
+
+
+def test_native_cache_write_refuses_mismatched_rows_or_heads(native_ext):
+    from qkiln.plugins import cache_write
+
+    cache = make_cache("bf16", 8, 2, 64)
+    key = value = torch.randn(8, 2, 64)
+    with pytest.raises(RuntimeError, match="slot_mapping has 4 slots for 8 rows"):
+        cache_write(key, value, cache, torch.arange(4))
+    heads = torch.randn(8, 4, 32)  # the same width in other heads
+    with pytest.raises(RuntimeError, match=r"must be \[N, Hkv, D\] as the cache is"):
+        cache_write(heads, heads, cache, torch.arange(8))
+
+
+def test_query_heads_must_be_a_multiple_of_kv_heads(native_ext):
+    cache = make_cache("bf16", 24, 2, 32)
+    batch = PagedBatch(MIXED, cache, num_heads=3)
+    args = batch.attention_args(cache, torch.float32)
+    with pytest.raises(RuntimeError, match="3 query heads cannot share 2 kv heads"):
+        paged_attention(args[0], cache, *args[10:])
+
+
+@pytest.mark.parametrize("native_ops", ["1", "0"])
+def test_an_empty_step_gives_an_empty_result(native_ops, monkeypatch):
+    monkeypatch.setenv("QKILN_NATIVE_CPU_OPS", native_ops)  # "0": torch's code, which crashed on it
+    cache = make_cache("bf16", 8, 2, 32)
+    out = paged_attention(torch.empty(0, 4, 32), cache, torch.zeros(0, 2, dtype=torch.int32),
+                          torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 32 ** -0.5)
+    assert out.shape == (0, 4, 32)

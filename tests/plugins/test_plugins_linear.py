@@ -214,3 +214,16 @@ def test_packed_bf16_copies_compute_what_the_plain_weights_do(rows, monkeypatch)
         assert torch.equal(fp8_w8a8_linear(x, fp8, bias),
                            torch.ops.qkiln.fp8_w8a8_linear(x, _plain(fp8.weight), None, bias))
     assert torch.equal(_plain(onednn_pack(plain8)), plain8)
+
+
+@pytest.mark.parametrize("in_features", [33, 100, 104])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_torch_int8_path_takes_any_width(in_features, rows):
+    """torch's _weight_int8pack_mm reads whole vectors along in_features: at a width not a multiple
+    of 16 it returned NaN / 1e32 for one row and crashed the process for more. Those widths take
+    the GEMM instead."""
+    qweight = torch.randint(-128, 128, (37, in_features), dtype=torch.int8)
+    scales = torch.rand(37) * 0.01 + 0.001
+    weight = prepare_w8a16(qweight, scales, "cpu", use_native=False)
+    x = torch.randn(rows, in_features)
+    assert rel_error(w8a16_linear(x, weight), reference_w8a16_linear(x, qweight, scales)) < BF16_TOLERANCE

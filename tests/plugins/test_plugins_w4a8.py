@@ -157,6 +157,22 @@ def test_front_doors_round_int4_rows_always_and_int8_rows_when_few_or_paneled(na
     assert rel_error(w8a16_linear(few, head), reference_w8a16_linear(few.float(), q8, s8)) > 1e-3
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+def test_a_nan_activation_gives_nan_as_the_reference_does(native_ext, rows):
+    """SIMD max drops a NaN, so a row holding one was rounded to finite codes (outputs ~3e6):
+    hiding a divergence upstream. Its row must come out NaN, the others untouched."""
+    qweight, scales, zeros = canonical_int4(40, 576, 128, is_symmetric=False)
+    q8, s8 = torch.randint(-128, 128, (50, 576), dtype=torch.int8), torch.rand(50) * 0.01
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    x[0, 100] = float("nan")
+    for weight, linear in ((prepare_w4a16(qweight, scales, zeros, 128, "cpu", keep_dequantized=True,
+                                          int8_activations=True), w4a16_linear),
+                           (prepare_w8a16(q8, s8, "cpu", keep_dequantized=True, int8_activations=True),
+                            w8a16_linear)):
+        out = linear(x, weight)
+        assert out[0].isnan().all() and out[1:].isfinite().all()
+
+
 def test_shapes_the_kernel_cannot_take_keep_the_exact_path(native_ext):
     qweight, scales, zeros = canonical_int4(16, 80, 32, is_symmetric=True)  # 80 % 32 != 0
     weight = prepare_w4a16(qweight, scales, zeros, 32, "cpu", keep_dequantized=True,
