@@ -128,6 +128,12 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in [0, {vocab})",
                                "prompt")
+        # a stop token id indexes the logits when min_tokens bans it: one outside them failed the
+        # whole step, every request in it
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids entry {bad} is outside the vocabulary: ids must be in [0, {vocab})",
+                               "stop_token_ids")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")

@@ -12,6 +12,9 @@ from qkiln.errors import RequestError
 
 # Above this the sampler would have to sort and gather a very wide top-n per step; OpenAI caps at 20.
 MAX_LOGPROBS = 20
+# Stop strings are matched on the engine thread after every token of the request: 20,000 of them
+# slowed every other client's tokens 20x. OpenAI takes 4; evaluation tasks send a handful.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 32, 512
 # what torch.Generator.manual_seed takes: a seed outside it failed only after the request was queued
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # A positive temperature below this is raised to it, as vLLM does: logits / 1e-38 overflows float32
@@ -73,6 +76,9 @@ class SamplingParams:
                "stop_token_ids", f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+               f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
+               f"{len(self.stop)} (longest {max(map(len, self.stop), default=0)})")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
         n = self.prompt_logprobs

@@ -27,7 +27,7 @@ import time
 import uuid
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +42,13 @@ from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionReq
                               usage_chunk)
 
 
+# Larger than any body a request needs: a 128k-token prompt as ids is ~1 MB, an evaluation batch a few.
+MAX_BODY_BYTES = 64 << 20
+# Above clients' pool expiry (httpx and openai: 5 s, aiohttp: 15 s): at uvicorn's 5 s the server
+# closed idle connections just as clients reused them, ~1 request in 500 failing with a ReadError.
+KEEP_ALIVE_S = 30
+
+
 def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None,
                allowed_origins: list[str] | None = None) -> FastAPI:
     """allowed_origins: origins browsers may call from (`*` for any); none by default."""
@@ -50,6 +57,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
     _install_error_handlers(app)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     if allowed_origins:  # added last: the outermost layer
@@ -142,6 +150,11 @@ async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_toke
     """Token ids, tokenized off the event loop (a long prompt took seconds there, and every other
     client waited): a text too long for any context is refused before tokenizing."""
     _check_length(engine, len(text), what)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate, which UTF-8 cannot hold
+        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate at character {e.start}, which is not "
+                                  "text; send valid Unicode", param=what) from None
     return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
 
 
@@ -161,7 +174,7 @@ def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLME
     OpenAI's and vLLM's servers do, rather than cut short."""
     limit = engine.max_request_len
     holder = (f"model's {limit}-token context" if limit == engine.max_model_len
-              else f"KV cache's {limit - 1} tokens (serve --kv-cache-mb)")
+              else f"{limit}-token limit the KV cache sets (serve --kv-cache-mb)")
     room, takes = limit - prompt_len, "takes" if what.startswith("prompt") else "take"
     if room < 1 and prompt_len:
         raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
@@ -319,6 +332,35 @@ class _ApiKeyMiddleware:
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode("latin-1"), self.key)
 
 
+class _BodyLimitMiddleware:
+    """A body past `max_bytes` is refused with a 413: by its Content-Length before it is read, or,
+    sent without one, once that much has arrived (a 100 MB body was parsed whole, +0.9 GB)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+        self.message = (f"the body is larger than {max_bytes >> 20} MiB, more than any request this server "
+                        "takes needs; send less")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            body = error_body(self.message, code="request_too_large")
+            return await JSONResponse(body, status_code=413)(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:  # FastAPI passes an HTTPException from reading the body on
+                raise HTTPException(413, self.message)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
         super().__init__(message)
@@ -388,7 +430,8 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
     try:
         # uvicorn's own bound is a backstop: by then every handler has had its EngineError
         config = uvicorn.Config(create_app(engine, model_name, api_key, allowed_origins), host=host, port=port,
-                                log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5)
+                                log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         server = _DrainingServer(config, engine, shutdown_timeout)
         server.run()
         if not server.started:  # the port was taken, say: uvicorn has logged why

@@ -316,6 +316,21 @@ def test_cross_origin_calls_only_from_allowed_origins(engine, client):
         assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
+
+def test_a_body_past_the_limit_is_refused_413_however_it_is_sent(engine, monkeypatch):
+    from qkiln.runtime import server
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 2000)
+    body = json.dumps({"model": "tiny", "prompt": "x" * 3000, "max_tokens": 1}).encode()
+    with serving_app(engine) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        declared = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        chunked = c.post("/v1/completions", content=iter([body[:1500], body[1500:]]),  # no Content-Length
+                         headers={"Content-Type": "application/json"})
+        for r in (declared, chunked):
+            assert r.status_code == 413 and "larger than" in r.json()["error"]["message"], r.text
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "unknown model": ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     "malformed json": ("/v1/completions", b'{"model": "tiny", "prompt": ', None),
@@ -374,6 +389,18 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "continue and open a turn": ("/v1/chat/completions", chat_body(continue_final_message=True),
                                  "continue_final_message"),
     "top_p NaN": ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": NaN}', "top_p"),
+    # banned while min_tokens holds, it indexed the logits: the whole step failed, every request in it
+    "stop token outside the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5,
+                                                              "min_tokens": 2, "stop_token_ids": [10**6]},
+                                          "stop_token_ids"),
+    "too many stop strings": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [f"s{i}" for i in range(33)]},
+                              "stop"),
+    "a lone surrogate": ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
+    "a lone surrogate in chat": ("/v1/chat/completions",
+                                 b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}',
+                                 "messages"),
+    "too many messages": ("/v1/chat/completions", chat_body() | {"messages": [{"role": "user", "content": ""}] * 4097},
+                          "messages"),
 }
 
 
