@@ -117,6 +117,9 @@ def load_text_source(spec: str, self_generator: SelfGenerator | None = None, see
     if not spec or (sep and not rest and kind != "bundled"):  # bundled: lists its names itself
         raise CalibrationDataError(f"calibration source {spec!r} names nothing; use file:PATH, jsonl:PATH, "
                                    "hf:NAME:SPLIT, self:N, bundled:NAME or mix:A+B")
+    if not sep and not _exists(spec):  # a bare name: a file that is not there, or a misremembered source
+        raise CalibrationDataError(f"calibration source {spec!r}: no such file; use file:PATH, bundled:NAME "
+                                   f"({', '.join(bundled_names())}), self:N, jsonl:PATH, hf:NAME:SPLIT or mix:A+B")
     if not sep or _exists(spec):
         kind, rest = ("jsonl" if spec.endswith(".jsonl") else "file"), spec
     if kind == "file":

@@ -103,7 +103,7 @@ def _check_engines(engines: tuple[str, ...], recipe: Recipe) -> None:
     unknown = set(engines) - set(ENGINES)
     if unknown:
         raise RecipeError(f"unknown engine {', '.join(sorted(unknown))}; qkiln writes {', '.join(ENGINES)} "
-                          "(TensorRT plans are built from the ONNX engine where TensorRT is installed)")
+                          "(no TensorRT plan yet: TensorRT builds one from the ONNX engine)")
     if "onnx" in engines:
         require_onnx()
         w = recipe.scheme.weights

@@ -79,6 +79,9 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     out = Path(out_dir).absolute()
     recheck = lambda: check_replaceable(out, overwrite, "a checkpoint qkiln exported", _export_files)  # noqa: E731
     recheck()
+    kv = read_manifest(artifact).kv_cache  # refused before the weights load (~20 s for SmolLM2)
+    if kv and not drop_kv and kv.get("dtype") != "fp8":
+        raise ArtifactError(_kv_refusal(f"an {kv['dtype']} KV cache"))
     qm, stored = _load(artifact)
     tensors, quant_config, info = _compressed_state(qm, drop_kv)
     # as the artifact stores them (bf16, norms fp32); a dequantized head as computed
@@ -234,6 +237,11 @@ def _linear_tensors(name: str, w, group_size: int | None, pack_to_int32) -> dict
     return out
 
 
+def _kv_refusal(why: str) -> str:
+    return (f"the artifact uses {why}, which compressed-tensors cannot express; rebuild with kv-fp8 and "
+            "kv_cache.key_smoothing: false, or export the weights only (--drop-kv)")
+
+
 def _kv_cache(qm: QuantizedModel, drop_kv: bool):
     """-> (kv_cache_scheme dict or None, tensors, strategy)."""
     kv = qm.scheme.kv_cache
@@ -243,8 +251,7 @@ def _kv_cache(qm: QuantizedModel, drop_kv: bool):
     if kv.dtype != "fp8" or smoothed:
         why = (f"an {kv.dtype} KV cache" if kv.dtype != "fp8"
                else f"key smoothing (k_channel_scale, layer {smoothed[0]})")
-        raise ArtifactError(f"the artifact uses {why}, which compressed-tensors cannot express; rebuild with "
-                            "kv-fp8 and kv_cache.key_smoothing: false, or export the weights only (--drop-kv)")
+        raise ArtifactError(_kv_refusal(why))
     scales = [s for k, v in qm.kv.values() for s in (_offset_free_scale(k), v.scale)]
     per_tensor = all(torch.equal(s, s[:1].expand_as(s)) for s in scales)
     tensors = {}

@@ -121,6 +121,7 @@ class OrtEngine:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(self.accuracy_level))
         if self.optimized_dir is not None:
             options.optimized_model_filepath = str(Path(self.optimized_dir) / f"segment_{index}.onnx")
+            options.log_severity_level = 3  # its warning that the saved graph is host-specific, once per segment
         return self.ort.InferenceSession(sub.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
     def _standard(self, index: int, values: dict) -> None:

@@ -19,6 +19,7 @@ stored in an artifact. Layouts and math: the headers of the .cpp files.
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ _ops_enabled = True
 
 
 def _build(extra_cflags: list[str]):
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).
@@ -55,8 +56,18 @@ def _build(extra_cflags: list[str]):
     checkout = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
     name = f"qkiln_cpu_{checkout}" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
                                              for f in extra_cflags)
-    return load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+    # A first compile takes minutes with nothing on the screen: say so, or it looks hung.
+    folder = Path(_get_build_directory(name, verbose=False))
+    first = not (folder / f"{name}.so").exists()
+    if first:
+        print(f"qkiln: compiling its CPU kernels for this machine, once (about 5 minutes on 2 cores; kept in "
+              f"{folder})", file=sys.stderr)
+    start = time.perf_counter()
+    module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
+                  extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+    if first:
+        print(f"qkiln: CPU kernels compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return module
 
 
 def _load_or_none(what: str, switches: tuple[str, ...], build, fallback: str):

@@ -6,6 +6,7 @@ exit code; anything else is a bug and keeps its traceback.
 
 import json
 import signal
+import socket
 import sys
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
@@ -21,8 +22,17 @@ app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no
                   pretty_exceptions_enable=False)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        print(f"qkiln {version('qkiln')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root():
+def _root(show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                     help="print qkiln's version and exit")] = False):
     """qkiln: calibrate, quantize, compile and serve LLMs."""
 
 
@@ -124,13 +134,13 @@ def build_cmd(
     source: Annotated[str, typer.Argument(help="source model: alias (smollm2-135m), HF dir or .gguf")],
     recipe: Annotated[str, typer.Option(help="preset (w4a16-gptq, fp8-w8a8+kv-fp8, ...) or YAML/TOML file")],
     out: Annotated[Path, typer.Option("-o", "--out", help="artifact directory to create")],
-    calib: Annotated[Optional[str], typer.Option(help="calibration data: bundled:NAME, file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, mix:A+B")] = None,
-    num_samples: Annotated[Optional[int], typer.Option(help="calibration samples")] = None,
-    target: Annotated[Optional[str], typer.Option(help="cpu or cuda")] = None,
-    eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report")] = None,
+    calib: Annotated[Optional[str], typer.Option(help="calibration data: bundled:NAME, file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, mix:A+B [default: the recipe's, else mix:bundled:wikitext2-valid+bundled:pride-and-prejudice]")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="calibration samples [default: the recipe's, else 128]")] = None,
+    target: Annotated[Optional[str], typer.Option(help="cpu or cuda [default: the recipe's, else cpu]")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report [default: the recipe's, else none]")] = None,
     eval_tokens: Annotated[Optional[int],
-                           typer.Option(help="tokens scored in the accuracy report (as eval's --max-tokens)")] = None,
-    eval_seq_len: Annotated[Optional[int], typer.Option(help="window length of the accuracy report (as eval's --seq-len)")] = None,
+                           typer.Option(help="tokens scored in the accuracy report, as eval's --max-tokens [default: the recipe's, else 4096; eval's is 16384]")] = None,
+    eval_seq_len: Annotated[Optional[int], typer.Option(help="window length of the accuracy report, as eval's --seq-len [default: the recipe's, else 512]")] = None,
     archive: Annotated[Optional[Path], typer.Option(help="also write the artifact as one .tar/.tar.gz")] = None,
     force: Annotated[bool, typer.Option("--force", help="replace an existing artifact (and --archive file)")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="ignore the per-layer build cache")] = False,
@@ -229,6 +239,7 @@ def serve_cmd(
     from qkiln.runtime.async_engine import AsyncLLMEngine
     from qkiln.runtime.server import serve
 
+    _check_port_free(host, port)  # before the model loads (seconds to minutes)
     with ExitStack() as stack:  # an archive's unpacked folder lives as long as the server
         try:
             path = stack.enter_context(unpacked(model))
@@ -245,6 +256,14 @@ def serve_cmd(
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
         serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
               allowed_origins=allowed_origin)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    try:
+        socket.create_server((host, port)).close()  # SO_REUSEADDR, as uvicorn binds
+    except OSError as e:
+        _fail(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or stop "
+                         "what holds it"))
 
 
 app.command("verify")(verify_cmd)

@@ -79,8 +79,8 @@ def resolve_source(name: str | Path) -> Path:
             "or place it under ../shared/models/smollm2-135m-instruct/"
         )
     raise SourceModelError(
-        f"source model {name!r} not found: give a Hugging Face directory, a .gguf file or one of "
-        f"the aliases {', '.join(ALIASES)}"
+        f"{name!r} not found: give an artifact (directory or archive), a Hugging Face directory, a .gguf file "
+        f"or one of the aliases {', '.join(ALIASES)}"
     )
 
 
@@ -113,7 +113,8 @@ def _load_hf_dir(path: Path) -> SourceModel:
         if (path / WEIGHTS_DIR).is_dir():  # an artifact's layout without its manifest, which is written last
             raise ArtifactError(f"{path} looks like a qkiln artifact but has no {MANIFEST_NAME}: it is incomplete "
                                 "or damaged; rebuild it (qkiln build) or fetch it again")
-        raise SourceModelError(f"{path} has no config.json; is this a Hugging Face model directory?")
+        raise SourceModelError(f"{path} is neither a qkiln artifact (no {MANIFEST_NAME}) nor a Hugging Face model "
+                               "(no config.json); give an artifact, a model directory, a .gguf file or an alias")
     try:
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))
     except (json.JSONDecodeError, KeyError) as e:

@@ -46,7 +46,11 @@ def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
                          (["eval", str(path), "--data", str(text), "--seq-len", "32", "--max-tokens", "128"],
                           '"perplexity"'),
                          (["export", str(path), "-o", str(tmp_path / "hf")], "verified with compressed-tensors")):
-        out, err = _cli(args, tmpdir).communicate(timeout=300)
+        process = _cli(args, tmpdir)
+        try:
+            out, err = process.communicate(timeout=300)
+        finally:
+            process.kill()  # a no-op once it ended; else it would outlive the test
         assert "error" not in err and (expect is None or expect in out), (args, out, err)
         assert list(tmpdir.iterdir()) == [], args  # the unpacked copy is gone
 

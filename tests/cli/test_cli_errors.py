@@ -28,6 +28,26 @@ def test_help_on_every_subcommand():
     assert run_cli("eval", "--help").returncode == 0
 
 
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.startswith("qkiln 0.")
+
+
+def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("serve", str(tmp_path / "not-even-loaded"), "--port", str(port))
+    assert_one_line_error(result, f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+    assert "serving" not in result.stderr
+
+
+def test_a_folder_that_is_neither_artifact_nor_model(tmp_path):
+    (tmp_path / "notes.txt").write_text("hi")
+    assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "neither a qkiln artifact")
+
+
 def test_missing_model(tmp_path):
     assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", "x.txt"), "not found")
 
