@@ -233,6 +233,32 @@ def _accuracy_line(acc: dict | None) -> str:
     return ", ".join(words)
 
 
+def _target_words(target: dict) -> str:
+    cc = target.get("min_compute_capability")
+    return str(target.get("device")) + (f", compute capability >= {cc}" if cc else "")
+
+
+def _scheme_words(scheme: dict) -> str:
+    """A recipe's scheme as a reader says it: `int4 asym g128 (gptq), lm_head int8 per-channel, ...`."""
+    def numbers(q: dict | None, what: str) -> str:
+        if not q:
+            return f"{what} unquantized"
+        kind = f"{'fp' if q.get('type') == 'float' else 'int'}{q.get('num_bits')}"
+        sym = "" if q.get("type") == "float" else (" sym" if q.get("symmetric") else " asym")
+        group = f" g{q['group_size']}" if q.get("group_size") else " per-channel"
+        return f"{what} {kind}{sym}{group}"
+
+    weights = numbers(scheme.get("weights"), "weights")
+    if scheme.get("weights"):
+        weights += f" ({scheme.get('algorithm')})"
+    acts = scheme.get("activations")
+    acts = (f"activations fp{acts.get('num_bits')} {'dynamic per token' if acts.get('dynamic') else 'static'}"
+            if acts else "activations 16-bit")
+    kv = scheme.get("kv_cache")
+    kv = f"KV {kv['dtype']}" + (f" g{kv['group_size']}" if kv["dtype"] == "int4" else "") if kv else "KV 16-bit"
+    return ", ".join([weights, numbers(scheme.get("lm_head"), "lm_head"), acts, kv])
+
+
 def _format_summary(s: dict) -> list[str]:
     sizes = s["sizes"]
     dtypes = ", ".join(f"{k} {_size(v)}" for k, v in sizes["tensor_bytes_by_dtype"].items()) or "none"
@@ -240,8 +266,9 @@ def _format_summary(s: dict) -> list[str]:
         if sizes["compression_ratio"] else "unknown (manifest records no source size)"
     lines = [
         f"name:         {s['name']} (format {s['format_version']})",
-        f"target:       {json.dumps(s['target'], sort_keys=True)}",
-        f"recipe:       {json.dumps(_short(s['recipe']), sort_keys=True)}",
+        f"target:       {_target_words(s['target'])}",
+        f"recipe:       {s['recipe'].get('name') or 'unnamed'}: {_scheme_words(s['recipe'].get('scheme') or {})} "
+        f"(inspect --json: all of it)",
         f"quantization: {s['quantization']['num_entries']} linears {json.dumps(s['quantization']['schemes'])}",
         f"kv cache:     {json.dumps(_short(s['kv_cache']), sort_keys=True)}",
         f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
