@@ -205,8 +205,25 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
                                                       "output_tokens_per_s"),
               "throughput_w4a16_int8act_vs_ort_genai": _ratio(offline.get("qkiln-w4a16-int8act", _NOT_RUN),
                                                               offline["ort-genai-int4"], "output_tokens_per_s")}
-    return {"artifact": str(artifact), "bandwidth": bandwidth, "batch1_decode": decode, "offline_throughput": offline,
-            "ratios": ratios, "targets": TARGETS}
+    results = {"artifact": str(artifact), "bandwidth": bandwidth, "batch1_decode": decode,
+               "offline_throughput": offline, "ratios": ratios, "targets": TARGETS}
+    return results | {"caveats": caveats(results, args["repeats"])}
+
+
+def caveats(results: dict, repeats: int) -> list[str]:
+    """What makes this run's figures unfit to compare (printed under the table, kept in the JSON)."""
+    notes = []
+    if repeats < 3:
+        notes.append(f"{repeats} repeat(s): each figure is a single run or two, not a median, and a 'met' "
+                     "verdict means little; compare runs of --repeats 3 or more on a quiet host")
+    above = [name for name, row in results["batch1_decode"].items()
+             if row.get("roofline", {}).get("percent_of_roofline", 0) > 100]
+    if above:
+        bw = results["bandwidth"]["bytes_per_s"]
+        notes.append(f"{', '.join(above)} above 100% of the roofline: the copy bandwidth ({bw['median'] / 1e9:.1f} "
+                     f"GB/s, {bw['min'] / 1e9:.1f}-{bw['max'] / 1e9:.1f}) was measured low, likely on a busy host; "
+                     "the % column is not meaningful this run")
+    return notes
 
 
 def print_comparison(results: dict, args: dict) -> None:
@@ -237,6 +254,8 @@ def print_comparison(results: dict, args: dict) -> None:
         verdict = "" if target is None or value is None else (" (target >= %gx: %s)" % (
             target, "met" if value >= target else "NOT met"))
         print(f"{key}: {'-' if value is None else f'{value:.2f}x'}{verdict}")
+    for note in results.get("caveats", []):
+        print(f"note: {note}")
     sys.stdout.flush()
 
 

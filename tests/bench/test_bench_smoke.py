@@ -165,6 +165,7 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert _positive(res["ratios"]["decode_stack_vs_python_layers"])
     assert _positive(res["ratios"]["throughput_w4a16_int8act_vs_best_hf"])
     assert (tmp_path / "plots" / "cpu_compare_decode.png").is_file()
+    assert res["caveats"][0].startswith("1 repeat(s): each figure is a single run")  # said under the table
     built = cpu_compare.ensure_artifact(str(tiny), None, tmp_path / "work")  # reused, not rebuilt
     assert str(built) == res["artifact"]
 
