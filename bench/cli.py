@@ -229,7 +229,7 @@ def quality_command(
     max_tokens: Annotated[int, typer.Option(help="evaluation tokens (wiki.test.raw)")] = 16384,
     only: Annotated[Optional[str], typer.Option(help="comma-separated row names (exact)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
-    workdir: Annotated[Optional[Path], typer.Option(help="keep the row artifacts here")] = None,
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", "--work-dir", help="keep the row artifacts here")] = None,
     reuse: Annotated[bool, typer.Option("--reuse", help="keep rows already built in --workdir")] = False,
     llmcompressor_python: Annotated[Optional[Path], typer.Option(
         help="an interpreter with llmcompressor (its own venv, see bench/llmc_reference.py): adds its rows")] = None,

@@ -228,7 +228,7 @@ def serve_cmd(
     max_num_seqs: Annotated[int, typer.Option(help="requests batched together at most")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per engine step")] = 1024,
     max_model_len: Annotated[Optional[int], typer.Option(help="context length, at most the model's (default: the model's)")] = None,
-    kv_cache_mb: Annotated[int, typer.Option(help="KV cache pool size in MiB")] = 512,
+    kv_cache_mb: Annotated[int, typer.Option("--kv-cache-mb", "--kv-cache-mib", help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
