@@ -3,7 +3,7 @@ engine files a build puts under the artifact's engines/onnx/ (`qkiln build --eng
 
 The graph comes from onnx_graph.py and is checked by onnx_check.py: written, then run for two
 serving steps and held to the artifact's own numerics before the directory appears. The `onnx`
-package is an optional extra (`pip install 'qkiln[onnx]'`); nothing else imports it.
+package is an optional extra (`pip install -e '.[onnx]'`); nothing else imports it.
 """
 
 import json
@@ -18,10 +18,10 @@ from qkiln.plugins import onnx_nodes
 
 from .artifact import Manifest, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, read_json_field, staged_directory
-from .onnx_check import OnnxCheck, check_fits_in_memory, require_engine_matches
+from .onnx_check import OnnxCheck, check_fits_in_memory, read_engine_contract, require_engine_matches
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
-INSTALL_HINT = "pip install 'qkiln[onnx]' (or: pip install onnx==1.23.2)"
+INSTALL_HINT = "pip install -e '.[onnx]' in qkiln's checkout (or: pip install onnx==1.23.2)"
 ENGINE_DIR = "onnx"  # under the artifact's engines/
 ENGINES = ("onnx",)  # what `qkiln build --engine` writes
 
@@ -106,10 +106,10 @@ def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
 
     manifest = read_manifest(artifact)
     expected = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
+    contract = read_engine_contract(engine_dir)
     try:
         actual = onnx.load(str(engine_dir / MODEL_FILE))
-        contract = json.loads((engine_dir / CONTRACT_FILE).read_text())
-    except Exception as e:  # a damaged file: onnx / json raise their own types
+    except Exception as e:  # a damaged file: onnx and protobuf raise their own types
         raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
                             "re-export it from this artifact (qkiln export --format onnx)") from None
     want, have = expected.model.graph, actual.graph
@@ -150,7 +150,7 @@ def _same_values(a, b, computed: bool) -> bool:
 def verify_engine_files(engine_dir: Path) -> dict:
     """An engine folder on its own (qkiln export --format onnx): its files against engine.json's
     sha256; returns engine.json. ArtifactError naming what differs."""
-    contract = _read_contract(engine_dir)
+    contract = read_engine_contract(engine_dir)
     files = contract.get("files")
     if not isinstance(files, dict) or set(files) != {MODEL_FILE, DATA_FILE}:
         raise ArtifactError(f"{engine_dir / CONTRACT_FILE} lists no sha256 for {MODEL_FILE} and {DATA_FILE} "
@@ -161,16 +161,6 @@ def verify_engine_files(engine_dir: Path) -> dict:
         if sha256_file(engine_dir / name) != digest:
             raise ArtifactError(f"{engine_dir / name}: sha256 differs from engine.json's; the file was changed or "
                                 "damaged: re-export the engine")
-    return contract
-
-
-def _read_contract(engine_dir: Path) -> dict:
-    try:
-        contract = json.loads((Path(engine_dir) / CONTRACT_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
-    if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
-        raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract")
     return contract
 
 

@@ -203,19 +203,26 @@ def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[to
     return [engine.step(*step).double() for step in steps], caches
 
 
-def check_contract(engine_dir: Path, kv_cache: dict) -> None:
-    """The engine's engine.json must describe this artifact's cache (an engine of other weights
-    would otherwise fail deep inside the evaluator, or worse, run)."""
+def read_engine_contract(engine_dir: Path) -> dict:
+    """engine.json, or an ArtifactError saying it is unreadable or not a qkiln engine's."""
     import json
 
     try:
-        contract = json.loads((engine_dir / CONTRACT_FILE).read_text())
+        contract = json.loads((Path(engine_dir) / CONTRACT_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ArtifactError(f"{engine_dir / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
-    theirs = {key: contract.get("kv_cache", {}).get(key) for key in kv_cache}
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
+    if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
+        raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract; re-export it")
+    return contract
+
+
+def check_contract(engine_dir: Path, kv_cache: dict) -> None:
+    """The engine's engine.json must describe this artifact's cache (an engine of other weights
+    would otherwise fail deep inside the evaluator, or worse, run)."""
+    theirs = {key: read_engine_contract(engine_dir).get("kv_cache", {}).get(key) for key in kv_cache}
     if theirs != kv_cache:
-        raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache "
-                            f"(engine.json kv_cache {theirs}, this artifact {kv_cache}); re-export it from this artifact")
+        raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache (engine.json "
+                            f"kv_cache {theirs}, this artifact {kv_cache}); re-export it from this artifact")
 
 
 def _distance(a: torch.Tensor, exact: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ def require_onnxruntime():
         import onnxruntime
     except ImportError:
         raise ArtifactError("running an engine under ONNX Runtime needs onnxruntime: "
-                            "pip install 'qkiln[onnx]'") from None
+                            "pip install -e '.[onnx]' in qkiln's checkout") from None
     return onnxruntime
 
 
