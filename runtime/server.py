@@ -6,7 +6,8 @@ metrics.py. Must not touch the `LLMEngine` directly.
 
 Invariants:
 - A bad request never reaches the engine's step loop and never takes the server down: every
-  refusal is a 400 (401 for auth) with OpenAI's body `{"error": {message, type, param, code}}`.
+  refusal is a 400 (401 for auth, 413 for a body past MAX_BODY_BYTES) with OpenAI's body
+  `{"error": {message, type, param, code}}`.
   Validation errors (including malformed JSON) are 400, not FastAPI's default 422.
 - A request whose client goes away is aborted: a streaming response is cancelled by Starlette
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
