@@ -259,8 +259,9 @@ def serve_cmd(
 
 
 def _check_port_free(host: str, port: int) -> None:
-    try:
-        socket.create_server((host, port)).close()  # SO_REUSEADDR, as uvicorn binds
+    try:  # the address family the host resolves to (an IPv6 host, a name), SO_REUSEADDR as uvicorn binds
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
     except OSError as e:
         _fail(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or stop "
                          "what holds it"))

@@ -33,14 +33,20 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("qkiln 0.")
 
 
-def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path):
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path, host):
     import socket
 
-    with socket.create_server(("127.0.0.1", 0)) as taken:
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as taken:
         port = taken.getsockname()[1]
-        result = run_cli("serve", str(tmp_path / "not-even-loaded"), "--port", str(port))
-    assert_one_line_error(result, f"cannot listen on 127.0.0.1:{port}", "pick another --port")
+        result = run_cli("serve", str(tmp_path / "not-even-loaded"), "--host", host, "--port", str(port))
+    assert_one_line_error(result, f"cannot listen on {host}:{port}", "pick another --port")
     assert "serving" not in result.stderr
+    from qkiln.cli import _check_port_free
+
+    _check_port_free(host, port)  # free again: passes (an IPv6 host was refused as "address family")
 
 
 def test_a_folder_that_is_neither_artifact_nor_model(tmp_path):
