@@ -85,15 +85,20 @@ def verify_cmd(
                          "artifact's own engine)"))
     try:
         with ExitStack() as stack:
-            if _is_archive(path):  # verified as it unpacks
-                artifact = Path(stack.enter_context(unpacked(str(path), check_target=check_target)))
-                num_files = len(read_manifest(artifact).files)
-            else:
-                artifact, num_files = Path(path), len(verify_artifact(path, check_target=check_target))
+            artifact, num_files = _verified(stack, path, check_target)
             checked = _check_onnx_engine(artifact) if engines else ""
     except QkilnError as e:
         _fail(e)
     print(f"ok: {num_files} files verified{checked}")
+
+
+def _verified(stack: ExitStack, path: Path, check_target: bool) -> tuple[Path, int]:
+    """An artifact directory verified, or an archive unpacked (for as long as `stack` lives), which
+    verifies it as it unpacks: (its directory, its number of files)."""
+    if _is_archive(path):
+        artifact = Path(stack.enter_context(unpacked(str(path), check_target=check_target)))
+        return artifact, len(read_manifest(artifact).files)
+    return Path(path), len(verify_artifact(path, check_target=check_target))
 
 
 def _is_engine_folder(path: Path) -> bool:
@@ -109,9 +114,9 @@ def _verify_engine_folder(path: Path, artifact: Path | None) -> None:
         contract = verify_engine_files(path)
         checked = ""
         if artifact is not None:
-            with unpacked(str(artifact)) as unpacked_artifact:
-                verify_artifact(unpacked_artifact, check_target=False)  # an engine may be checked anywhere
-                checked = _check_onnx_engine(Path(unpacked_artifact), path)
+            with ExitStack() as stack:
+                verified, _ = _verified(stack, artifact, check_target=False)  # an engine may be checked anywhere
+                checked = _check_onnx_engine(verified, path)
     except QkilnError as e:
         _fail(e)
     made_from = contract.get("artifact", {})
