@@ -36,6 +36,7 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
+from .onnx_contract import kv_cache_shape
 from .onnx_graph import CONTRACT_FILE, MODEL_FILE, step_inputs
 
 BLOCK_SIZE = 4
@@ -116,10 +117,8 @@ class ArtifactCaches:
                        if p.format(0) + key in tensors}
 
     def contract(self) -> dict:
-        """engine.json's kv_cache entry an engine of this artifact has."""
-        c = self.config
-        return {"dtype": self.kv["dtype"], "group_size": self.kv.get("group_size"), "num_layers": c.num_hidden_layers,
-                "num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}
+        """engine.json's kv_cache shape an engine of this artifact has."""
+        return kv_cache_shape(self.kv, self.config)
 
     def new(self, num_blocks: int) -> list[KVCache]:
         c = self.config

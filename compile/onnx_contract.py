@@ -100,11 +100,9 @@ def engine_contract(manifest: Manifest, config: ModelConfig, kv: dict, cache_io:
         "max_positions": config.max_position_embeddings,
         "attention": {"num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
                       "head_dim": config.head_dim, "scale": config.head_dim ** -0.5},
-        "kv_cache": {"dtype": kv["dtype"], "group_size": kv.get("group_size"),
-                     "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
-                     "head_dim": config.head_dim, "encoding": _kv_encoding(kv, manifest),
-                     "key_smoothing": key_smoothing, "key_offset": key_offset,
-                     "block_size": "any size >= 1, the same for every cache tensor (qkiln's runtime uses 16)"},
+        "kv_cache": kv_cache_shape(kv, config) | {
+            "encoding": _kv_encoding(kv, manifest), "key_smoothing": key_smoothing, "key_offset": key_offset,
+            "block_size": "any size >= 1, the same for every cache tensor (qkiln's runtime uses 16)"},
         "int4_zero_points": int4_zero_points,
         "inputs": list(INPUTS), "outputs": ["logits"],
         "semantics": INPUT_SEMANTICS | {"logits": "[len(logits_indices), vocab_size] float32"},
@@ -115,6 +113,13 @@ def engine_contract(manifest: Manifest, config: ModelConfig, kv: dict, cache_io:
                        "with float activations as the artifact does (ONNX Runtime's default, 4, rounds "
                        "activations to int8). fp8 and int8 weights are dequantized each step (not fused)",
     }
+
+
+def kv_cache_shape(kv: dict, config: ModelConfig) -> dict:
+    """The part of engine.json's kv_cache entry that says which caches the engine takes: what an
+    engine of another model or cache differs in (onnx_check.check_contract compares it)."""
+    return {"dtype": kv["dtype"], "group_size": kv.get("group_size"), "num_layers": config.num_hidden_layers,
+            "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}
 
 
 def _kv_encoding(kv: dict, manifest: Manifest) -> str:
