@@ -107,6 +107,24 @@ def _exists(path: str) -> bool:
         return False
 
 
+_SPEC_KINDS = ("file", "jsonl", "hf", "bundled", "self", "mix")
+
+
+def portable_spec(spec: str) -> str:
+    """The spec as provenance: every file path reduced to its name. The text's sha256 recorded
+    beside it names the data; a path says only where one host kept it, and made the same build
+    from another directory a different manifest (and digest)."""
+    kind, sep, rest = spec.partition(":")
+    if kind == "mix":
+        return "mix:" + "+".join(portable_spec(p) for p in rest.split("+"))
+    if kind in ("file", "jsonl"):
+        path, hash_, field = rest.partition("#")
+        return f"{kind}:{Path(path).name}{hash_}{field}"
+    if sep and kind in _SPEC_KINDS:
+        return spec
+    return Path(spec).name if spec else spec  # a bare path
+
+
 def load_text_source(spec: str, self_generator: SelfGenerator | None = None, seed: int = 0) -> TextSource:
     kind, sep, rest = spec.partition(":")
     if kind == "mix":

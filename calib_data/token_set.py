@@ -16,7 +16,7 @@ import torch
 
 from qkiln.errors import CalibrationDataError
 
-from .sources import TextSource
+from .sources import TextSource, portable_spec
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: i
     starts = [rng.randrange(0, len(stream) - seq_len + 1) for _ in range(num_samples)]
     ids = torch.tensor([stream[s : s + seq_len] for s in starts], dtype=torch.int64)
     provenance = {
-        "source": source.spec,
+        "source": portable_spec(source.spec),
         "num_samples": num_samples,
         "seq_len": seq_len,
         "seed": seed,

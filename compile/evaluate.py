@@ -15,6 +15,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +31,11 @@ Scorer = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class EvalProtocol:
-    data: str
+    data: str  # the file's name; data_sha256 names its text wherever it was read from
     seq_len: int
     max_tokens: int
     add_bos: bool
-    data_sha256: str = ""  # the text's UTF-8 bytes: names the data whatever path it was read from
+    data_sha256: str = ""  # of the text's UTF-8 bytes
 
     def to_dict(self) -> dict:
         return {
@@ -104,7 +105,7 @@ def evaluate_many(
                                    f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
     if batch_size < 1:
         raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
-    protocol = EvalProtocol(str(data_path), seq_len, max_tokens, tokenizer.add_bos,
+    protocol = EvalProtocol(Path(data_path).name, seq_len, max_tokens, tokenizer.add_bos,
                             hashlib.sha256(text.encode("utf-8")).hexdigest())
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)

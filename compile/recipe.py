@@ -153,8 +153,16 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """As the manifest records it: data files by name (their sha256 is in the calibration and
+        accuracy records), so a build's manifest does not depend on the directory it ran in."""
+        from qkiln.calib_data import portable_spec  # imports torch: not at recipe load
+
+        evaluation = dataclasses.asdict(self.evaluation)
+        if self.evaluation.data is not None:
+            evaluation["data"] = portable_spec(self.evaluation.data)
+        calibration = dataclasses.asdict(self.calibration) | {"source": portable_spec(self.calibration.source)}
         return {"name": self.name, "scheme": self.scheme.to_dict(), "target": self.target,
-                "calibration": dataclasses.asdict(self.calibration), "evaluation": dataclasses.asdict(self.evaluation)}
+                "calibration": calibration, "evaluation": evaluation}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "Recipe":

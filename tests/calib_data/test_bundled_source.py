@@ -47,3 +47,16 @@ def test_a_jsonl_text_that_is_not_a_string_names_its_line(tmp_path, value):
     path.write_text('{"text": "fine"}\n{"text": ' + value + '}\n')
     with pytest.raises(CalibrationDataError, match=r"d.jsonl:2: expected a JSON object with a 'text' string"):
         load_text_source(f"jsonl:{path}")
+
+
+@pytest.mark.parametrize("spec, recorded", [
+    ("/data/x/wiki.test.raw", "wiki.test.raw"),
+    ("file:../shared/data/emma.txt", "file:emma.txt"),
+    ("jsonl:/d/chat.jsonl#content", "jsonl:chat.jsonl#content"),
+    ("mix:self:8+file:/a/b.txt+bundled:wikitext2-valid", "mix:self:8+file:b.txt+bundled:wikitext2-valid"),
+    ("hf:wikitext/wikitext-2-raw-v1:test", "hf:wikitext/wikitext-2-raw-v1:test"),
+])
+def test_provenance_names_files_without_their_directories(spec, recorded):
+    from qkiln.calib_data import portable_spec
+
+    assert portable_spec(spec) == recorded

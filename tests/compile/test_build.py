@@ -62,10 +62,16 @@ def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_pat
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     first = build(str(model), _recipe("w4a16-awq+kv-fp8", text), tmp_path / "a", progress=False, log=lambda m: None)
-    again = build(str(model), _recipe("w4a16-awq+kv-fp8", text), tmp_path / "b", use_cache=False, progress=False,
-                  log=lambda m: None)
+    # the same text read through another path: the manifest and reports name the file, not the path
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / text.name).write_bytes(text.read_bytes())
+    monkeypatch.chdir(elsewhere)
+    again = build(str(model), _recipe("w4a16-awq+kv-fp8", Path(text.name)), tmp_path / "b", use_cache=False,
+                  progress=False, log=lambda m: None)
     a, b = _files(first.path), _files(again.path)
     ma, mb = (json.loads(files.pop("manifest.json")) for files in (a, b))
+    assert ma["recipe"]["evaluation"]["data"] == text.name and ma["calibration"]["source"] == text.name
     assert a == b  # only the artifact name (the directory's) differs, and the manifest's digest with it
     assert {k: v for k, v in ma.items() if k not in ("name", "digest")} == \
         {k: v for k, v in mb.items() if k not in ("name", "digest")}
