@@ -97,7 +97,7 @@ def evaluate_many(
 ) -> dict[str, dict]:
     """Score several models on the same windows; the reference runs once per batch for all."""
     if seq_len < 2 or max_tokens < 2:
-        raise CalibrationDataError("--seq-len and --max-tokens must be at least 2")
+        raise CalibrationDataError("--seq-len and --eval-tokens must be at least 2")
     text = read_text_exact(data_path)
     ids = leading_tokens(tokenizer, text, max_tokens)
     if len(ids) < min(seq_len, max_tokens):

@@ -43,7 +43,7 @@ def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
     tmpdir.mkdir()
     for args, expect in ((["generate", str(path), "--prompt", "hello", "--max-tokens", "3"], None),
                          (["inspect", str(path)], "w4a16-rtn: weights int4 asym g128 (rtn), lm_head int8"),
-                         (["eval", str(path), "--data", str(text), "--seq-len", "32", "--max-tokens", "128"],
+                         (["eval", str(path), "--data", str(text), "--seq-len", "32", "--eval-tokens", "128"],
                           '"perplexity"'),
                          (["export", str(path), "-o", str(tmp_path / "hf")], "verified with compressed-tensors")):
         process = _cli(args, tmpdir)

@@ -114,7 +114,7 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"),
                                   "--seq-len", "100000"), "exceeds the model's context")
     report = tmp_path / "new" / "dir" / "r.json"  # a folder that is not there yet is made, not a lost report
-    done = run_cli(*base, "--data", str(tmp_path / "t.txt"), "--max-tokens", "64", "--json", str(report))
+    done = run_cli(*base, "--data", str(tmp_path / "t.txt"), "--eval-tokens", "64", "--json", str(report))
     assert done.returncode == 0 and json.loads(report.read_text())["num_tokens"] > 0, done.stderr
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--json", str(tmp_path / "t.txt" / "r.json")),
                           "cannot write there")
@@ -160,7 +160,7 @@ def test_an_artifact_given_as_a_build_source_is_named_as_one(tmp_path):
 def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_context(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
     (tmp_path / "t.txt").write_text("hello there, general kenobi " * 40)
-    base = ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"), "--seq-len", "32", "--max-tokens", "96")
+    base = ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"), "--seq-len", "32", "--eval-tokens", "96")
     other = write_tiny_hf_model(tmp_path / "other", seed=1)
     tok = json.loads((other / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
@@ -189,7 +189,7 @@ def test_a_window_with_its_bos_must_fit_the_context(tmp_path):
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True}))
     (tmp_path / "t.txt").write_text("hello there " * 40)
-    base = ("eval", str(model), "--data", str(tmp_path / "t.txt"), "--max-tokens", "96")
+    base = ("eval", str(model), "--data", str(tmp_path / "t.txt"), "--max-tokens", "96")  # the older name
     assert_one_line_error(run_cli(*base, "--seq-len", "32"), "a window of 33 tokens")  # was an IndexError
     assert run_cli(*base, "--seq-len", "31").returncode == 0
 

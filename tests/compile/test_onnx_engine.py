@@ -368,7 +368,7 @@ def test_eval_scores_the_engine_as_the_simulation(root, tmp_path, runner):
     artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
     text = str(root / "calib.txt")
     cmd = [sys.executable, "-m", "qkiln", "eval", str(artifact), "--engine", runner, "--data", text,
-           "--seq-len", "64", "--max-tokens", "512", "--json", str(tmp_path / "engine.json")]
+           "--seq-len", "64", "--eval-tokens", "512", "--json", str(tmp_path / "engine.json")]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     report = json.loads((tmp_path / "engine.json").read_text())
