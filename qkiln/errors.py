@@ -32,9 +32,10 @@ class ArtifactError(QkilnError):
     """An artifact is incomplete, tampered, of an unknown version or for another target."""
 
 
-class RequestError(QkilnError):
+class RequestError(QkilnError, ValueError):
     """A generation request is invalid (bad parameters, prompt too long). `param` names the
-    request field at fault, which the server reports as OpenAI's `param`."""
+    request field at fault, which the server reports as OpenAI's `param`. A ValueError too, as
+    vLLM's invalid SamplingParams are."""
 
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)

@@ -59,8 +59,8 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str
         self.min_tokens = min_tokens
         self._token_ids = list(prompt_token_ids)
-        self.prefix_offset = max(len(self._token_ids) - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
         self.read_offset = len(self._token_ids)
+        self.prefix_offset = self._initial_prefix_offset()
         self.output_text = ""
         self.num_output_tokens = 0
         self._num_chars_sent = 0
@@ -101,6 +101,19 @@ class IncrementalDetokenizer:
         text = self.output_text[self._num_chars_sent:end]
         self._num_chars_sent = end
         return text
+
+    def _initial_prefix_offset(self) -> int:
+        """INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET prompt tokens back, moved further back while the
+        window starts inside a character (at most the 3 continuation bytes of one UTF-8 character).
+        A byte-fallback decoder (Llama-2, Mistral) renders a run of byte tokens that starts
+        mid-character as one U+FFFD per byte, and output bytes that joined that run came out as
+        U+FFFD too: prompt "中文" then output "字 hello" read "\ufffd\ufffd\ufffd hello"."""
+        start = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+        for _ in range(3):
+            if start == 0 or not self._decode(self._token_ids[start:self.read_offset]).startswith(_REPLACEMENT_CHAR):
+                break
+            start -= 1
+        return start
 
     def _decode_next(self, flush: bool) -> str:
         ids = self._token_ids

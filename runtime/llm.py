@@ -1,12 +1,18 @@
 """`LLM`: the offline API. `LLM(model).generate(prompts, SamplingParams)` runs every prompt
-through the continuously batched engine and returns the outputs in prompt order."""
+through the continuously batched engine and returns the outputs in prompt order; `LLM.chat`
+renders conversations with the model's chat template first. Names follow vLLM's `LLM` where
+qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}` prompts)."""
 
+import dataclasses
+import numbers
+import threading
 from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from qkiln.errors import RequestError
+from qkiln.errors import RequestError, SourceModelError
 
+from .engine import EngineConfig
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
@@ -22,41 +28,76 @@ class CompletionOutput:
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Sum of the generated tokens' logprobs (vLLM's field); None unless logprobs were asked."""
+        return None if self.logprobs is None else sum(entry["logprob"] for entry in self.logprobs)
+
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, **engine_kwargs):
-        """int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
-        loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
-        self.engine = loaded.engine(**engine_kwargs)
+    def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, device: str = "cpu",
+                 **engine_kwargs):
+        """model: an artifact directory or archive, or a source model (alias, HF directory, .gguf).
+        engine_kwargs: EngineConfig's fields (max_num_seqs, num_kv_blocks, kv_dtype, ...).
+        int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:  # before the model loads; EngineConfig's own TypeError named an internal class
+            raise TypeError(f"LLM() has no option {', '.join(unknown)}; it takes model, dtype, int8_activations, "
+                            f"device and the engine's {', '.join(sorted(known))}")
+        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
+        self.engine = loaded.engine(device=device, **engine_kwargs)
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
+        # One call steps the engine at a time: two threads stepping it took each other's outputs.
+        self._lock = threading.Lock()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[CompletionOutput]:
-        """Outputs in prompt order. `params`: one for all prompts, or one per prompt. A prompt the
-        engine refuses, or an interrupt, aborts every request of this call: the LLM stays usable."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if isinstance(params, list) and len(params) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(params)} SamplingParams; give one for all "
-                               "or one per prompt")
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids: list[str] = []
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[CompletionOutput]:
+        """Outputs in prompt order. prompts: a string, token ids, {"prompt": str} or {"prompt_token_ids":
+        [...]}, or a list of those. sampling_params: one for all prompts, or one per prompt. A prompt
+        the engine refuses, or an interrupt, aborts every request of this call: the LLM stays usable.
+        Calls from several threads run one after another."""
+        prompts = _prompt_list(prompts)
+        if isinstance(sampling_params, list) and len(sampling_params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
+                               "all or one per prompt")
+        params_list = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or SamplingParams()] * len(prompts)
+        with self._lock:
+            ids: list[str] = []
+            try:
+                for p, sp in zip(prompts, params_list):
+                    ids.append(self.engine.add_request(p, sp))
+                return self._run(ids, params_list, use_tqdm)
+            finally:
+                for request_id in ids:  # those still running after an error or an interrupt
+                    self.engine.abort_request(request_id)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+        """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the model's
+        chat template and tokenized as `/v1/chat/completions` does: the template places BOS, so
+        none is added (encoding the rendered text added a second one on Llama / Mistral templates)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(p, sp))
-            return self._run(ids, params_list, progress)
-        finally:
-            for request_id in ids:  # those still running after an error or an interrupt
-                self.engine.abort_request(request_id)
+            prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt),
+                                             add_special_tokens=False) for c in conversations]
+        except SourceModelError as e:  # no template, or the template refused these messages
+            raise RequestError(str(e), "messages") from e
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], params_list: list, progress: bool) -> list[CompletionOutput]:
+    def _run(self, ids: list[str], params_list: list, use_tqdm: bool) -> list[CompletionOutput]:
         done: dict[str, CompletionOutput] = {}
         # generated tokens' logprobs, for the requests that asked (None for the others)
         logprobs: dict[str, list | None] = {i: [] if sp is not None and sp.logprobs is not None else None
                                             for i, sp in zip(ids, params_list)}
         prompt_logprobs: dict[str, list | None] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if logprobs[out.request_id] is not None:
@@ -68,3 +109,46 @@ class LLM:
                             logprobs[out.request_id], prompt_logprobs[out.request_id])
                         bar.update(1)
         return [done[i] for i in ids]
+
+
+def _prompt_list(prompts) -> list[str | list[int]]:
+    """The engine's prompt forms (text, or token ids as a list of ints) from what vLLM users pass."""
+    if isinstance(prompts, (str, dict)) or _token_ids(prompts) is not None:
+        prompts = [prompts]
+    elif hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:  # a batch of token-id rows
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestError(f"prompts must be a string, token ids, a prompt dict or a list of those, "
+                           f"got {type(prompts).__name__}", "prompt")
+    return [_one_prompt(p, i) for i, p in enumerate(prompts)]
+
+
+def _one_prompt(prompt, index: int) -> str | list[int]:
+    if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and (ids := _token_ids(prompt["prompt_token_ids"])) is not None:
+            return ids
+        raise RequestError(f"prompt {index}: a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' "
+                           f"(a list of ints), got keys {sorted(prompt)}", "prompt")
+    if isinstance(prompt, str):
+        return prompt
+    ids = _token_ids(prompt)
+    if ids is None:
+        raise RequestError(f"prompt {index} must be a string or a list of token ids (ints), "
+                           f"got {type(prompt).__name__}", "prompt")
+    return ids
+
+
+def _token_ids(x) -> list[int] | None:
+    """x as a list of ints when it is a 1-D sequence of integers (list, tuple, numpy, torch), else None."""
+    if hasattr(x, "tolist") and getattr(x, "ndim", None) == 1:  # numpy / torch, without importing either
+        x = x.tolist()
+    if isinstance(x, (list, tuple)) and x and all(_is_token_id(t) for t in x):
+        return [int(t) for t in x]
+    return None
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)

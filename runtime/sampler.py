@@ -10,8 +10,8 @@ and a seeded row refills its own q from its own generator. A seeded request ther
 exactly `vocab_size` exponentials per step whatever else is in the batch: same seed, same
 tokens, regardless of batch composition.
 
-Logprobs are `log_softmax` of the raw logits (before temperature and filters), as OpenAI and
-vLLM report them.
+Logprobs are `log_softmax` of the raw logits (before temperature, filters and min_tokens' ban),
+as OpenAI and vLLM report them.
 """
 
 from collections.abc import Sequence
@@ -58,6 +58,7 @@ class Sampler:
         """Pick one token per row. `generators[i]` (or None) serves row i when it samples randomly."""
         num_seqs, vocab_size = logits.shape
         assert len(params) == num_seqs, (len(params), num_seqs)
+        raw = logits  # logprobs are of these: before the ban, as vLLM's raw_logprobs
         if banned_token_ids is not None and any(banned_token_ids):
             logits = _ban(logits, banned_token_ids)
         if all(p.is_greedy for p in params):
@@ -65,9 +66,8 @@ class Sampler:
             # (widening bf16 to fp32 keeps order and ties, so the argmax needs no fp32 copy).
             token_ids = ops.argmax(logits)
         else:
-            logits = logits.float()
-            token_ids = self._sample_random(logits, params, generators)
-        return self._with_logprobs(logits, params, token_ids)
+            token_ids = self._sample_random(logits.float(), params, generators)
+        return self._with_logprobs(raw, params, token_ids)
 
     def _sample_random(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        generators: Sequence[torch.Generator | None] | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """`SamplingParams`: how one request wants its tokens chosen and when it wants to stop.
 
-Owns the parameter set and its validation at the request edge (`validate()` raises
-`RequestError` with a message saying what to change). Must not know about sequences, blocks
+Owns the parameter set and its validation at the request edge (construction and `validate()`
+raise `RequestError` with a message saying what to change; the engine validates again, since
+fields can be changed after construction). Must not know about sequences, blocks
 or tensors. Invariant after `validate()`: every field is in its documented range, so the
 sampler and the scheduler never re-check.
 """
@@ -52,6 +53,9 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        if self.seed == -1:  # vLLM's "no seed": a fixed seed made every such request the same sample
+            self.seed = None
+        self.validate()  # a bad value is refused where it is written (RequestError is a ValueError)
 
     @property
     def is_greedy(self) -> bool:
@@ -71,7 +75,7 @@ class SamplingParams:
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                "top_p", f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
-               "seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or null, got {self.seed!r}")
+               "seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], or null / -1 for none, got {self.seed!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),

@@ -45,6 +45,23 @@ def test_incremental_pieces_concatenate_to_the_full_decode(tokenizer, request):
     assert len(output) > len(expected.encode()) / 4  # the text really was split into small pieces
 
 
+@pytest.mark.parametrize("tokenizer", ["byte_level", "byte_fallback"])
+def test_output_after_a_prompt_that_ends_in_multibyte_characters(tokenizer, request):
+    """The first decode window starts 5 prompt tokens back; with byte-fallback pieces that could be
+    inside a character, and the decoder then spelled the whole run of byte pieces, the output's
+    included, as U+FFFD ("中文" + "字 hello" came out "\ufffd\ufffd\ufffd hello")."""
+    tok = request.getfixturevalue(tokenizer)
+    for text in ("中文字 hello", "ok 👍🏽👍 fine", "日本語のテキスト 😀 emoji"):
+        ids = tok.encode(text).ids
+        for cut in range(1, len(ids)):
+            prompt, output = ids[:cut], ids[cut:]
+            before = tok.decode(prompt)
+            if "\ufffd" in before:  # the prompt itself ends inside a character
+                continue
+            detok, pieces, _ = stream(tok, prompt, output)
+            assert "".join(pieces) == detok.output_text == tok.decode(ids)[len(before):], (text, cut)
+
+
 def test_skip_special_tokens(byte_level):
     eos = byte_level.token_to_id("<eos>")
     prompt = byte_level.encode("hi").ids

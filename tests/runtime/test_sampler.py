@@ -116,13 +116,39 @@ def test_banned_tokens_are_never_sampled():
     assert torch.equal(out.token_ids, second)
 
 
+def test_logprobs_are_taken_before_min_tokens_bans():
+    """min_tokens bans EOS / stop ids from being sampled, not from the reported logprobs (vLLM's raw
+    logprobs): the banned copy's values were log(1 / (1 - p_banned)) nats too high."""
+    logits = random_logits(2, seed=6)
+    banned = [tuple(logits[0].topk(3).indices.tolist()), ()]
+    out = Sampler().sample(logits, [SamplingParams(temperature=0.0, logprobs=3)] * 2, banned_token_ids=banned)
+    ref = torch.log_softmax(logits, -1)
+    assert out.token_ids[0].item() not in banned[0]
+    assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert torch.equal(out.top_token_ids[0], ref[0].topk(3).indices)  # the banned tokens, as they rank
+
+
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(temperature=-0.1), dict(top_k=-2), dict(logprobs=100),
                                  dict(min_tokens=20, max_tokens=5), dict(stop=("",)), dict(temperature=float("nan")),
                                  dict(temperature=float("inf")), dict(seed=2**64), dict(seed=-(2**63) - 1)])
-def test_validate_rejects_bad_params(bad):
+def test_bad_params_are_refused_where_they_are_written(bad):
+    with pytest.raises(RequestError) as refused:  # a ValueError as well, as vLLM's are
+        SamplingParams(**bad)
+    assert isinstance(refused.value, ValueError) and refused.value.param
+    params = SamplingParams()
+    for key, value in bad.items():  # changed after construction: the engine's validate() still refuses it
+        setattr(params, key, value)
     with pytest.raises(RequestError):
-        SamplingParams(**bad).validate()
+        params.validate()
+
+
+def test_seed_minus_one_means_no_seed():
+    """vLLM's convention: every seed=-1 request was the same fixed-seed sample."""
+    assert SamplingParams(seed=-1).seed is None
+    logits = random_logits(1, seed=7).expand(64, V).contiguous()
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.0, seed=-1)] * 64)
+    assert len(set(out.token_ids.tolist())) > 1
 
 
 def test_validate_accepts_defaults_and_normalizes_stop():
