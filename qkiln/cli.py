@@ -66,6 +66,8 @@ def eval_cmd(
             if json_out.is_dir():
                 raise QkilnError(f"--json {json_out} is a directory; give a file name")
             check_writable_dir(json_out.absolute().parent)
+        if not data.is_file():  # before the model loads (~20 s for SmolLM2), not after
+            raise QkilnError(f"--data {data} is not a file; give the text file to score")
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
                              "(the engine computes the recipe exactly)")
@@ -227,6 +229,7 @@ def serve_cmd(
     api_key: Annotated[Optional[str], typer.Option(envvar="QKILN_API_KEY", help="require 'Authorization: Bearer KEY'")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="requests batched together at most")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per engine step")] = 1024,
+    long_prefill_token_threshold: Annotated[int, typer.Option(help="cap one prompt's chunk per step at this many tokens, so requests behind a long prompt start sooner (0: no cap)")] = 0,
     max_model_len: Annotated[Optional[int], typer.Option(help="context length, at most the model's (default: the model's)")] = None,
     kv_cache_mb: Annotated[int, typer.Option("--kv-cache-mb", "--kv-cache-mib", help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
@@ -246,6 +249,7 @@ def serve_cmd(
             engine = AsyncLLMEngine.from_model(path, dtype=dtype, name=served_model_name,
                                                int8_activations=int8_activations, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
+                                               long_prefill_token_threshold=long_prefill_token_threshold,
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             _fail(e)

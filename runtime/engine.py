@@ -6,6 +6,7 @@ runner.py, sampling in sampler.py. Not thread-safe: the async engine drives it f
 """
 
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,21 @@ class EngineConfig:
     kv_group_size: int = 32
     max_model_len: int | None = None
     device: str = "cpu"
+    # > 0: one sequence's prefill chunk per step is at most this many tokens, so a long prompt
+    # leaves budget for requests behind it (0: as vLLM's default, a prompt takes what is left)
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self):
+        """Each bad value is refused here, with the option to change (the scheduler's asserts met
+        `serve --max-num-seqs 0` as a traceback)."""
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("block_size", 1),
+                          ("kv_cache_bytes", 1), ("num_kv_blocks", 1), ("max_model_len", 2),
+                          ("long_prefill_token_threshold", 0)):
+            value = getattr(self, name)
+            if value is None and name in ("num_kv_blocks", "max_model_len"):
+                continue  # sized from kv_cache_bytes / the model's context
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 @dataclass
@@ -78,12 +94,6 @@ class LLMEngine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
-        if config.num_kv_blocks is not None and config.num_kv_blocks < 1:
-            raise QkilnError(f"num_kv_blocks must be >= 1 (None sizes the pool from memory), got {config.num_kv_blocks}")
-        if config.block_size < 1:
-            raise QkilnError(f"block_size must be >= 1, got {config.block_size}")
-        if config.max_model_len is not None and config.max_model_len < 2:
-            raise QkilnError(f"max_model_len must be >= 2 (None: the model's context), got {config.max_model_len}")
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # as vLLM: positions past the trained context are not extended (no RoPE scaling is applied)
             raise QkilnError(f"max_model_len {config.max_model_len} exceeds the model's context of "
@@ -103,7 +113,8 @@ class LLMEngine:
         # the pool is smaller (the last sampled token needs no slot)
         self.max_request_len = min(self.max_model_len, num_blocks * config.block_size + 1)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len=self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
+                            max_model_len=self.max_model_len),
             self.kv_manager, eos_token_ids=tuple(mc.eos_token_ids))
         if str(config.device).startswith("cuda"):  # decode steps replay CUDA graphs there
             self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
@@ -122,7 +133,14 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                       for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:  # int() of whatever it iterated failed with a message about int()
+            raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
+                               "prompt")
         vocab = self.model.config.vocab_size
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:

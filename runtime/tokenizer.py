@@ -21,8 +21,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # server's event loop, the engine); 1M characters took 0.58 s with the GIL held throughout.
 LONG_TEXT = 16_384
 
-# llama.cpp pre-tokenizer names -> the split rules their merges were learned with.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# llama.cpp pre-tokenizer names -> the split rules their merges were learned with (GPT-2's is
+# ByteLevel's own default).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -130,7 +130,12 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise SourceModelError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from e
         config_path = Path(directory) / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from None
+        if not isinstance(config, dict):
+            raise SourceModelError(f"{config_path} holds a {type(config).__name__}, not a JSON object; re-download it")
         config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
         return cls(backend, config)
 

@@ -49,6 +49,58 @@ def test_params_list_must_match_the_prompts(llm):
     assert len(llm.generate(["a", "b"], [GREEDY, GREEDY])) == 2
 
 
+def test_prompts_in_vllm_s_forms(llm):
+    import numpy as np
+    import torch
+
+    ids = llm.tokenizer.encode("hello")
+    expected = llm.generate("hello", GREEDY)[0].token_ids
+    for prompt in ({"prompt": "hello"}, {"prompt_token_ids": ids}, np.array(ids), torch.tensor(ids), tuple(ids),
+                   [np.int64(t) for t in ids]):
+        assert llm.generate(prompt, sampling_params=GREEDY)[0].token_ids == expected, type(prompt)
+    assert [o.token_ids for o in llm.generate(np.array([ids, ids]), GREEDY)] == [expected, expected]
+    for bad, message in ((None, "got NoneType"), ([None], "prompt 0 must be"), ({"text": "hi"}, "got keys"),
+                         ([{"prompt_token_ids": "hi"}], "got keys")):
+        with pytest.raises(RequestError, match=message):
+            llm.generate(bad, GREEDY)
+    assert not llm.engine.has_unfinished()
+
+
+def test_unknown_llm_options_are_named_before_loading():
+    with pytest.raises(TypeError, match="no option gpu_memory_utilization; .* max_num_seqs"):
+        LLM("no-such-model", gpu_memory_utilization=0.9)
+
+
+def test_two_threads_share_one_llm(llm):
+    """Each call stepped the shared engine and took the other's outputs (a KeyError, a cache_write error)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    expected = {p: llm.generate(p, GREEDY)[0].token_ids for p in ("abc", "hello world")}
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda p: llm.generate([p] * 3, GREEDY), ["abc", "hello world"] * 2))
+    assert [[o.token_ids for o in outs] for outs in got] == [[expected[p]] * 3 for p in ["abc", "hello world"] * 2]
+
+
+def test_chat_renders_the_template_without_a_second_bos(tmp_path):
+    """A template that starts with bos_token, with a tokenizer that adds BOS (Llama, Mistral): encoding the
+    rendered text as a prompt put two BOS tokens first; chat() tokenizes it as the server does."""
+    import json
+
+    model = write_tiny_hf_model(tmp_path / "m", "llama")
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    template = "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}<assistant>{% endif %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": True, "chat_template": template}))
+    llm = LLM(str(model), dtype="fp32", num_kv_blocks=32, max_model_len=128)
+    bos = llm.tokenizer.bos_token_id
+    conversation = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(conversation, GREEDY)
+    assert out.prompt_token_ids.count(bos) == 1 and out.prompt_token_ids[0] == bos
+    text = llm.tokenizer.apply_chat_template(conversation)
+    assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert [o.prompt_token_ids for o in llm.chat([conversation, conversation], GREEDY)] == [out.prompt_token_ids] * 2
+
+
 def test_a_kv_fp8_artifact_serves_with_another_kv_dtype(tmp_path, monkeypatch):
     """--kv-dtype / kv_dtype overrides the artifact's cache: its fp8 scales have no place in a bf16
     or int4 cache (they crashed the engine's start)."""
@@ -87,9 +139,11 @@ def test_a_sliding_window_caps_the_context():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1"),
-    (dict(block_size=0), "block_size must be >= 1"),
-    (dict(max_model_len=1), "max_model_len must be >= 2"),
+    (dict(num_kv_blocks=0), "num_kv_blocks must be an integer >= 1"),
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(max_model_len=1), "max_model_len must be an integer >= 2"),
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),  # was the scheduler's AssertionError
+    (dict(max_num_batched_tokens=-4), "max_num_batched_tokens must be an integer >= 1"),
     (dict(max_model_len=4096), "max_model_len 4096 exceeds the model's context of 1024"),  # was capped silently
 ])
 def test_engine_settings_out_of_range_are_refused(tmp_path, bad, message):
@@ -98,3 +152,35 @@ def test_engine_settings_out_of_range_are_refused(tmp_path, bad, message):
     model = write_tiny_hf_model(tmp_path, "llama")
     with pytest.raises(QkilnError, match=message):
         LLM(str(model), dtype="fp32", **({"num_kv_blocks": 8} | bad))
+
+
+@pytest.mark.parametrize("name, text", [("config.json", "{"), ("tokenizer_config.json", "{not json"),
+                                        ("tokenizer_config.json", "[1, 2]"), ("model.safetensors.index.json", "{")])
+def test_a_malformed_model_file_is_named(tmp_path, name, text):
+    """tokenizer_config.json was read unguarded: a JSONDecodeError traceback."""
+    from qkiln.errors import SourceModelError
+
+    model = write_tiny_hf_model(tmp_path, "llama")
+    (model / name).write_text(text)
+    with pytest.raises(SourceModelError, match=name.replace(".", r"\.")):
+        LLM(str(model), dtype="fp32", num_kv_blocks=8)
+
+
+def test_a_long_prefill_chunk_cap_lets_later_requests_start(tmp_path):
+    """long_prefill_token_threshold was a scheduler setting no engine passed on: a 100-token prompt
+    took the whole budget of 16 for 7 steps before a short request behind it started."""
+    model = write_tiny_hf_model(tmp_path, "llama")
+    first_token_step = {}
+    for cap in (0, 8):
+        engine = LLM(str(model), dtype="fp32", num_kv_blocks=32, max_num_batched_tokens=16,
+                     long_prefill_token_threshold=cap).engine
+        long = engine.add_request(list(range(1, 101)), GREEDY)
+        short = engine.add_request([5, 6, 7], GREEDY)
+        step = 0
+        while short not in first_token_step.setdefault(cap, {}):
+            step += 1
+            for out in engine.step():
+                first_token_step[cap].setdefault(out.request_id, step)
+        engine.abort_request(long)
+        engine.abort_request(short)
+    assert first_token_step[0][short] >= 7 and first_token_step[8][short] == 1
