@@ -107,7 +107,7 @@ class KVCacheManager:
         """Longest cached prefix of `seq` in full blocks, never all of its tokens (none without
         `lookup`: a sequence that must compute every token)."""
         if not (self.enable_prefix_caching and lookup):
-            return KVBlocks(num_query_tokens=seq.num_tokens), 0
+            return KVBlocks(), 0  # nothing looked up: not a miss in the hit rate
         # (n - 1) // bs: with n a multiple of bs the last block is left out, so >= 1 token is computed.
         max_blocks = (seq.num_tokens - 1) // self.block_size
         block_ids = []
@@ -148,7 +148,9 @@ class KVCacheManager:
         blocks.extend(new_ids)
         if computed_blocks is not None:
             self._num_hashed_blocks[seq.seq_id] = len(hit)
-            if self.enable_prefix_caching:
+            # the hit rate is of prompts: a preempted sequence finding its own freed blocks again
+            # (and looking up its outputs) counted as hits the cache never gave another request
+            if self.enable_prefix_caching and seq.num_preemptions == 0:
                 self.prefix_cache_queries += computed_blocks.num_query_tokens
                 self.prefix_cache_hits += computed_blocks.num_tokens
         return KVAllocation(new_ids, num_computed if computed_blocks is not None else 0)

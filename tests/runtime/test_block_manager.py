@@ -42,6 +42,22 @@ def test_prefix_hit_reuses_blocks_and_counts_tokens():
     assert kv.num_free_blocks == 10 and kv.usage == 0.0
 
 
+def test_the_hit_rate_counts_first_admissions_that_looked_up():
+    """A preempted sequence re-admitted finds its own freed blocks: not a hit the cache gave another
+    request (4 of 31 'hits' for two requests sharing nothing). A sequence admitted without a lookup
+    (prompt logprobs) is not a miss either."""
+    kv = KVCacheManager(num_blocks=10, block_size=BS)
+    a = seq_of("a", range(100, 110))
+    admit_and_compute(kv, a)
+    kv.free(a)
+    a.num_preemptions = 1  # back from preemption: its blocks are in the evictable pool
+    assert admit_and_compute(kv, a) == 8
+    c = seq_of("c", range(200, 206))
+    computed, _ = kv.get_computed_blocks(c, lookup=False)
+    kv.allocate_slots(c, c.num_tokens, computed)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+
+
 def test_lookup_never_covers_the_whole_sequence():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     a = seq_of("a", range(8))  # exactly two full blocks
