@@ -27,6 +27,10 @@ from qkiln.quant.scheme import ActivationScheme, WeightScheme
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 _EPS = torch.finfo(torch.float32).eps
+# The floor of a dynamic per-token scale: the serving kernels' (plugins/reference.py, triton_fp8.py),
+# which may not import this module. fp32 eps here made every token with amax below 448 * eps
+# (~5e-5) score differently in the simulation than it is served (tests/test_formats_agree.py).
+DYNAMIC_SCALE_MIN = 1e-12
 
 
 @dataclass
@@ -69,7 +73,7 @@ def quantize_weight_scheme(W: torch.Tensor, scheme: WeightScheme) -> Fp8Weight:
 
 def dynamic_token_scale(x: torch.Tensor) -> torch.Tensor:
     """Per-token scale for x [..., hidden] -> [..., 1] fp32."""
-    return (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
+    return (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=DYNAMIC_SCALE_MIN)
 
 
 def quantize_activation_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
