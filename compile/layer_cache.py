@@ -2,7 +2,7 @@
 
 Key = sha256 over (source files' sha256, weight/activation scheme + algorithm options + ignore
 list, calibration token sha256, layer index, and the code that computes a layer: the cache
-format, torch's version and a hash of qkiln's quantization sources). Sequential calibration makes
+format, torch's version and a hash of quant/ and the modules of _LAYER_CODE). Sequential calibration makes
 layer i depend on layers < i, and those are fixed by the same inputs, so the key is complete but
 for the thread count (results can differ across thread counts in the last bits, so a layer cached
 on one machine may differ from one computed on another: both are valid quantizations). The KV
@@ -33,15 +33,23 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("QKILN_CACHE_DIR", Path.home() / ".cache" / "qkiln")) / "layers"
 
 
+# Beside quant/: the modules that compute a layer's inputs and outputs during calibration (the
+# model forward and the simulation of the layers before it). Only quant/ and calibrate.py were
+# hashed, so a change to the forward reused layers the old code had computed.
+_LAYER_CODE = ("compile/calibrate.py", "compile/simulate.py", "compile/quantized_model.py", "runtime/model.py",
+               "runtime/attention.py", "runtime/rope.py", "runtime/config.py", "plugins/reference.py")
+
+
 @functools.cache
 def code_version() -> str:
-    """What computes a cached layer: torch's version and qkiln's quantization sources (quant/ and
-    compile/calibrate.py), so an upgrade that changes results misses instead of reusing layers."""
+    """What computes a cached layer: torch's version and the sources of quant/ and _LAYER_CODE, so
+    an upgrade that changes results misses instead of reusing layers."""
     import qkiln.quant
 
+    package = Path(qkiln.quant.__file__).parents[1]
     h = hashlib.sha256(torch.__version__.encode())
-    for path in [*sorted(Path(qkiln.quant.__file__).parent.glob("*.py")), Path(__file__).with_name("calibrate.py")]:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for path in [*sorted(Path(qkiln.quant.__file__).parent.glob("*.py")), *(package / p for p in _LAYER_CODE)]:
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,26 @@ def test_awq_folding_keeps_a_biased_model_s_function(tmp_path, scale_o_proj):
             hidden = calibrate._run_layer(layer, hidden, positions, model.rope, DenseAttention(), 2)
         after = model(ids)
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+
+
+def test_the_layer_key_covers_the_code_that_computes_a_layer(tmp_path, monkeypatch):
+    """A change to the model forward or the simulation changes calibrated layers; only quant/ and
+    calibrate.py were hashed, so such a change reused layers the old code computed."""
+    from qkiln.compile import layer_cache
+
+    package = Path(layer_cache.__file__).parents[1]
+    hashed = {Path(p).name for p in layer_cache._LAYER_CODE}
+    assert {"simulate.py", "model.py", "attention.py"} <= hashed
+    assert all((package / p).is_file() for p in layer_cache._LAYER_CODE)
+    before = layer_cache.code_version()
+    copy = tmp_path / "qkiln"  # the package with one edited forward, hashed from there
+    for p in [*layer_cache._LAYER_CODE, *(f"quant/{q.name}" for q in (package / "quant").glob("*.py"))]:
+        (copy / p).parent.mkdir(parents=True, exist_ok=True)
+        (copy / p).write_bytes((package / p).read_bytes())
+    (copy / "runtime" / "attention.py").write_text((package / "runtime" / "attention.py").read_text() + "\n# edited\n")
+    monkeypatch.setattr("qkiln.quant.__file__", str(copy / "quant" / "__init__.py"))
+    layer_cache.code_version.cache_clear()
+    try:
+        assert layer_cache.code_version() != before
+    finally:
+        layer_cache.code_version.cache_clear()
