@@ -75,6 +75,9 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
+    for name, report in qm.report.items():  # recorded in the manifest too, but a build should say it
+        if report.get("fallback"):
+            log(f"warning: {name} fell back to {report['fallback']}: {report.get('fallback_reason', 'see layers.json')}")
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
         calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)

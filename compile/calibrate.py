@@ -257,6 +257,8 @@ def _quantize_layer(i, layer, config, scheme, stats, qm: QuantizedModel, names: 
             qm.weights[full] = qw
             qm.report[full] = {"algorithm": scheme.algorithm, "loss": info.loss, "fallback": info.fallback,
                                "dampening_frac": info.dampening_frac, "dead_columns": info.num_dead_columns}
+            if info.fallback_reason:
+                qm.report[full]["fallback_reason"] = info.fallback_reason
             if awq_gptq:
                 qm.report[full]["quantizer"] = "gptq"
         else:

@@ -41,10 +41,12 @@ from qkiln.quant.scheme import GPTQOptions, WeightScheme
 class GPTQInfo:
     """What happened to one layer; goes into the manifest's per-layer report."""
 
-    loss: float  # tr((W - Q) H (W - Q)^T) with the H passed in (mean squared output error per token)
-    dampening_frac: float  # the dampening that worked (or the last one tried)
-    fallback: str | None  # None, or "rtn" when every Cholesky failed
+    loss: float | None  # tr((W - Q) H (W - Q)^T) with the H passed in (mean squared output error per
+    # token); None when H is not finite (the manifest's JSON holds no NaN)
+    dampening_frac: float | None  # the dampening that worked (or the last one tried; None: none could be)
+    fallback: str | None  # None, or "rtn" when GPTQ could not run
     num_dead_columns: int
+    fallback_reason: str | None = None  # why, in words (the build prints it)
 
 
 def make_empty_hessian(in_features: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -92,6 +94,10 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme: WeightScheme, opti
                     ) -> tuple[QuantizedWeight | Fp8Weight, GPTQInfo]:
     """Quantize W [out, in] minimising tr((W - Q) H (W - Q)^T): GPTQ, Algorithm 1 (int or fp8 grid)."""
     W_orig, H_orig = W.float(), H.float()
+    if not torch.isfinite(H_orig).all():  # no dampening makes it factor: say why, do not retry
+        result = _round_to_nearest(W_orig, scheme)
+        return result, GPTQInfo(None, None, "rtn", 0,
+                                "NaN or Inf in the layer's calibration inputs (the model's forward overflowed?)")
     dead = torch.diag(H_orig) == 0
     H = H_orig.clone()
     H[dead, dead] = 1.0
@@ -112,7 +118,8 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor, scheme: WeightScheme, opti
     if U is None:
         result = _round_to_nearest(W_orig, scheme)
         loss = reconstruction_error(W_orig, result.dequantize(), H_orig)
-        return result, GPTQInfo(loss, frac, "rtn", num_dead)
+        return result, GPTQInfo(loss, frac, "rtn", num_dead,
+                                f"the Hessian is not positive definite even with dampening {frac:g}")
 
     W_run = W if perm is None else W[:, perm]  # processing order
     if scheme.type == "float":
