@@ -2,8 +2,9 @@
 
 Owns the waiting queue (FCFS), the running list (admission order; the last one is the newest),
 the per-step token budget, preemption, and the stop conditions that need no text (max_tokens,
-EOS, stop token ids, min_tokens, context length). Must not touch block lists (it gets opaque
-results from `KVCacheManager`) nor tensors (the runner turns a `StepPlan` into them).
+EOS, stop token ids, min_tokens, context length). Must not allocate or free blocks itself
+(`KVCacheManager` does; the scheduler only hands each step's block tables to the runner) nor touch
+tensors (the runner turns a `StepPlan` into them).
 
 There are no prefill and decode phases. Each sequence has `num_computed_tokens`; a step gives
 it up to `num_tokens - num_computed_tokens` tokens, capped by what is left of the step's budget:

@@ -90,10 +90,6 @@ class Sequence:
         return len(self._token_ids) - len(self.prompt_token_ids)
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self._token_ids) - self.num_computed_tokens
-
-    @property
     def last_token_id(self) -> int:
         return self._token_ids[-1]
 

@@ -30,6 +30,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers(smollm2):
+    """transformers' own model of the same GGUF file (its GGUF loader dequantizes it), fp32: the
+    reference of the parity tests, loaded once."""
+    import torch
+    import transformers
+
+    pytest.importorskip("gguf")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2.path.parent, gguf_file=smollm2.path.name, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def wiki_test_path():
     if not WIKI_TEST.is_file():
         pytest.skip("../shared/data/wikitext-2-raw is absent")

@@ -17,15 +17,21 @@ THIRD_PARTY_FORBIDDEN = {"runtime": {"transformers"}, "quant": {"transformers"},
 
 
 def _imports(path: Path, package: str):
+    """Every module `path` imports, relative imports resolved (`from ..runtime import x` from a
+    file in quant/ is qkiln.runtime) and `from qkiln import runtime` read as qkiln.runtime."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    here = ["qkiln", package, *path.relative_to(ROOT / package).parent.parts]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative import: resolve against this folder
-                yield f"qkiln.{package}" + (f".{node.module}" if node.module else "")
-            elif node.module:
-                yield node.module
+            if node.level:  # relative: level 1 is this file's package, each more goes one up
+                module = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            yield module
+            if module == "qkiln":
+                yield from (f"qkiln.{alias.name}" for alias in node.names)
 
 
 def test_imports_respect_the_layering_table():

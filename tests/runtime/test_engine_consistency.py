@@ -49,7 +49,9 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def test_batching_does_not_change_greedy_outputs(tiny):
-    prompts = _prompts(256, seed=random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    print(f"prompts seed {seed}")  # shown with a failure, to replay it
+    prompts = _prompts(256, seed=seed)
     reference = [run(make_engine(tiny, num_kv_blocks=64, enable_prefix_caching=False), [p], 20)[0] for p in prompts]
     staggered = [3 * i for i in range(len(prompts))]
     variants = {  # label: (engine config, arrival step of each prompt)

@@ -30,7 +30,7 @@ def artifact(tmp_path_factory):
 
 def _step_logits(path, int8_activations: bool, prompt: list[int]) -> list[torch.Tensor]:
     loaded = load_for_serving(str(path), dtype="bf16", int8_activations=int8_activations)
-    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_num_batched_tokens=256))
+    engine = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(max_num_batched_tokens=256, num_kv_blocks=64))
     steps, run = [], engine.runner.run
     engine.runner.run = lambda plan, argmax=False: steps.append(run(plan, argmax)) or steps[-1]
     engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

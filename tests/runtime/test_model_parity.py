@@ -27,13 +27,8 @@ def test_tiny_random_matches_transformers(tmp_path, arch):
     assert _rel_err(got, expected) < 1e-4
 
 
-def test_smollm2_matches_transformers_gguf_loader(smollm2):
-    import transformers
-
-    pytest.importorskip("gguf")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2.path.parent, gguf_file=smollm2.path.name, torch_dtype=torch.float32
-    ).eval()
+def test_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_transformers):
+    ref = smollm2_transformers
     ours = smollm2.build_model(torch.float32)
     ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)])
     with torch.no_grad():

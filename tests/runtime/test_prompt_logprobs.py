@@ -64,7 +64,9 @@ def check(entries, prompt, expected, num_top):
 
 
 def test_prompt_logprobs_equal_a_teacher_forced_forward(tiny, monkeypatch):
-    rng = random.Random(random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    print(f"prompts seed {seed}")  # shown with a failure, to replay it
+    rng = random.Random(seed)
     shared = [rng.randrange(256) for _ in range(37)]
     prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(1, 50))] for _ in range(4)]
     prompts += [[rng.randrange(256)], [rng.randrange(256) for _ in range(70)]]

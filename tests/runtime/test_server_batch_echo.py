@@ -70,7 +70,9 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
 def test_loglikelihood_request_as_lm_eval_sends_it(client, engine, model):
     """Token-id prompts in one request, echo, logprobs 1, max_tokens 1: every prompt token after
     the first is scored, then the one generated token (which lm-eval cuts with [ctxlen:-1])."""
-    prompts = random_prompts(random.randrange(1 << 30), 5)
+    seed = random.randrange(1 << 30)
+    print(f"prompts seed {seed}")  # shown with a failure, to replay it
+    prompts = random_prompts(seed, 5)
     r = post(client, prompt=prompts, echo=True, logprobs=1, max_tokens=1, seed=1234)
     assert r.status_code == 200, r.text
     body = r.json()
