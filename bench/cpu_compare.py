@@ -49,7 +49,7 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
                     num_samples: int | None = None) -> Path:
     """`artifact` if given; else a cached build of `model` with preset `recipe` (calibrating on
     `num_samples` samples where it calibrates), rebuilt when its source or the scheme changed."""
-    from qkiln.compile.artifact import read_manifest
+    from qkiln.compile.artifact import is_artifact_dir, read_manifest
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
     from qkiln.runtime.source import file_sha256, source_files
@@ -67,7 +67,7 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
     built = preset(recipe)
     if num_samples is not None:
         built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))
-    if (out / "manifest.json").is_file():
+    if is_artifact_dir(out):
         m = read_manifest(out)
         if m.source.get("sha256") == file_sha256(files) and m.recipe.get("scheme") == built.scheme.to_dict():
             log(f"reusing artifact {out}")

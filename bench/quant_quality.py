@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from qkiln.bench.workload import BenchConfigError
+from qkiln.compile.artifact import is_artifact_dir
 
 SHARED = Path(__file__).resolve().parents[1] / "../shared"
 WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
@@ -148,7 +149,7 @@ def _build_in_subprocess(row: dict, workdir: Path, args, label: str) -> dict:
     """One row's artifact and build facts; with --reuse a row built before (same spec) is kept."""
     slug = "".join(c if c.isalnum() else "-" for c in row["name"]).lower()
     out, facts = workdir / slug, workdir / f"{slug}.json"
-    if args.reuse and facts.is_file() and (out / "manifest.json").is_file():
+    if args.reuse and facts.is_file() and is_artifact_dir(out):
         kept = json.loads(facts.read_text())
         if {k: kept.get(k) for k in row} == row:
             print(f"{label} reusing {row['name']}", file=sys.stderr)

@@ -139,11 +139,12 @@ def _jsonl_prompts(path: Path, tokenizer, num_requests: int, rng: random.Random)
 
 def load_tokenizer(model: str):
     """The served model's tokenizer without loading its weights where the layout allows."""
+    from qkiln.compile.artifact import is_artifact_dir
     from qkiln.runtime.source import load_source, resolve_source
     from qkiln.runtime.tokenizer import Tokenizer
 
     path = Path(model)
-    if (path / "manifest.json").is_file():
+    if is_artifact_dir(path):
         return Tokenizer.from_dir(path / "tokenizer")
     path = resolve_source(model)
     return Tokenizer.from_dir(path) if path.is_dir() else load_source(path).tokenizer

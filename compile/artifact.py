@@ -108,6 +108,13 @@ _SCHEMA = {
 }
 
 
+def is_artifact_dir(path) -> bool:
+    """Whether `path` is an artifact folder (finished or damaged: read_manifest / verify_artifact
+    say which), as opposed to a source model, an archive or an engine folder."""
+    path = Path(path)
+    return path.is_dir() and (path / MANIFEST_NAME).is_file()
+
+
 def manifest_digest(d: dict) -> str:
     """sha256 of the manifest's canonical JSON (sorted keys, indent 2) without its `digest`. The
     files are hashed in `files`; this covers the rest (architecture, recipe, quantization, ...),

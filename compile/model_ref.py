@@ -12,6 +12,8 @@ import torch
 from qkiln.runtime.loader import check_int8_activations
 from qkiln.runtime.source import load_source
 
+from .artifact import is_artifact_dir
+
 
 @dataclass
 class LoadedModel:
@@ -29,7 +31,7 @@ class LoadedModel:
 def open_model(name: str, int8_activations: bool = False) -> LoadedModel:
     """int8_activations: score an artifact as served with that CPU option (simulated)."""
     path = Path(name)
-    if path.is_dir() and (path / "manifest.json").is_file():
+    if is_artifact_dir(path):
         from .artifact_model import load_artifact_model  # an artifact: quantized layers from its manifest
 
         return load_artifact_model(path, int8_activations)

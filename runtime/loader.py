@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.compile.artifact import load_tensors, read_manifest, verify_artifact
+from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.packed_weights import int8_act_panels_fast
@@ -64,7 +64,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
     torch_dtype = resolve_dtype(dtype, device)
     path = Path(name)
-    is_artifact = path.is_dir() and (path / "manifest.json").exists()
+    is_artifact = is_artifact_dir(path)
     if int8_activations:
         check_int8_activations(name, is_artifact, device)
     if is_artifact:
