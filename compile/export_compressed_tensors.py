@@ -277,6 +277,10 @@ def _offset_free_scale(k: KVCalibration) -> torch.Tensor:
 def hf_config_dict(config: ModelConfig) -> dict:
     """A Hugging Face config.json for `config`; `ModelConfig.from_hf` reads it back unchanged."""
     eos = list(config.eos_token_ids)
+    if (config.rope_scaling or {}).get("rope_type") == "freq_factors":
+        raise ArtifactError("this model's RoPE scaling came from a GGUF's rope_freqs tensor that no Hugging Face "
+                            "rope_scaling reproduces, so a config.json cannot describe it; export from the "
+                            "model's Hugging Face directory instead")
     return {  # our family names are the HF model_type names
         "architectures": [config.hf_architecture], "model_type": config.architecture,
         "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,

@@ -40,6 +40,9 @@ def _open(path: Path):
     try:
         return GGUFReader(str(path))
     except Exception as e:  # gguf raises ValueError/struct.error/IndexError on corruption
+        if "GGMLQuantizationType" in str(e):  # a type from a newer llama.cpp, not damage
+            raise SourceModelError(f"{path} holds a tensor type this `gguf` package does not know ({e}): upgrade "
+                                   "gguf (pip install -U gguf) or convert the model to another type") from e
         raise SourceModelError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from e
 
 
@@ -53,21 +56,35 @@ def read_metadata(reader) -> dict:
     return meta
 
 
+# llama.cpp writes a Llama 3.1+ model's RoPE scaling as this tensor of per-frequency divisors
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, torch.Tensor]]:
     reader = _open(path)
     meta = read_metadata(reader)
-    config = _config_from_metadata(meta, {t.name for t in reader.tensors})
+    if int(meta.get("split.count") or 1) > 1:
+        raise SourceModelError(f"{path} is shard {int(meta.get('split.no', 0)) + 1} of {meta['split.count']} of a split "
+                               "GGUF; merge the shards first (llama-gguf-split --merge FIRST_SHARD OUT.gguf)")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    config = _config_from_metadata(meta, {t.name for t in reader.tensors},
+                                   None if freqs is None else _dequantized(freqs).reshape(-1).tolist())
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     return config, tokenizer, _tensors(reader, config)
 
 
-def _config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
+def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[float] | None = None) -> ModelConfig:
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r} is not supported; qkiln supports {', '.join(_ARCHS)}"
         )
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "block_count",
+                                        "feed_forward_length") if a(k) is None]
+    if missing or "tokenizer.ggml.tokens" not in meta:
+        raise SourceModelError(f"GGUF metadata lacks {', '.join(missing or ['tokenizer.ggml.tokens'])}: the file is "
+                               "incomplete; convert the model again (llama.cpp's convert_hf_to_gguf.py)")
     num_heads = a("attention.head_count")
     hidden = a("embedding_length")
     eos = meta.get("tokenizer.ggml.eos_token_id")
@@ -82,6 +99,8 @@ def _config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
         head_dim=a("attention.key_length") or hidden // num_heads,
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(a, rope_freqs, a("rope.freq_base", 10000.0), a("attention.key_length") or
+                                   hidden // num_heads),
         max_position_embeddings=a("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
@@ -89,6 +108,53 @@ def _config_from_metadata(meta: dict, tensor_names: set[str]) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(eos,) if eos is not None else (),
     )
+
+
+def _rope_scaling(a, rope_freqs: list[float] | None, theta: float, head_dim: int) -> dict | None:
+    """HF's rope_scaling from `{arch}.rope.scaling.*` (linear, yarn, ...: rope.py refuses what it does
+    not compute) or from the rope_freqs tensor (Llama 3.1+): these were ignored, a scaled model then
+    computed unscaled RoPE without a word."""
+    if rope_freqs is not None:
+        return _llama3_from_factors(rope_freqs, theta, head_dim) or {"rope_type": "freq_factors",
+                                                                     "factors": rope_freqs}
+    kind = a("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": float(a("rope.scaling.factor", 1.0))}
+    if a("rope.scaling.original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
+    return scaling
+
+
+def _llama3_from_factors(factors: list[float], theta: float, head_dim: int) -> dict | None:
+    """The HF `llama3` rope_scaling that llama.cpp's converter turned into these divisors, when one of
+    the published parameter sets reproduces them (Llama 3.1: factor 8, 3.2: 32; low 1, high 4,
+    original context 8192), so the config stays one transformers and exports understand."""
+    from .rope import _llama3_frequencies
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    target = torch.tensor(factors, dtype=torch.float32)
+    if target.shape != inv_freq.shape:
+        raise SourceModelError(f"GGUF tensor {ROPE_FREQS} has {target.numel()} factors for a head of {head_dim} "
+                               f"(expected {inv_freq.numel()}); the file is inconsistent: convert the model again")
+    for original in (8192, 4096, 16384, 32768, 131072):
+        scaling = {"rope_type": "llama3", "factor": float(target.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+        if torch.allclose(inv_freq / _llama3_frequencies(inv_freq, scaling), target, rtol=1e-4):
+            return scaling
+    return None
+
+
+def _dequantized(t) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(t.data, t.tensor_type)
+    except NotImplementedError as e:  # a known type the gguf package cannot decode: not damage
+        raise SourceModelError(f"GGUF tensor {t.name} is of type {t.tensor_type.name}, which the gguf package "
+                               f"cannot dequantize ({e}); convert the model to another type") from e
+    except Exception as e:
+        raise SourceModelError(f"GGUF tensor {t.name} could not be decoded ({e}); the file is corrupt") from e
 
 
 def _hf_name(name: str) -> str:
@@ -106,19 +172,15 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _tensors(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
     out = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # in the config's rope_scaling
+            continue
         try:
             name = _hf_name(t.name)
         except (KeyError, ValueError):
             raise UnsupportedArchitectureError(f"GGUF tensor {t.name!r} has no place in a {config.architecture} model")
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise SourceModelError(f"GGUF tensor {t.name} could not be decoded ({e}); the file is corrupt") from e
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
+        w = torch.from_numpy(np.array(_dequantized(t), dtype=np.float32, copy=True)).reshape(tuple(reversed(t.shape.tolist())))
         if config.architecture in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, config.num_attention_heads)
         elif config.architecture in _PERMUTED_ARCHS and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -28,8 +28,11 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_frequencies(inv_freq, scaling)
+    if kind == "freq_factors":  # a GGUF's rope_freqs divisors that no llama3 parameter set reproduces
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     raise UnsupportedArchitectureError(
-        f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)"
+        f"rope scaling {kind!r} is not supported (supported: default, linear, llama3); qkiln cannot serve this "
+        "model's positions correctly"
     )
 
 

@@ -54,12 +54,16 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=
     weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
+    except RuntimeError as e:  # shapes: e.g. a head count in the config that the tensors do not have
+        raise SourceModelError(f"weights do not fit a {config.architecture} model of this config ({e}); the "
+                               "checkpoint's config (config.json, or a GGUF's metadata) and its tensors disagree") from None
     missing = [k for k in missing if k.rsplit(".", 1)[0] not in strict_quantized]
     if missing or unexpected:
         raise SourceModelError(
             f"weights do not fit a {config.architecture} model: missing {missing[:4]}, unexpected "
-            f"{unexpected[:4]}; the checkpoint and its config.json disagree"
+            f"{unexpected[:4]}; the checkpoint's config (config.json, or a GGUF's metadata) and its tensors disagree"
         )
     model.rope.inv_freq = model.rope.__class__(config).inv_freq  # buffers are not in the state dict
     return model.eval()
@@ -94,7 +98,7 @@ def _alias_candidates(filename: str) -> list[Path]:
 
 def load_source(name: str | Path) -> SourceModel:
     path = resolve_source(name)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         from .gguf_reader import load_gguf
 
         config, tokenizer, state_dict = load_gguf(path)

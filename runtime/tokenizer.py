@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import jinja2
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from qkiln.errors import SourceModelError
 
@@ -22,7 +22,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 LONG_TEXT = 16_384
 
 # llama.cpp pre-tokenizer names -> the split rules their merges were learned with (GPT-2's is
-# ByteLevel's own default).
+# ByteLevel's own default). Qwen2's tokenizer.json: Llama 3's rule with digits one at a time.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -36,6 +40,7 @@ class Tokenizer:
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.add_eos = bool(config.get("add_eos_token", False)) and self.eos_token_id is not None
         self.chat_template = config.get("chat_template")
 
     def _token_id(self, token) -> int | None:
@@ -53,13 +58,15 @@ class Tokenizer:
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Plain tokenization; BOS is prepended only when the tokenizer's policy says so."""
+        """Plain tokenization; BOS is prepended (EOS appended) only when the tokenizer's policy says so."""
         if len(text) > LONG_TEXT:  # encode_batch releases the GIL; encode holds it throughout
             ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos:
             ids = [self.bos_token_id] + ids
+        if add_special_tokens and self.add_eos:
+            ids = ids + [self.eos_token_id]
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -148,30 +155,55 @@ class Tokenizer:
                 "use the model's Hugging Face directory instead"
             )
         tokens = meta["tokenizer.ggml.tokens"]
+        if "tokenizer.ggml.merges" not in meta:
+            raise SourceModelError("GGUF metadata lacks tokenizer.ggml.merges (a BPE vocabulary needs them): the file "
+                                   "is incomplete; convert the model again")
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        try:
+            backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+        except Exception as e:  # tokenizers raises a bare Exception: a merge of tokens not in the vocabulary
+            raise SourceModelError(f"GGUF tokenizer metadata is inconsistent ({e}); convert the model again") from None
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+        if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
+            backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
-        backend.add_special_tokens(control)
-        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        # CONTROL (3) tokens are special; USER_DEFINED (4) ones (Qwen's <tool_call>, <think>) are plain
+        # text matched whole, as llama.cpp and transformers do (they were split into pieces)
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty == 3])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+        name = lambda key: _token_at(tokens, meta.get(f"tokenizer.ggml.{key}"), key)  # noqa: E731
         config = {
-            "bos_token": tokens[bos] if bos is not None else None,
-            "eos_token": tokens[eos] if eos is not None else None,
+            "bos_token": name("bos_token_id"),
+            "eos_token": name("eos_token_id"),
             "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             "chat_template": meta.get("tokenizer.chat_template"),
         }
         return cls(backend, config)
 
 
-_KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "chat_template", "pad_token")
+def _token_at(tokens: list[str], token_id, key: str) -> str | None:
+    if token_id is None:
+        return None
+    if not 0 <= token_id < len(tokens):
+        raise SourceModelError(f"GGUF metadata tokenizer.ggml.{key} is {token_id}, outside the vocabulary of "
+                               f"{len(tokens)} tokens; the file is inconsistent: convert the model again")
+    return tokens[token_id]
+
+
+_KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template", "pad_token")
 
 
 def _gguf_pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
         split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+        return pre_tokenizers.Sequence([split, byte_level])
+    if pre == "qwen2":  # Qwen2 / 2.5 / 3
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
         return pre_tokenizers.Sequence([split, byte_level])
     if pre == "smollm":
         # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level split.

@@ -124,3 +124,78 @@ def simulated_greedy(artifact: Path, prompt: list[int], num_tokens: int) -> list
     for _ in range(num_tokens):
         ids.append(int(simulated(torch.tensor([ids]))[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+def write_tiny_gguf(path: Path, hf_dir: Path, arch: str = "llama", metadata: dict | None = None,
+                    tensors: dict | None = None, token_types: dict[int, int] | None = None) -> Path:
+    """The tiny HF model in `hf_dir` as llama.cpp's converter writes it (F32): GGUF tensor names, Q/K
+    rows permuted for llama, its byte-level vocabulary. `metadata`: extra or replaced keys (None
+    drops one); `tensors`: extra tensors; `token_types`: id -> llama.cpp token type (3 control,
+    4 user-defined)."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from qkiln.runtime.gguf_reader import _GLOBAL_NAMES, _LAYER_NAMES
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokens = [None] * config["vocab_size"]
+    for token, i in vocab["model"]["vocab"].items():
+        tokens[i] = token
+    for added in vocab["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+    tokens = [t if t is not None else f"<unused{i}>" for i, t in enumerate(tokens)]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in vocab["model"]["merges"]]
+    if not merges:  # GGUF has no empty arrays: one merge, into the last (unused) slot
+        tokens[-1], merges = "ab", ["a b"]
+    types = [3 if t.startswith("<|") else 1 for t in tokens]
+    for i, kind in (token_types or {}).items():
+        types[i] = kind
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    keys = {f"{arch}.context_length": ("uint32", config["max_position_embeddings"]),
+            f"{arch}.embedding_length": ("uint32", config["hidden_size"]),
+            f"{arch}.block_count": ("uint32", config["num_hidden_layers"]),
+            f"{arch}.feed_forward_length": ("uint32", config["intermediate_size"]),
+            f"{arch}.attention.head_count": ("uint32", heads),
+            f"{arch}.attention.head_count_kv": ("uint32", kv_heads),
+            f"{arch}.attention.layer_norm_rms_epsilon": ("float32", config["rms_norm_eps"]),
+            f"{arch}.rope.freq_base": ("float32", config.get("rope_theta")
+                                       or (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            "tokenizer.ggml.model": ("string", "gpt2"), "tokenizer.ggml.pre": ("string", "gpt2"),
+            "tokenizer.ggml.bos_token_id": ("uint32", tokens.index("<|bos|>")),
+            "tokenizer.ggml.eos_token_id": ("uint32", tokens.index("<|eos|>"))}
+    keys |= metadata or {}
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        if value is not None:
+            getattr(writer, f"add_{value[0]}")(key, value[1])
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    writer.add_array("tokenizer.ggml.merges", merges)
+    gguf_names = {v: k for k, v in _GLOBAL_NAMES.items()}
+    layer_names = {v: k for k, v in _LAYER_NAMES.items()}
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        base, suffix = name.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, layer, module = base.split(".", 3)
+            gname = f"blk.{layer}.{layer_names[module]}.{suffix}"
+        else:
+            gname = f"{gguf_names[base]}.{suffix}"
+        if arch == "llama" and module_is(name, ("q_proj", "k_proj")):  # convert_hf_to_gguf's permute
+            n = heads if "q_proj" in name else kv_heads
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
+    for name, w in (tensors or {}).items():
+        writer.add_tensor(name, np.asarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def module_is(name: str, modules: tuple[str, ...]) -> bool:
+    return any(f".{m}." in name for m in modules)

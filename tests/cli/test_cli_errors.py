@@ -68,7 +68,8 @@ def test_unsupported_architecture(tmp_path):
     cfg = json.loads((tmp_path / "m/config.json").read_text())
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "m/config.json").write_text(json.dumps(cfg))
-    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", "x"), "not supported")
+    (tmp_path / "t.txt").write_text("hello")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "not supported")
 
 
 def test_corrupt_safetensors(tmp_path):
@@ -83,7 +84,8 @@ def test_corrupt_safetensors(tmp_path):
 def test_corrupt_gguf(tmp_path, smollm2, cut):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(smollm2.path.read_bytes()[:cut])
-    assert_one_line_error(run_cli("eval", str(bad), "--data", "x"), "GGUF")
+    (tmp_path / "t.txt").write_text("hello")
+    assert_one_line_error(run_cli("eval", str(bad), "--data", str(tmp_path / "t.txt")), "GGUF")
 
 
 def test_int8_activations_on_a_source_model(tmp_path):

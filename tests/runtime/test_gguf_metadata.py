@@ -1,0 +1,102 @@
+"""GGUF metadata the converters write, read as the model it describes (probe s34): RoPE scaling keys
+and Llama 3.1's rope_freqs tensor (ignored: a scaled model computed unscaled RoPE), user-defined
+tokens, add_eos, Qwen2's pre-tokenizer, and damaged or split files refused in one line."""
+
+import math
+
+import pytest
+import torch
+
+from qkiln.errors import SourceModelError, UnsupportedArchitectureError
+from qkiln.runtime.source import load_source
+from tiny_models import write_tiny_gguf, write_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return write_tiny_hf_model(tmp_path_factory.mktemp("hf"), "llama")
+
+
+def _logits(source, n=80):
+    ids = torch.arange(n).remainder(250).unsqueeze(0)
+    with torch.no_grad():
+        return source.build_model(torch.float32)(ids)
+
+
+def test_a_plain_gguf_is_the_hf_model(hf_dir, tmp_path):
+    gguf = load_source(write_tiny_gguf(tmp_path / "m.GGUF", hf_dir))  # upper-case suffix as some hubs name it
+    assert gguf.config.rope_scaling is None
+    assert torch.allclose(_logits(gguf), _logits(load_source(hf_dir)), atol=1e-5)
+
+
+def test_linear_rope_scaling_keys_are_applied(hf_dir, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.scaling.type": ("string", "linear"),
+                                                                   "llama.rope.scaling.factor": ("float32", 4.0)})
+    scaled = load_source(path)
+    assert scaled.config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    plain = load_source(hf_dir)
+    assert not torch.allclose(_logits(scaled), _logits(plain), atol=1e-3)  # positions really are scaled
+
+
+def test_unsupported_rope_scaling_is_refused_not_ignored(hf_dir, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.scaling.type": ("string", "yarn"),
+                                                                   "llama.rope.scaling.factor": ("float32", 4.0)})
+    with pytest.raises(UnsupportedArchitectureError, match="rope scaling 'yarn' is not supported"):
+        load_source(path).build_model()
+
+
+def _llama3_divisors(theta, head_dim, factor, original, low=1.0, high=4.0):
+    """convert_hf_to_gguf.py's rope_freqs for a Llama 3.1 rope_scaling."""
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+@pytest.mark.parametrize("original, expected_type", [(8192, "llama3"), (100, "freq_factors")])
+def test_rope_freqs_become_the_llama3_scaling(hf_dir, tmp_path, original, expected_type):
+    """Llama 3.1 / 3.2 GGUFs carry rope_freqs.weight (it was refused as a tensor with no place): the
+    published parameters are recovered as HF's llama3 scaling; other divisors are applied as they are."""
+    from qkiln.runtime.rope import inverse_frequencies
+
+    src = load_source(hf_dir)
+    theta, head_dim = src.config.rope_theta, src.config.head_dim
+    divisors = _llama3_divisors(theta, head_dim, 8.0, original)
+    gguf = load_source(write_tiny_gguf(tmp_path / "m.gguf", hf_dir, tensors={"rope_freqs.weight": divisors}))
+    assert gguf.config.rope_scaling["rope_type"] == expected_type
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    assert torch.allclose(inverse_frequencies(gguf.config), base / torch.tensor(divisors), rtol=1e-5)
+    assert "rope_freqs.weight" not in gguf.state_dict
+
+
+def test_tokenizer_metadata(hf_dir, tmp_path):
+    src = load_source(hf_dir)
+    user = src.tokenizer.backend.token_to_id("<|eos|>") - 1  # some plain token, re-typed user-defined below
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, token_types={user: 4},
+                           metadata={"tokenizer.ggml.add_eos_token": ("bool", True),
+                                     "tokenizer.ggml.pre": ("string", "qwen2")})
+    tok = load_source(path).tokenizer
+    piece = tok.backend.id_to_token(user)
+    assert tok.encode(f"a{piece}b")[1] == user  # matched whole, not split into bytes
+    assert tok.encode("hi 123")[-1] == tok.eos_token_id  # add_eos_token
+    assert tok.decode(tok.encode("Naïve 2024 café", add_special_tokens=False)) == "Naïve 2024 café"
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ({"llama.embedding_length": None}, "lacks llama.embedding_length"),
+    ({"llama.attention.head_count": None}, "lacks llama.attention.head_count"),
+    ({"tokenizer.ggml.bos_token_id": ("uint32", 10**6)}, "bos_token_id is 1000000, outside the vocabulary"),
+    ({"llama.attention.head_count_kv": ("uint32", 1)}, "config .* and its tensors disagree"),
+    ({"split.count": ("uint16", 2), "split.no": ("uint16", 0)}, r"shard 1 of 2 .* \(llama-gguf-split --merge"),
+])
+def test_damaged_metadata_is_a_one_line_error(hf_dir, tmp_path, metadata, message):
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata=metadata)
+    with pytest.raises(SourceModelError, match=message):
+        load_source(path).build_model()
