@@ -198,6 +198,7 @@ def generate_cmd(
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")] = None,
     int8_activations: Int8Activations = False,
 ):
     """Generate from one prompt and stream the text to stdout."""
@@ -206,7 +207,7 @@ def generate_cmd(
 
     try:
         with unpacked(model) as path:
-            llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1)
+            llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype)
             tok = llm.tokenizer
             ids = (tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]),
                               add_special_tokens=False) if chat else tok.encode(prompt))
@@ -233,6 +234,7 @@ def serve_cmd(
     max_model_len: Annotated[Optional[int], typer.Option(help="context length, at most the model's (default: the model's)")] = None,
     kv_cache_mb: Annotated[int, typer.Option("--kv-cache-mb", "--kv-cache-mib", help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
@@ -250,6 +252,7 @@ def serve_cmd(
                                                int8_activations=int8_activations, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                long_prefill_token_threshold=long_prefill_token_threshold,
+                                               kv_dtype=kv_dtype,
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             _fail(e)
