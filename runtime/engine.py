@@ -79,6 +79,11 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
 
 
+def is_token_ids(x) -> bool:
+    """A prompt given as token ids: a list or tuple of integers (numpy's too, not bools)."""
+    return isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x)
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -135,8 +140,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                                       for t in prompt):
+        elif is_token_ids(prompt):
             ids = [int(t) for t in prompt]
         else:  # int() of whatever it iterated failed with a message about int()
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",

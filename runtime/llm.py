@@ -4,7 +4,6 @@ renders conversations with the model's chat template first. Names follow vLLM's 
 qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}` prompts)."""
 
 import dataclasses
-import numbers
 import threading
 from dataclasses import dataclass
 
@@ -12,7 +11,7 @@ from tqdm import tqdm
 
 from qkiln.errors import RequestError, SourceModelError
 
-from .engine import EngineConfig
+from .engine import EngineConfig, is_token_ids
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
@@ -145,10 +144,4 @@ def _token_ids(x) -> list[int] | None:
     """x as a list of ints when it is a 1-D sequence of integers (list, tuple, numpy, torch), else None."""
     if hasattr(x, "tolist") and getattr(x, "ndim", None) == 1:  # numpy / torch, without importing either
         x = x.tolist()
-    if isinstance(x, (list, tuple)) and x and all(_is_token_id(t) for t in x):
-        return [int(t) for t in x]
-    return None
-
-
-def _is_token_id(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+    return [int(t) for t in x] if is_token_ids(x) and len(x) > 0 else None
