@@ -130,9 +130,9 @@ def _llama3_from_factors(factors: list[float], theta: float, head_dim: int) -> d
     """The HF `llama3` rope_scaling that llama.cpp's converter turned into these divisors, when one of
     the published parameter sets reproduces them (Llama 3.1: factor 8, 3.2: 32; low 1, high 4,
     original context 8192), so the config stays one transformers and exports understand."""
-    from .rope import _llama3_frequencies
+    from .rope import base_inverse_frequencies, llama3_frequencies
 
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = base_inverse_frequencies(theta, head_dim)
     target = torch.tensor(factors, dtype=torch.float32)
     if target.shape != inv_freq.shape:
         raise SourceModelError(f"GGUF tensor {ROPE_FREQS} has {target.numel()} factors for a head of {head_dim} "
@@ -140,7 +140,7 @@ def _llama3_from_factors(factors: list[float], theta: float, head_dim: int) -> d
     for original in (8192, 4096, 16384, 32768, 131072):
         scaling = {"rope_type": "llama3", "factor": float(target.max()), "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": original}
-        if torch.allclose(inv_freq / _llama3_frequencies(inv_freq, scaling), target, rtol=1e-4):
+        if torch.allclose(inv_freq / llama3_frequencies(inv_freq, scaling), target, rtol=1e-4):
             return scaling
     return None
 

@@ -15,11 +15,14 @@ from qkiln.errors import UnsupportedArchitectureError
 from .config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+def base_inverse_frequencies(theta: float, dim: int) -> torch.Tensor:
     # on the CPU even inside `torch.device("meta")` (model construction): real values, and no meta
     # arithmetic, which imports torch._dynamo (~2 s of every model load)
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+
+
+def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    inv_freq = base_inverse_frequencies(config.rope_theta, config.head_dim)
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -27,7 +30,7 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
-        return _llama3_frequencies(inv_freq, scaling)
+        return llama3_frequencies(inv_freq, scaling)
     if kind == "freq_factors":  # a GGUF's rope_freqs divisors that no llama3 parameter set reproduces
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     raise UnsupportedArchitectureError(
@@ -36,7 +39,7 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     )
 
 
-def _llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
