@@ -27,6 +27,12 @@ from qkiln.errors import CalibrationDataError, SourceModelError
 # ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
 # of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
 Scorer = Callable[[torch.Tensor], torch.Tensor]
+# Memory: a batch holds at most MAX_BATCH_TOKENS window tokens (the default 4 windows of 512 up to
+# 16; a window of 8192 alone), and log-softmax runs SCORE_ROWS positions at a time. Copies of the
+# whole batch's [B, T, V] logits were the peak (an 8192-token window of SmolLM2: 1.6 GB a copy, and
+# 20 GB estimated for 4 such windows).
+MAX_BATCH_TOKENS = 8192
+SCORE_ROWS = 512
 
 
 @dataclass
@@ -105,6 +111,7 @@ def evaluate_many(
                                    f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
     if batch_size < 1:
         raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
+    batch_size = min(batch_size, max(1, MAX_BATCH_TOKENS // seq_len))  # long windows: fewer at a time
     protocol = EvalProtocol(Path(data_path).name, seq_len, max_tokens, tokenizer.add_bos,
                             hashlib.sha256(text.encode("utf-8")).hexdigest())
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
@@ -118,9 +125,9 @@ def evaluate_many(
     for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
         ids_t = torch.tensor(batch)
         with torch.no_grad():
-            ref_logp = None if reference is None else F.log_softmax(reference(ids_t)[:, :-1].float(), dim=-1)
+            ref_logits = None if reference is None else reference(ids_t)[:, :-1]
         for name, model in models.items():
-            _score_batch(ids_t, model, ref_logp, byte_len, totals[name])
+            _score_batch(ids_t, model, ref_logits, byte_len, totals[name])
     return {name: _report(t, len(windows), protocol, reference is not None) for name, t in totals.items()}
 
 
@@ -143,18 +150,23 @@ def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_referenc
 
 
 @torch.no_grad()
-def _score_batch(ids: torch.Tensor, model: Scorer, ref_logp, byte_len: dict, totals: dict) -> None:
+def _score_batch(ids: torch.Tensor, model: Scorer, ref_logits, byte_len: dict, totals: dict) -> None:
     targets = ids[:, 1:]
     totals["tokens"] += targets.numel()
     totals["bytes"] += sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
     if hasattr(model, "score_targets"):  # the targets' logprobs only (served_eval.py): no KL
-        assert ref_logp is None, "a scorer of target logprobs has no distributions to compare"
+        assert ref_logits is None, "a scorer of target logprobs has no distributions to compare"
         totals["nll"] += -model.score_targets(ids).sum().item()
         return
-    logits = model(ids)[:, :-1].float()  # [B, T-1, V] predicts ids[:, 1:]
-    logp = F.log_softmax(logits, dim=-1)
-    totals["nll"] += -logp.gather(-1, targets.unsqueeze(-1)).sum().item()
-    if ref_logp is not None:
-        totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
-        totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
-        totals["ref_nll"] += -ref_logp.gather(-1, targets.unsqueeze(-1)).sum().item()
+    logits = model(ids)[:, :-1]  # [B, T-1, V] predicts ids[:, 1:]
+    # SCORE_ROWS positions at a time: whole-window log-softmax copies were the peak memory
+    for start in range(0, targets.shape[1], SCORE_ROWS):
+        rows = slice(start, start + SCORE_ROWS)
+        logp = F.log_softmax(logits[:, rows].float(), dim=-1)
+        chosen = targets[:, rows].unsqueeze(-1)
+        totals["nll"] += -logp.gather(-1, chosen).sum().item()
+        if ref_logits is not None:
+            ref_logp = F.log_softmax(ref_logits[:, rows].float(), dim=-1)
+            totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+            totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+            totals["ref_nll"] += -ref_logp.gather(-1, chosen).sum().item()

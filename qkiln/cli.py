@@ -97,6 +97,9 @@ def eval_cmd(
             if window > config.max_position_embeddings:
                 raise QkilnError(f"--seq-len {seq_len} (a window of {window} tokens) exceeds the model's context of "
                                  f"{config.max_position_embeddings} tokens: lower it")
+            if served and window >= config.max_position_embeddings:  # the engine's rule for any prompt
+                raise QkilnError(f"--served scores each window as a prompt that leaves room for one generated token: "
+                                 f"at most {config.max_position_embeddings - 1} tokens, got {window}; lower --seq-len")
             ref = open_model(ref_path) if reference else None
             if ref is not None:
                 check_reference(m.tokenizer, ref.tokenizer, (config.vocab_size, ref.model.config.vocab_size),
