@@ -67,7 +67,8 @@ def eval_cmd(
                 raise QkilnError(f"--json {json_out} is a directory; give a file name")
             check_writable_dir(json_out.absolute().parent)
         if not data.is_file():  # before the model loads (~20 s for SmolLM2), not after
-            raise QkilnError(f"--data {data} is not a file; give the text file to score")
+            raise QkilnError(f"--data {data} {'is not a file' if data.exists() else 'does not exist'}; "
+                             "give the text file to score")
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
                              "(the engine computes the recipe exactly)")

@@ -55,7 +55,8 @@ def test_a_folder_that_is_neither_artifact_nor_model(tmp_path):
 
 
 def test_missing_model(tmp_path):
-    assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", "x.txt"), "not found")
+    (tmp_path / "t.txt").write_text("hello")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", str(tmp_path / "t.txt")), "not found")
 
 
 def test_missing_data_file(tmp_path):
@@ -110,7 +111,7 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     (tmp_path / "t.txt").write_text("hello there " * 40)
     (tmp_path / "short.txt").write_text("hi")
     base = ("eval", str(tmp_path / "m"), "--seq-len", "32")
-    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "nope.txt")), "is not a file")  # before loading
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path)), "is not a file")  # before loading
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "short.txt")), "fewer than one window")
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--batch-size", "0"), "--batch-size")
     assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"),
