@@ -57,6 +57,9 @@ def _dequantize_slots(cache, slots, head_scale, g_scale, g_min) -> torch.Tensor:
     return x.double()
 
 
+REFERENCE_QUERY_ROWS = 256
+
+
 def reference_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale,
                               k_group_min, v_group_scale, v_group_min, k_channel_scale,
                               block_tables, seq_lens, query_start_loc, scale: float):
@@ -79,12 +82,16 @@ def reference_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group
             k = k * k_channel_scale.double()
         k = k.repeat_interleave(group, dim=1)  # [ctx, Hq, D]: query head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
-        q = query[q_begin:q_end].double()  # [q_len, Hq, D]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, q_len, ctx]
-        q_pos = torch.arange(ctx_len - q_len, ctx_len)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx_len)[None, :] > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_begin:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        # REFERENCE_QUERY_ROWS query rows at a time: each row's result is its own, and float64
+        # [Hq, q_len, ctx] scores for a whole 4096-token prefill took 2.5 GB (quadratic)
+        for r0 in range(0, q_len, REFERENCE_QUERY_ROWS):
+            r1 = min(r0 + REFERENCE_QUERY_ROWS, q_len)
+            q = query[q_begin + r0:q_begin + r1].double()  # [rows, Hq, D]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, rows, ctx]
+            q_pos = torch.arange(ctx_len - q_len + r0, ctx_len - q_len + r1)[:, None]
+            scores.masked_fill_(torch.arange(ctx_len)[None, :] > q_pos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q_begin + r0:q_begin + r1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
 
 
