@@ -80,8 +80,9 @@ def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[f
             f"GGUF architecture {arch!r} is not supported; qkiln supports {', '.join(_ARCHS)}"
         )
     a = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    # llama.cpp refuses a file without any of these; a missing epsilon defaulted to 1e-6 here
     missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "block_count",
-                                        "feed_forward_length") if a(k) is None]
+                                        "feed_forward_length", "attention.layer_norm_rms_epsilon") if a(k) is None]
     if missing or "tokenizer.ggml.tokens" not in meta:
         raise SourceModelError(f"GGUF metadata lacks {', '.join(missing or ['tokenizer.ggml.tokens'])}: the file is "
                                "incomplete; convert the model again (llama.cpp's convert_hf_to_gguf.py)")
@@ -97,7 +98,7 @@ def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[f
         num_attention_heads=num_heads,
         num_key_value_heads=a("attention.head_count_kv", num_heads),
         head_dim=a("attention.key_length") or hidden // num_heads,
-        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")),
         rope_theta=float(a("rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(a, rope_freqs, a("rope.freq_base", 10000.0), a("attention.key_length") or
                                    hidden // num_heads),

@@ -92,6 +92,7 @@ def test_tokenizer_metadata(hf_dir, tmp_path):
 @pytest.mark.parametrize("metadata, message", [
     ({"llama.embedding_length": None}, "lacks llama.embedding_length"),
     ({"llama.attention.head_count": None}, "lacks llama.attention.head_count"),
+    ({"llama.attention.layer_norm_rms_epsilon": None}, "lacks llama.attention.layer_norm_rms_epsilon"),
     ({"tokenizer.ggml.bos_token_id": ("uint32", 10**6)}, "bos_token_id is 1000000, outside the vocabulary"),
     ({"llama.attention.head_count_kv": ("uint32", 1)}, "config .* and its tensors disagree"),
     ({"split.count": ("uint16", 2), "split.no": ("uint16", 0)}, r"shard 1 of 2 .* \(llama-gguf-split --merge"),
