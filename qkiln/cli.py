@@ -18,6 +18,8 @@ from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
 from qkiln.errors import QkilnError
 
+KvDtype = Annotated[Optional[str], typer.Option(
+    help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 
@@ -202,7 +204,7 @@ def generate_cmd(
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
-    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")] = None,
+    kv_dtype: KvDtype = None,
     int8_activations: Int8Activations = False,
 ):
     """Generate from one prompt and stream the text to stdout."""
@@ -213,8 +215,7 @@ def generate_cmd(
         with unpacked(model) as path:
             llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype)
             tok = llm.tokenizer
-            ids = (tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]),
-                              add_special_tokens=False) if chat else tok.encode(prompt))
+            ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                     seed=seed)
             llm.engine.add_request(ids, params)
@@ -238,7 +239,7 @@ def serve_cmd(
     max_model_len: Annotated[Optional[int], typer.Option(help="context length, at most the model's (default: the model's)")] = None,
     kv_cache_mb: Annotated[int, typer.Option("--kv-cache-mb", "--kv-cache-mib", help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
-    kv_dtype: Annotated[Optional[str], typer.Option(help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")] = None,
+    kv_dtype: KvDtype = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,

@@ -80,12 +80,10 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
              add_generation_prompt: bool = True) -> list[CompletionOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the model's
-        chat template and tokenized as `/v1/chat/completions` does: the template places BOS, so
-        none is added (encoding the rendered text added a second one on Llama / Mistral templates)."""
+        chat template and tokenized as `/v1/chat/completions` does (Tokenizer.chat_prompt_ids)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         try:
-            prompts = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c, add_generation_prompt),
-                                             add_special_tokens=False) for c in conversations]
+            prompts = [self.tokenizer.chat_prompt_ids(c, add_generation_prompt) for c in conversations]
         except SourceModelError as e:  # no template, or the template refused these messages
             raise RequestError(str(e), "messages") from e
         return self.generate(prompts, sampling_params, use_tqdm)

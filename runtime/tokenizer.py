@@ -21,16 +21,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # server's event loop, the engine); 1M characters took 0.58 s with the GIL held throughout.
 LONG_TEXT = 16_384
 
+
+
+def _llama3_style_split(digits: str) -> str:
+    return (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
+            + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 # llama.cpp pre-tokenizer names -> the split rules their merges were learned with (GPT-2's is
-# ByteLevel's own default). Qwen2's tokenizer.json: Llama 3's rule with digits one at a time.
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# ByteLevel's own default, SmolLM's in _gguf_pre_tokenizer). Qwen2's tokenizer.json is Llama 3's
+# rule with digits one at a time.
+_SPLITS = {**dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "smaug-bpe"), _llama3_style_split(r"\p{N}{1,3}")),
+           "qwen2": _llama3_style_split(r"\p{N}")}  # Qwen2 / 2.5 / 3
 
 
 class Tokenizer:
@@ -122,6 +124,11 @@ class Tokenizer:
             eos_token=self.config.get("eos_token") or "",
         )
 
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation rendered with the chat template, as token ids: the template places BOS, so
+        encoding adds none (a second BOS on Llama / Mistral templates otherwise)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / "tokenizer.json"))
@@ -198,13 +205,9 @@ _KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "add_eos_token",
 
 
 def _gguf_pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
-    if pre == "qwen2":  # Qwen2 / 2.5 / 3
-        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated")
-        return pre_tokenizers.Sequence([split, byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre == "smollm":
         # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level split.
         return pre_tokenizers.Sequence(
