@@ -125,12 +125,11 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        # SamplingParams takes a string or a list of stops, and validates itself when made
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, min_tokens=self.min_tokens,
-                              stop_token_ids=tuple(self.stop_token_ids or ()),
-                              prompt_logprobs=prompt_logprobs).validate()
+                              top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                              prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(SamplingFields):
