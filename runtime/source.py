@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.compile.artifact import MANIFEST_NAME, WEIGHTS_DIR
+from qkiln.compile.artifact import MANIFEST_NAME, WEIGHTS_DIR, is_artifact_dir
 from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
@@ -111,7 +111,7 @@ def load_source(name: str | Path) -> SourceModel:
 def _load_hf_dir(path: Path) -> SourceModel:
     config_path = path / "config.json"
     if not config_path.is_file():
-        if (path / MANIFEST_NAME).is_file():
+        if is_artifact_dir(path):
             raise SourceModelError(f"{path} is a qkiln artifact, already quantized: build from the model it was "
                                    "built from, or serve / generate / eval the artifact itself")
         if (path / WEIGHTS_DIR).is_dir():  # an artifact's layout without its manifest, which is written last
