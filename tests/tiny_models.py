@@ -179,13 +179,14 @@ def write_tiny_gguf(path: Path, hf_dir: Path, arch: str = "llama", metadata: dic
     layer_names = {v: k for k, v in _LAYER_NAMES.items()}
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():
         base, suffix = name.rsplit(".", 1)
+        module = None
         if base.startswith("model.layers."):
             _, _, layer, module = base.split(".", 3)
             gname = f"blk.{layer}.{layer_names[module]}.{suffix}"
         else:
             gname = f"{gguf_names[base]}.{suffix}"
-        if arch == "llama" and module_is(name, ("q_proj", "k_proj")):  # convert_hf_to_gguf's permute
-            n = heads if "q_proj" in name else kv_heads
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # convert_hf_to_gguf's permute
+            n = heads if module == "self_attn.q_proj" else kv_heads
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         writer.add_tensor(gname, np.ascontiguousarray(w, dtype=np.float32))
     for name, w in (tensors or {}).items():
@@ -195,7 +196,3 @@ def write_tiny_gguf(path: Path, hf_dir: Path, arch: str = "llama", metadata: dic
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def module_is(name: str, modules: tuple[str, ...]) -> bool:
-    return any(f".{m}." in name for m in modules)
