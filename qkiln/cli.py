@@ -202,6 +202,9 @@ def generate_cmd(
     top_p: Annotated[float, typer.Option(help="nucleus sampling threshold (1 = off)")] = 1.0,
     top_k: Annotated[int, typer.Option(help="sample from the k most likely tokens (-1 or 0 = off)")] = -1,
     seed: Annotated[Optional[int], typer.Option(help="sampling seed")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="divide a positive logit of a token already in the "
+                                                      "prompt or output by this, multiply a negative one (1 = off)")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="drop tokens less likely than this x the top token (0 = off)")] = 0.0,
     chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     kv_dtype: KvDtype = None,
@@ -212,12 +215,13 @@ def generate_cmd(
     from qkiln.runtime.sampling_params import SamplingParams
 
     try:
+        # a bad option is refused before the model loads
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=seed, repetition_penalty=repetition_penalty, min_p=min_p)
         with unpacked(model) as path:
             llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype)
             tok = llm.tokenizer
             ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                    seed=seed)
             llm.engine.add_request(ids, params)
             while llm.engine.has_unfinished():
                 for out in llm.engine.step():

@@ -21,6 +21,12 @@ hash names the whole prefix up to and including that block. sha256 rather than P
 so that a crafted prompt cannot collide into another user's cached KV. A lookup never covers
 the whole sequence: its last token is always recomputed so the step yields logits.
 
+A block is hashed when it is scheduled to be filled, not after (vLLM v1's rule), so requests
+admitted in the same step share a prompt's blocks instead of each computing it (n choices, a
+batch with a common system prompt): every layer writes the whole step's K/V before any of the
+step's attention reads it. Hashes given since the last `commit_pending()` are pending: a step
+that fails drops them (`forget_pending()`), since the KV they name may never have been written.
+
 `check_integrity()` verifies all of the above and raises AssertionError on any drift.
 """
 
@@ -79,6 +85,7 @@ class KVCacheManager:
         self._seq_blocks: dict = {}  # seq_id -> list[block_id], in token order
         self._seq_hashes: dict = {}  # seq_id -> chained hashes of its full blocks (tokens never change)
         self._num_hashed_blocks: dict = {}  # seq_id -> leading blocks already offered to the hash map
+        self._pending: list[int] = []  # blocks hashed since the last commit_pending()
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -155,12 +162,16 @@ class KVCacheManager:
                 self.prefix_cache_hits += computed_blocks.num_tokens
         return KVAllocation(new_ids, num_computed if computed_blocks is not None else 0)
 
-    def cache_full_blocks(self, seq) -> None:
-        """Register hashes of blocks that became full of computed tokens since the last call."""
+    def cache_full_blocks(self, seq, num_computed_tokens: int | None = None) -> None:
+        """Register hashes of the blocks full of computed tokens not registered before, counting
+        `num_computed_tokens` of them (default: the sequence's; the scheduler passes what this
+        step will have computed). They stay pending until `commit_pending()`."""
         if not self.enable_prefix_caching:
             return
         blocks = self._seq_blocks[seq.seq_id]
-        num_full = seq.num_computed_tokens // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        num_full = num_computed_tokens // self.block_size
         start = self._num_hashed_blocks.get(seq.seq_id, 0)
         if num_full <= start:
             return
@@ -175,7 +186,27 @@ class KVCacheManager:
                 # hash and this duplicate stays unhashed (it goes straight to `free` when released).
                 block.block_hash = hashes[i]
                 self._hash_to_block[hashes[i]] = block.block_id
+                self._pending.append(block.block_id)
         self._num_hashed_blocks[seq.seq_id] = num_full
+
+    def commit_pending(self) -> None:
+        """The step that fills the pending blocks ran: their hashes name written KV."""
+        self._pending.clear()
+
+    def forget_pending(self) -> set[int]:
+        """Drop the pending hashes (their step failed) and return those blocks. Whoever holds one
+        must be freed and recomputed: the scheduler preempts the failed step's sequences."""
+        dropped = set(self._pending)
+        for block_id in self._pending:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
+                del self._hash_to_block[block.block_hash]
+            block.block_hash = None
+            if block_id in self._evictable:
+                del self._evictable[block_id]
+                self._free.append(block_id)
+        self._pending.clear()
+        return dropped
 
     def free(self, seq) -> None:
         """Release all of `seq`'s blocks; safe to call on a sequence that holds none."""
@@ -198,6 +229,7 @@ class KVCacheManager:
         for block in self.blocks:
             block.block_hash = None
         self._hash_to_block.clear()
+        self._pending.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
 

@@ -156,6 +156,10 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"stop_token_ids entry {bad} is outside the vocabulary: ids must be in [0, {vocab})",
                                "stop_token_ids")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token {bad} is outside the vocabulary: ids must be in [0, {vocab})",
+                               "logit_bias")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
@@ -182,6 +186,19 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        try:
+            out = self._run(plan)
+        except BaseException:  # an interrupt too: the caller may abort the requests or go on
+            self.scheduler.rollback(plan)
+            raise
+        sampling = plan.sampling
+        sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
+        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
+        self.stats["num_steps"] += 1
+        return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
+
+    def _run(self, plan) -> SamplerOutput:
+        """The model and the sampler on one step's plan (prompt logprobs recorded on the way)."""
         sampling = plan.sampling
         params = [s.seq.sampling_params for s in sampling]
         banned = [s.banned_token_ids for s in sampling]
@@ -190,14 +207,11 @@ class LLMEngine:
         if step.prompt_hidden is not None:
             self._score_prompts(plan, step.prompt_hidden)
         if step.argmax is not None:
-            out = SamplerOutput(step.argmax)
-        else:
-            out = self.sampler.sample(step.logits, params,
-                                      [self.requests[s.seq_id].generator for s in sampling], banned)
-        sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
-        finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
-        self.stats["num_steps"] += 1
-        return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
+            return SamplerOutput(step.argmax)
+        history = [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling] \
+            if any(p.has_penalties for p in params) else None
+        return self.sampler.sample(step.logits, params, [self.requests[s.seq_id].generator for s in sampling],
+                                   banned, history)
 
     def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted

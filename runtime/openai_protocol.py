@@ -7,7 +7,8 @@ it reads `RequestOutput`s and returns plain dicts. Validation is
 strict (a string "5" is not an integer, `true` is not a number): a wrong type is the client's
 bug and gets a 400 naming the field rather than a silent coercion. Unknown fields are ignored,
 as OpenAI clients send many optional ones (user, ...); known ones that would change the answer
-(penalties, logit_bias, tools, JSON mode) are refused unless at their no-op values.
+and are not implemented (best_of, tools, JSON mode, guided decoding) are refused unless at their
+no-op values.
 """
 
 import codecs
@@ -26,6 +27,10 @@ from qkiln.errors import RequestError
 from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
+
+# OpenAI's cap on n. Every choice is an engine request of its own; admitted in one step, they
+# compute the prompt's full KV blocks once and share them (block_manager.py).
+MAX_CHOICES = 128
 
 
 class InvalidRequestError(RequestError):
@@ -60,17 +65,19 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices per prompt, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension, for benchmarks
     min_tokens: int = Field(default=0, ge=0)  # extension
     stop_token_ids: list[int] | None = None  # extension (vLLM)
-    # accepted at their no-op values, which OpenAI clients send by default; anything else would
-    # change the answer, and is refused rather than ignored
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
+    logit_bias: dict | None = None  # {"token id": bias}; SamplingParams checks keys and ranges
+    repetition_penalty: float = 1.0  # extension (vLLM)
+    min_p: float = 0.0  # extension (vLLM)
+    # accepted at their no-op values, which OpenAI clients send by default; anything else would
+    # change the answer, and is refused rather than ignored
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None  # legacy function calling, which `tools` replaced
@@ -79,8 +86,6 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
     # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     use_beam_search: bool = False
@@ -94,16 +99,10 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("n > 1 is not supported; send n separate requests (with different seeds)", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported; send 0 or leave it out", param=name)
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported; leave it out", param="logit_bias")
         if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of > 1 is not supported; leave it out", param="best_of")
-        for name, no_op in (("repetition_penalty", 1.0), ("min_p", 0.0), ("include_stop_str_in_output", False),
+            raise InvalidRequestError("best_of > 1 is not supported; leave it out (n returns n samples)",
+                                      param="best_of")
+        for name, no_op in (("include_stop_str_in_output", False),
                             ("skip_special_tokens", True), ("use_beam_search", False), ("guided_json", None),
                             ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None)):
             if getattr(self, name) != no_op:
@@ -124,12 +123,22 @@ class SamplingFields(BaseModel):
                                       param="response_format")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice (n). With a seed, choice j samples with seed + j, as vLLM's
+        n does, so the choices differ and each reproduces."""
         # SamplingParams takes a string or a list of stops, and validates itself when made
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                              logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-                              prompt_logprobs=prompt_logprobs)
+        first = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                               top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                               logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty,
+                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                               logit_bias=self.logit_bias)
+        seed = first.seed  # -1 is None there
+        if seed is not None and seed + self.n - 1 > SEED_MAX:
+            raise InvalidRequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); "
+                                      "lower the seed", param="seed")
+        return [first] + [replace(first, seed=None if seed is None else seed + j) for j in range(1, self.n)]
 
 
 class CompletionRequest(SamplingFields):
@@ -259,10 +268,12 @@ class ResponseBuilder:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, include_usage: bool = False,
-                 index: int = 0):
-        """index: the choice this builder writes (a completion's prompt in a batch)."""
+                 index: int = 0, counts_prompt: bool = True):
+        """index: the choice this builder writes (prompt i's choice j of n is i * n + j).
+        counts_prompt: usage counts the prompt's tokens here (in the first of a prompt's n choices:
+        OpenAI bills a prompt once however many choices it has)."""
         self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
-        self.include_usage, self.index = include_usage, index
+        self.include_usage, self.index, self.counts_prompt = include_usage, index, counts_prompt
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
@@ -282,7 +293,10 @@ class ResponseBuilder:
         return body
 
     def usage(self, final: RequestOutput) -> dict:
-        return usage(len(final.prompt_token_ids), len(final.token_ids))
+        return self._usage(final, len(final.token_ids))
+
+    def _usage(self, final: RequestOutput, num_completion: int) -> dict:
+        return usage(len(final.prompt_token_ids) if self.counts_prompt else 0, num_completion)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         final = outputs[-1]
@@ -345,7 +359,7 @@ class CompletionResponse(ResponseBuilder):
         return self._envelope(self.object_name, [choice]) | {"usage": self.usage(final)}
 
     def usage(self, final: RequestOutput) -> dict:
-        return usage(len(final.prompt_token_ids), len(final.token_ids) if self.generates else 0)
+        return self._usage(final, len(final.token_ids) if self.generates else 0)
 
     def _prompt_entries(self, prompt_logprobs: list[dict | None] | None) -> list[dict]:
         """The echoed prompt's logprob entries (the first token's null)."""
@@ -392,7 +406,8 @@ class ChatResponse(ResponseBuilder):
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
     def start_chunks(self) -> list[dict]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         body = self._envelope(self.chunk_object_name, [choice])
         return [body | {"usage": None}] if self.include_usage else [body]
 

@@ -21,6 +21,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # A positive temperature below this is raised to it, as vLLM does: logits / 1e-38 overflows float32
 # (NaN probabilities, token 0 every step), and at 0.01 sampling is already all but the argmax.
 MIN_TEMPERATURE = 0.01
+# OpenAI's ranges: presence/frequency penalties in [-2, 2], a logit bias in [-100, 100]. Each biased
+# token is written on every step of the request: a bound, well above the few that ban or force one.
+MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 2.0, 100.0, 1024
 
 
 @dataclass
@@ -30,7 +33,14 @@ class SamplingParams:
     temperature == 0 means greedy. top_k <= 0 and top_p == 1 switch those filters off.
     `stop` strings are matched by the engine on detokenized text; `stop_token_ids` and EOS by
     the scheduler. `min_tokens` suppresses every stop condition except `max_tokens` until that
-    many tokens have been generated. `logprobs` asks for the generated tokens' logprobs (and the
+    many tokens have been generated.
+
+    Logits are adjusted in vLLM's order before the choice, greedy included: `logit_bias` is added
+    (token id -> bias), then `repetition_penalty` (CTRL, Keskar et al. 2019: a positive logit of a
+    token in the prompt or the output is divided by it, a negative one multiplied), then
+    `frequency_penalty` x its count in the output and `presence_penalty` once if it is in the output
+    are subtracted (OpenAI's formula). After temperature, `min_p` drops tokens whose probability is
+    below min_p x the top token's. `logprobs` asks for the generated tokens' logprobs (and the
     top n), `prompt_logprobs` for the prompt's (vLLM's semantics: every prompt token after the
     first, scored by the model given the ones before it; what loglikelihood evaluations read).
     """
@@ -46,6 +56,11 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
@@ -53,6 +68,10 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
+               f"logit_bias maps token ids to biases, got {type(self.logit_bias).__name__}")
+        if self.logit_bias:  # JSON's keys are strings: "50256" means token 50256, as in OpenAI's API
+            self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
         if self.seed == -1:  # vLLM's "no seed": a fixed seed made every such request the same sample
             self.seed = None
         self.validate()  # a bad value is refused where it is written (RequestError is a ValueError)
@@ -60,6 +79,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the choice depends on the tokens so far (prompt and output)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the choice, so a greedy row is not their argmax."""
+        return self.has_penalties or bool(self.logit_bias)
 
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self (with a
@@ -92,7 +121,31 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens",
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                   name, f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
+               "repetition_penalty",
+               f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               "min_p", f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        bias = self.logit_bias or {}
+        _check(len(bias) <= MAX_LOGIT_BIAS_TOKENS, "logit_bias",
+               f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+        bad_keys = [t for t in bias if not (_is_int(t) and t >= 0)]
+        _check(not bad_keys, "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {bad_keys[:5]!r}")
+        bad = next((v for v in bias.values() if not (_is_number(v) and abs(v) <= MAX_LOGIT_BIAS)), None)
+        _check(bad is None, "logit_bias",
+               f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad!r}")
         return self
+
+
+def _token_id_key(key):
+    """A logit_bias key as a token id: an int, or a string of digits (JSON's object keys)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return key  # validate() names it
 
 
 def _is_int(x) -> bool:

@@ -20,7 +20,10 @@ ones in FCFS order while budget, `max_num_seqs` and KV blocks last. A waiting se
 does not fit blocks the ones behind it (no overtaking). When a running sequence needs a block
 and none is left, the newest running sequence is preempted: blocks freed, `num_computed_tokens`
 reset to 0, put at the FRONT of the waiting queue, recomputed later (prefix cache permitting);
-nothing is ever dropped. No admissions happen in a step that preempted.
+nothing is ever dropped. No admissions happen in a step that preempted, so a sequence scheduled
+in a step keeps its blocks through it. Each sequence's blocks that the step fills are offered to
+the prefix cache as it is scheduled, so a sequence admitted after it in the same step can hit
+them; a step that fails is undone with `rollback()`.
 
 Invariants (`check_integrity()`): every unfinished sequence is either running or waiting;
 waiting ones hold no blocks and have nothing computed; running ones hold blocks for all their
@@ -179,6 +182,7 @@ class Scheduler:
             num_new = self._num_tokens_to_schedule(seq, seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, plan):
                 break  # it preempted itself: it was the newest, nothing runs after it
+            self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             plan.scheduled.append(self._entry(seq, num_new))
             budget -= num_new
             i += 1
@@ -221,6 +225,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
+            self.kv.cache_full_blocks(seq, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.scheduled.append(self._entry(seq, num_new))
@@ -245,7 +250,6 @@ class Scheduler:
                 continue  # aborted between schedule() and update(); its blocks are already free
             assert seq.num_computed_tokens == entry.num_computed_tokens, f"{seq.seq_id!r} changed mid-step"
             seq.num_computed_tokens += entry.num_scheduled_tokens
-            self.kv.cache_full_blocks(seq)
             if not entry.is_sampling:
                 continue
             seq.append_token(sampled[seq.seq_id])
@@ -253,7 +257,19 @@ class Scheduler:
             if reason is not None:
                 self.finish(seq.seq_id, reason)
                 finished.append(seq)
+        self.kv.commit_pending()
         return finished
+
+    def rollback(self, plan: StepPlan) -> None:
+        """Undo a step that failed before `update`: the prefix-cache hashes it gave are dropped
+        (the KV they name may not have been written) and its sequences are preempted, to be
+        recomputed if they are not aborted (one that hit a dropped block believes it computed)."""
+        self.kv.forget_pending()
+        for entry in reversed(plan.scheduled):  # newest first: _preempt keeps FCFS order
+            seq = entry.seq
+            if seq.status == SequenceStatus.RUNNING:
+                self.running.remove(seq)
+                self._preempt(seq)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         params = seq.sampling_params

@@ -93,24 +93,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
-        prompts, params, builders = [], [], []
+        choices = _Choices()
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
             ids = prompt if isinstance(prompt, list) else await _encode(engine, prompt, where)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned
             max_tokens = _completion_budget(body.max_tokens if body.generates else 1, len(ids), engine, where)
             # with echo, logprobs covers the prompt's tokens too
-            params.append(body.sampling_params(max_tokens, body.logprobs,
-                                               body.logprobs if body.echo else None))
+            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None)
             echo = None
             if body.echo:  # the prompt's text as sent, or its ids' text
                 text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
                 echo = (text, ids)
-            prompts.append(ids)
-            builders.append(CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
-                                               index=i, echo=echo, logprobs=body.logprobs is not None,
-                                               generates=body.generates))
-        return await _respond(engine, metrics, request, prompts, params, builders, body.stream)
+            for j, sp in enumerate(params):  # prompt i's choice j is choice i * n + j, as OpenAI orders them
+                builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
+                                             index=i * body.n + j, counts_prompt=j == 0, echo=echo,
+                                             logprobs=body.logprobs is not None, generates=body.generates)
+                choices.add(ids, sp, builder, i if len(batch) > 1 else None)
+        return await _respond(engine, metrics, request, choices, body.stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -128,9 +128,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
         max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
                                         "messages")
-        params = body.sampling_params(max_tokens, body.num_logprobs)
-        builder = ChatResponse(f"chatcmpl-{uuid.uuid4().hex}", model_name, engine.tokenizer, body.include_usage)
-        return await _respond(engine, metrics, request, [prompt_ids], [params], [builder], body.stream)
+        request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", _Choices()
+        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs)):
+            choices.add(prompt_ids, sp, ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage,
+                                                     index=j, counts_prompt=j == 0))
+        return await _respond(engine, metrics, request, choices, body.stream)
 
     app.include_router(v1)
 
@@ -201,11 +203,26 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[:end + len(final)]
 
 
-async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, prompts: list, params: list,
-                   builders: list[ResponseBuilder], is_stream: bool):
-    """Run one request's prompts (a completion batch: one choice each) and answer with them all."""
+class _Choices:
+    """One HTTP request's choices: each an engine request (its prompt ids, SamplingParams), the
+    builder that writes it, and the index of its prompt in a completion batch (None: not a batch)."""
+
+    def __init__(self):
+        self.prompts, self.params, self.builders, self.prompt_index = [], [], [], []
+
+    def add(self, prompt_ids: list[int], params, builder: ResponseBuilder, prompt_index: int | None = None) -> None:
+        self.prompts.append(prompt_ids)
+        self.params.append(params)
+        self.builders.append(builder)
+        self.prompt_index.append(prompt_index)
+
+
+async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, choices: _Choices,
+                   is_stream: bool):
+    """Run one request's choices (a completion batch's prompts, n per prompt) and answer with them all."""
     # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
-    streams = await _admit(engine, prompts, params, builders)
+    streams = await _admit(engine, choices)
+    builders = choices.builders
     if is_stream:
         return StreamingResponse(_sse(engine, metrics, streams, builders), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -220,22 +237,26 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
     return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
 
 
-async def _admit(engine: AsyncLLMEngine, prompts: list, params: list, builders: list) -> list[RequestStream]:
-    """Every prompt admitted (at once: one engine round trip, not one per prompt), or none: a
-    refused one aborts the others and is a 400 naming its place in the batch."""
+async def _admit(engine: AsyncLLMEngine, choices: _Choices) -> list[RequestStream]:
+    """Every choice admitted (at once: one engine round trip, not one per choice), or none: a
+    refused one aborts the others and is a 400 naming its prompt's place in the batch."""
+    builders = choices.builders
+
     def engine_id(i):
-        return builders[i].request_id if len(prompts) == 1 else f"{builders[i].request_id}-{i}"
+        return builders[i].request_id if len(builders) == 1 else f"{builders[i].request_id}-{i}"
 
     admitted = await asyncio.gather(*(engine.add_request(p, sp, engine_id(i))
-                                      for i, (p, sp) in enumerate(zip(prompts, params))), return_exceptions=True)
+                                      for i, (p, sp) in enumerate(zip(choices.prompts, choices.params))),
+                                    return_exceptions=True)
     streams = [r for r in admitted if isinstance(r, RequestStream)]
     for i, result in enumerate(admitted):
         if isinstance(result, BaseException):
             _abort_unfinished(engine, streams)
-            if isinstance(result, RequestError) and len(prompts) > 1:
+            k = choices.prompt_index[i]
+            if isinstance(result, RequestError) and k is not None:
                 param = getattr(result, "param", None)
-                param = f"prompt.{i}" if param in (None, "prompt") else param
-                raise InvalidRequestError(f"prompt {i}: {result}", param)
+                param = f"prompt.{k}" if param in (None, "prompt") else param
+                raise InvalidRequestError(f"prompt {k}: {result}", param)
             raise result
     return streams
 
@@ -282,8 +303,9 @@ async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, streams: list[Req
                builders: list[ResponseBuilder]):
     """`data: {json}\\n\\n` per chunk, then `data: [DONE]`. Cancelled on disconnect: then abort."""
     try:
-        for chunk in builders[0].start_chunks():
-            yield _event(chunk)
+        for builder in builders:  # a chat choice opens with its role
+            for chunk in builder.start_chunks():
+                yield _event(chunk)
         finals = [None] * len(streams)
         async for index, out in _merged(streams):
             chunk = builders[index].chunk(out)

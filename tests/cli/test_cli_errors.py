@@ -97,6 +97,11 @@ def test_int8_activations_on_a_source_model(tmp_path):
         assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build")
 
 
+def test_sampling_options_out_of_range_are_refused_before_loading(tmp_path):
+    assert_one_line_error(run_cli("generate", str(tmp_path / "not-loaded"), "--prompt", "hi", "--min-p", "2"),
+                          "min_p must be in [0, 1]")
+
+
 def test_engine_options_that_do_not_go_together(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
     (tmp_path / "t.txt").write_text("hello")

@@ -184,3 +184,47 @@ def test_a_long_prefill_chunk_cap_lets_later_requests_start(tmp_path):
         engine.abort_request(long)
         engine.abort_request(short)
     assert first_token_step[0][short] >= 7 and first_token_step[8][short] == 1
+
+
+def _one_token_at_a_time(llm, prompt_ids, steps, bias_from=lambda tokens: None, **params):
+    """Greedy tokens from `steps` one-token requests, each prompt extended by the tokens so far
+    (and biased by `bias_from(tokens so far)`)."""
+    ids, out = list(prompt_ids), []
+    for _ in range(steps):
+        bias = bias_from(out)
+        token = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True,
+                                                   logit_bias=bias, **params))[0].token_ids[0]
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def test_the_engine_penalizes_the_tokens_of_the_request_so_far(llm):
+    """Through prefill and decode steps, the penalties count the right tokens: a repetition penalty
+    (prompt and output) equals one-token requests on the growing prompt, and frequency / presence
+    penalties (output only) equal those requests with the penalty written as a logit bias."""
+    prompt = llm.tokenizer.encode("the cat sat on the mat and the cat")
+    plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    repeated = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     repetition_penalty=5.0))[0].token_ids
+    assert repeated == _one_token_at_a_time(llm, prompt, 12, repetition_penalty=5.0)
+
+    def as_bias(tokens):  # OpenAI's formula over the output so far, 1.5 x count + 0.5 once
+        return {t: -(1.5 * tokens.count(t) + 0.5) for t in set(tokens)} or None
+
+    penalized = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                      frequency_penalty=1.5, presence_penalty=0.5))[0].token_ids
+    assert penalized == _one_token_at_a_time(llm, prompt, 12, bias_from=as_bias)
+    assert len(set(penalized)) > len(set(plain)) and len(set(repeated)) > len(set(plain)), (plain, penalized, repeated)
+
+
+def test_logit_bias_forces_and_bans_through_the_engine(llm):
+    prompt = llm.tokenizer.encode("hello")
+    plain = llm.generate([prompt], GREEDY)[0].token_ids
+    assert llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True,
+                                                 logit_bias={"17": 100}))[0].token_ids == [17] * 5
+    banned = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                   logit_bias={t: -100 for t in plain}))[0].token_ids
+    assert not set(banned) & set(plain)
+    with pytest.raises(RequestError, match="logit_bias token 99999 is outside the vocabulary"):
+        llm.generate([prompt], SamplingParams(logit_bias={99999: 1}))

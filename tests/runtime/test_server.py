@@ -203,7 +203,8 @@ def test_chat_roles_parts_and_prefill_render_as_vllm_renders_them(client, refere
 
 def test_null_means_the_default_as_openai_clients_send_it(client):
     nulls = dict(temperature=None, top_p=None, n=None, stream=None, presence_penalty=None, frequency_penalty=None,
-                 logprobs=None, top_k=None, ignore_eos=None, min_tokens=None)
+                 logprobs=None, top_k=None, ignore_eos=None, min_tokens=None, repetition_penalty=None, min_p=None,
+                 logit_bias=None)
     plain = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, temperature=1.0, seed=7)).json()
     r = client.post("/v1/chat/completions", json=chat_body(max_tokens=5, seed=7) | nulls)
     assert r.status_code == 200, r.text
@@ -350,8 +351,9 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "prompt mixing text and ids": ("/v1/completions", {"model": "tiny", "prompt": ["a", [1, 2]]}, "prompt"),
     "streamed prompt too long": ("/v1/completions", {"model": "tiny", "prompt": "x" * 300, "stream": True}, None),
     "chat messages too long": ("/v1/chat/completions", chat_body(content="y" * 300), "messages"),
-    "n > 1": ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, "n"),
-    "chat n > 1": ("/v1/chat/completions", chat_body(n=3), "n"),
+    "n above OpenAI's 128": ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 129}, "n"),
+    "chat n 0": ("/v1/chat/completions", chat_body(n=0), "n"),
+    "seed + n past 64 bits": ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "seed": 2**64 - 1}, "seed"),
     "chat messages missing role": ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]},
                                    "messages.0.role"),
     "stop wrong type": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, "stop"),
@@ -365,13 +367,20 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "seed beyond 64 bits": ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": 2**64}, "seed"),
     "temperature infinite": ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 1e400}',
                              "temperature"),
-    "penalty that is not a no-op": ("/v1/chat/completions", chat_body(presence_penalty=0.5), "presence_penalty"),
+    "presence_penalty past 2": ("/v1/chat/completions", chat_body(presence_penalty=2.5), "presence_penalty"),
+    "frequency_penalty a string": ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": "1"},
+                                   "frequency_penalty"),
+    "logit_bias key not a token id": ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}},
+                                      "logit_bias"),
+    "logit_bias past 100": ("/v1/chat/completions", chat_body(logit_bias={"5": 150}), "logit_bias"),
+    "logit_bias outside the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": "x",
+                                                              "logit_bias": {"999999": 1}}, "logit_bias"),
     "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     "best_of": ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, "best_of"),
+    "repetition_penalty 0": ("/v1/completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 0},
+                             "repetition_penalty"),
+    "min_p past 1": ("/v1/chat/completions", chat_body(min_p=1.5), "min_p"),
     # vLLM extensions lm-eval forwards from a task's generation_kwargs: never silently ignored
-    "repetition_penalty": ("/v1/completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 2.0},
-                           "repetition_penalty"),
-    "min_p": ("/v1/chat/completions", chat_body(min_p=0.5), "min_p"),
     "include_stop_str_in_output": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [","],
                                                        "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     "suffix": ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
