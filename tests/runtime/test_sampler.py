@@ -1,10 +1,13 @@
 """Sampler: greedy, top-k, top-p, seeds independent of batch composition, logprobs, bans."""
 
+import random
+
 import pytest
 import torch
 
 from qkiln.errors import RequestError
-from qkiln.runtime.sampler import Sampler, _apply_top_k_top_p, make_generator
+from qkiln.runtime.logits_processing import apply_top_k_top_p
+from qkiln.runtime.sampler import Sampler, make_generator
 from qkiln.runtime.sampling_params import SamplingParams
 
 V = 50
@@ -83,7 +86,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 @pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
 def test_top_p_mass_property_on_random_rows(top_p):
     logits = random_logits(16, seed=3)
-    masked = _apply_top_k_top_p(logits, [SamplingParams(top_p=top_p)] * 16)
+    masked = apply_top_k_top_p(logits, [SamplingParams(top_p=top_p)] * 16)
     probs = logits.softmax(-1)
     for row in range(16):
         kept = torch.isfinite(masked[row])
@@ -154,3 +157,38 @@ def test_seed_minus_one_means_no_seed():
 def test_validate_accepts_defaults_and_normalizes_stop():
     params = SamplingParams(stop="###", stop_token_ids=[3, 4]).validate()
     assert params.stop == ("###",) and params.stop_token_ids == (3, 4)
+
+
+def test_top_k_top_p_from_candidates_keeps_what_a_full_sort_keeps():
+    """The candidate path (topk of each row, a sort only for rows whose nucleus is wider) keeps the
+    same tokens as sorting every row: peaked and flat rows, k below and above the candidates."""
+    from qkiln.runtime.logits_processing import TOP_P_CANDIDATES, top_k_top_p_by_sort
+
+    vocab = 5000
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    generator = torch.Generator().manual_seed(seed)
+    scales = [5.0, 0.01, 1.0, 3.0]  # 0.01: nearly uniform, its nucleus is thousands of tokens
+    params, rows = [], []
+    for top_k in (-1, 5, TOP_P_CANDIDATES + 44, vocab - 1):
+        for top_p in (1.0, 0.5, 0.9, 0.99):
+            for scale in scales:
+                params.append(SamplingParams(top_k=top_k, top_p=top_p))
+                rows.append(torch.randn(vocab, generator=generator) * scale)
+    logits = torch.stack(rows)
+    fast, reference = apply_top_k_top_p(logits, params), top_k_top_p_by_sort(logits, params)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(reference))
+    kept = torch.isfinite(fast)
+    assert torch.equal(fast[kept], logits[kept])
+    flat_wide = [i for i, p in enumerate(params) if p.top_p == 0.99 and p.top_k == -1 and i % 4 == 1]
+    assert kept[flat_wide].sum(-1).min() > TOP_P_CANDIDATES  # the sort fallback was needed there
+
+
+def test_the_draw_never_picks_a_token_without_probability():
+    """u is in (0, 1]: with the first and last tokens banned (-inf), neither is ever drawn."""
+    logits = torch.zeros(4000, 6)
+    logits[:, 0] = logits[:, 5] = float("-inf")
+    torch.manual_seed(0)
+    out = Sampler().sample(logits, [SamplingParams(temperature=1.0)] * 4000)
+    freq = torch.bincount(out.token_ids, minlength=6).float() / 4000
+    assert freq[0] == 0 and freq[5] == 0 and torch.allclose(freq[1:5], torch.full((4,), 0.25), atol=0.03)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from qkiln.errors import RequestError
-from qkiln.runtime.sampler import Sampler, _adjust
+from qkiln.runtime.logits_processing import adjust_logits
+from qkiln.runtime.sampler import Sampler
 from qkiln.runtime.sampling_params import SamplingParams
 
 V = 40
@@ -21,7 +22,7 @@ def rng():
     return random.Random(seed)
 
 
-def reference_adjust(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def referenceadjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """One row, one token at a time: bias, then CTRL's repetition rule over prompt and output, then
     OpenAI's frequency and presence terms over the output."""
     row = logits.tolist()
@@ -49,9 +50,9 @@ def test_penalties_and_bias_match_the_formulas_row_by_row(rng):
             logit_bias={rng.randrange(V): rng.uniform(-100, 100) for _ in range(i)} or None))
         history.append(([rng.randrange(V) for _ in range(rng.randrange(0, 12))],
                         [rng.randrange(V) for _ in range(rng.randrange(0, 20))]))
-    adjusted = _adjust(logits, params, None, history)
+    adjusted = adjust_logits(logits, params, None, history)
     for i in range(rows):
-        expected = reference_adjust(logits[i], params[i], *history[i])
+        expected = referenceadjust_logits(logits[i], params[i], *history[i])
         torch.testing.assert_close(adjusted[i], expected, rtol=1e-5, atol=1e-5)
     out = Sampler().sample(logits, params, token_history=history)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -63,7 +64,7 @@ def test_rows_without_adjustments_keep_their_logits_and_logprobs_stay_raw():
     params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, frequency_penalty=1.5, logprobs=2),
               SamplingParams(temperature=0, logit_bias={7: -100.0, 3: 100.0}, logprobs=2)]
     history = [([1, 2], [5, 5]), ([1, 2], [int(logits[1].argmax())] * 3), ([], [])]
-    adjusted = _adjust(logits, params, None, history)
+    adjusted = adjust_logits(logits, params, None, history)
     assert torch.equal(adjusted[0], logits[0]) and not torch.equal(adjusted[1], logits[1])
     out = Sampler().sample(logits, params, token_history=history)
     assert out.token_ids[2].item() == 3  # +100 forces it

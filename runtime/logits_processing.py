@@ -1,0 +1,160 @@
+"""What a step does to the logits before a token is drawn: each request's logit bias, bans and
+penalties (`adjust_logits`), and the min-p, top-k and top-p filters (`apply_min_p`,
+`apply_top_k_top_p`), vectorized over the batch.
+
+Owns the formulas (SamplingParams documents them); the sampler decides which run and draws.
+Must not know about sequences: the caller passes the token ids the penalties count.
+
+The filters avoid sorting whole rows: a sort of 16 x 49,152 logits took 30 ms on a 2-core CPU
+(a decode step of SmolLM2 W4A16 takes ~40). Top-k's threshold and top-p's nucleus come from
+each row's `topk` candidates; a row whose nucleus is wider than them is sorted whole.
+"""
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from .sampling_params import SamplingParams
+
+# Candidates per row in which top-p looks for its nucleus first (a topk of 256 of 49,152 costs
+# ~1 ms for 16 rows; most nuclei of p <= 0.95 fit in far fewer tokens).
+TOP_P_CANDIDATES = 256
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], banned_token_ids=None,
+                  token_history=None) -> torch.Tensor:
+    """The logits after each row's bias, bans and penalties: an fp32 copy, or `logits` itself when
+    no row has any."""
+    has_ban = banned_token_ids is not None and any(banned_token_ids)
+    if not (has_ban or any(p.adjusts_logits for p in params)):
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if has_ban and banned_token_ids[i]:
+            logits[i, list(banned_token_ids[i])] = float("-inf")
+    if any(p.has_penalties for p in params):
+        assert token_history is not None and len(token_history) == len(params), "penalties need token_history"
+        _apply_penalties(logits, params, token_history)
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], token_history) -> None:
+    """In place, on the rows with penalties (one [rows, vocab] count of their tokens):
+        repetition: a token seen in the prompt or output has its logit divided by the penalty when
+                    positive, multiplied when not (CTRL; HF's and vLLM's rule)
+        frequency, presence: logit -= frequency x output count + presence x (output count > 0)."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    device, vocab_size = logits.device, logits.shape[1]
+
+    def column(name):
+        return torch.tensor([getattr(params[i], name) for i in rows], device=device).unsqueeze(1)  # [rows, 1]
+
+    index = torch.tensor(rows, device=device)
+    picked = logits[index]  # [rows, vocab]
+    output_counts = _token_counts([token_history[i][1] for i in rows], vocab_size, device)
+    if any(params[i].repetition_penalty != 1.0 for i in rows):
+        prompts = [token_history[i][0] if params[i].repetition_penalty != 1.0 else () for i in rows]
+        seen = (output_counts > 0) | (_token_counts(prompts, vocab_size, device) > 0)
+        penalty = column("repetition_penalty")
+        picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
+    picked = picked - column("frequency_penalty") * output_counts - column("presence_penalty") * (output_counts > 0)
+    logits[index] = picked
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
+    """[len(token_lists), vocab_size] how often each token occurs in each list (one bincount)."""
+    lengths = torch.tensor([len(ids) for ids in token_lists], device=device)
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
+    rows = torch.arange(len(token_lists), device=device).repeat_interleave(lengths)
+    counts = torch.bincount(rows * vocab_size + ids, minlength=len(token_lists) * vocab_size)
+    return counts.view(len(token_lists), vocab_size).to(torch.float32)
+
+
+def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p x the row's top probability (Nguyen et al. 2024,
+    "Min P Sampling"); the top token always stays, since min_p <= 1."""
+    min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)  # [num_seqs, 1]
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask logits outside each row's top-k and then top-p set with -inf.
+
+    Each row keeps the tokens at or above one threshold: its k-th largest logit (top-k; ties with
+    it stay, as in vLLM), raised to the smallest logit of its nucleus (top-p: the most likely
+    tokens, in order, while the mass before each is below p, measured on the top-k-renormalized
+    distribution). Both come from the row's largest `max(k, TOP_P_CANDIDATES)` logits; a top-p row
+    whose candidates hold less than p of its mass is done by `top_k_top_p_by_sort`.
+    """
+    num_seqs, vocab_size = logits.shape
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    has_top_k = any(k < vocab_size for k in top_k)
+    has_top_p = any(p < 1.0 for p in top_p)
+    if not (has_top_k or has_top_p):
+        return logits
+    device = logits.device
+    if device.type != "cpu":  # a GPU sorts fast, and finding the wide rows would sync with the host
+        return top_k_top_p_by_sort(logits, params)
+    num_candidates = min(vocab_size, max([k for k in top_k if k < vocab_size] +
+                                         [TOP_P_CANDIDATES if has_top_p else 1]))
+    values = logits.topk(num_candidates, dim=-1).values  # [num_seqs, C], descending
+    k = torch.tensor(top_k, device=device).unsqueeze(1)  # [num_seqs, 1]
+    in_top_k = k < vocab_size
+    kth = values.gather(1, (k.clamp(max=num_candidates) - 1))  # [num_seqs, 1]
+    threshold = torch.where(in_top_k, kth, torch.full_like(kth, float("-inf")))
+    if has_top_p:
+        p = torch.tensor(top_p, device=device).unsqueeze(1)
+        candidates = values.masked_fill(values < threshold, float("-inf"))
+        # the row's normalizer: over its top-k set (inside the candidates), or over the whole row
+        normalizer = torch.where(in_top_k, candidates.logsumexp(dim=-1, keepdim=True),
+                                 logits.logsumexp(dim=-1, keepdim=True))
+        probs = (candidates - normalizer).exp()
+        mass = probs.cumsum(dim=-1)
+        num_kept = ((mass - probs) < p).sum(dim=-1, keepdim=True)  # >= 1: the top token's mass before is 0
+        nucleus_min = values.gather(1, num_kept - 1)
+        applies = p < 1.0
+        threshold = torch.where(applies, torch.maximum(threshold, nucleus_min), threshold)
+        unresolved = applies & ~in_top_k & (mass[:, -1:] < p)  # the nucleus reaches past the candidates
+        rows = unresolved.squeeze(1).nonzero().squeeze(1).tolist()
+        if rows:
+            masked = logits.masked_fill(logits < threshold, float("-inf"))
+            masked[rows] = top_k_top_p_by_sort(logits[rows], [params[i] for i in rows])
+            return masked
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`apply_top_k_top_p` by sorting whole rows: the reference, and the path for rows whose top-p
+    set is wider than their TOP_P_CANDIDATES most likely tokens.
+
+    Ascending sort, per row:   [ low ........................ high ]
+        top-k drops columns  <  vocab - k
+        top-p drops the prefix whose cumulative probability <= 1 - p (the highest one always stays)
+    Ties with the k-th value survive top-k, as in vLLM.
+    """
+    vocab_size = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    has_top_k = any(k < vocab_size for k in top_k)
+    has_top_p = any(p < 1.0 for p in top_p)
+    if not (has_top_k or has_top_p):
+        return logits
+    device = logits.device
+    sorted_logits, sorted_idx = logits.sort(dim=-1)  # [num_seqs, vocab_size], ascending
+    if has_top_k:
+        k = torch.tensor(top_k, device=device)
+        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [num_seqs, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+    if has_top_p:
+        p = torch.tensor(top_p, device=device).unsqueeze(1)  # [num_seqs, 1]
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = (cumulative <= 1.0 - p) & (p < 1.0)  # p == 1 rows keep everything despite rounding
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
