@@ -84,13 +84,15 @@ def check_fits(engine: LLMEngine, workload: Workload) -> None:
                                "or the KV pool); lower the input / output lengths")
 
 
-def drive(engine: LLMEngine, workload: Workload, temperature: float = 0.0) -> RunTrace:
-    """Submit every request, step until all finish; time each request's first token and end."""
+def drive(engine: LLMEngine, workload: Workload, sampling: dict | None = None) -> RunTrace:
+    """Submit every request, step until all finish; time each request's first token and end.
+    sampling: SamplingParams options besides the lengths (greedy when None)."""
     check_fits(engine, workload)
     timings = {}
     start = time.perf_counter()
     for prompt, n in zip(workload.prompts, workload.output_lens):
-        rid = engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True))
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True,
+                                                        **({"temperature": 0.0} | (sampling or {}))))
         timings[rid] = RequestTiming(len(prompt))
     step_end = []
     while engine.has_unfinished():
@@ -121,18 +123,18 @@ _FIGURES = ("elapsed_s", "num_steps", "requests_per_s", "input_tokens_per_s", "o
             "total_tokens_per_s", "num_output_tokens", "mean_ttft_s", "prefix_cache_hit_rate")
 
 
-def run_throughput(engine: LLMEngine, workload: Workload, num_repeats: int = 3, temperature: float = 0.0,
+def run_throughput(engine: LLMEngine, workload: Workload, num_repeats: int = 3, sampling: dict | None = None,
                    warmup: bool = True, label: str = "qkiln") -> dict:
     """`num_repeats` timed passes of `workload` -> summaries of every figure, plus peak memory."""
     if warmup:
         head = Workload(workload.prompts[:2], [min(4, n) for n in workload.output_lens[:2]])
-        drive(engine, head, temperature)
+        drive(engine, head, sampling)
     runs = []
     for i in range(num_repeats):
         kv = engine.kv_manager
         kv.reset_prefix_cache()
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
-        trace = drive(engine, workload, temperature)
+        trace = drive(engine, workload, sampling)
         figures = trace_figures(trace)
         dq = kv.prefix_cache_queries - queries
         figures["prefix_cache_hit_rate"] = (kv.prefix_cache_hits - hits) / dq if dq else 0.0
@@ -150,10 +152,13 @@ def main(model: str, *,
          num_requests: int = 64, input_len: str = "128", output_len: str = "128", prompts_jsonl: Path | None = None,
          shared_prefix_len: int = 0, max_num_seqs: str = "64", max_num_batched_tokens: int = 1024,
          num_kv_blocks: int | None = None, kv_dtype: str | None = None, prefix_caching: bool = True,
-         dtype: str = "auto", int8_activations: bool = False, repeats: int = 3,
-         threads: int | None = None, seed: int = 0, json_out: Path | None = None, plot: Path | None = None):
+         dtype: str = "auto", int8_activations: bool = False, repeats: int = 3, temperature: float = 0.0,
+         top_p: float = 1.0, top_k: int = -1, threads: int | None = None, seed: int = 0,
+         json_out: Path | None = None, plot: Path | None = None):
     """Offline throughput: N requests at once through the engine; requests/s and tokens/s."""
     check_at_least(1, repeats=repeats, max_num_batched_tokens=max_num_batched_tokens)
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    SamplingParams(**sampling)  # a bad value is refused before the model loads
     if num_kv_blocks is not None:
         check_at_least(1, num_kv_blocks=num_kv_blocks)
     num_threads = set_threads(threads)
@@ -167,12 +172,12 @@ def main(model: str, *,
     for limit in seq_limits:
         engine = make_engine(loaded, max_num_seqs=limit, max_num_batched_tokens=max_num_batched_tokens,
                              num_kv_blocks=num_kv_blocks, kv_dtype=kv_dtype, enable_prefix_caching=prefix_caching)
-        result = run_throughput(engine, workload, repeats, label=f"max_num_seqs={limit}")
+        result = run_throughput(engine, workload, repeats, sampling, label=f"max_num_seqs={limit}")
         runs.append({"max_num_seqs": limit, "kv_dtype": engine.kv_dtype, **result})  # kv_dtype: what ran
         del engine
         gc.collect()
     config = {"model": model, "dtype": dtype, "int8_activations": int8_activations, "threads": num_threads,
-              "repeats": repeats,
+              "repeats": repeats, "sampling": sampling,
               "workload": workload.description, "max_num_batched_tokens": max_num_batched_tokens,
               "num_kv_blocks": num_kv_blocks, "kv_dtype": kv_dtype, "enable_prefix_caching": prefix_caching}
     report = make_report("throughput", config, {"runs": runs})

@@ -20,6 +20,7 @@ from qkiln.bench.roofline import kv_bytes_per_token, measure_bandwidth, weight_b
 from qkiln.bench.serve import compute_metrics, parse_goodput
 from qkiln.bench.serve_client import RequestResult
 from qkiln.bench.workload import BenchConfigError, make_workload, parse_length, sampleable_token_ids
+from qkiln.errors import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,15 @@ def test_shared_prefix_is_reported_as_cache_hits(tiny, capsys):
                              max_num_seqs="1", repeats=1, threads=1)
     assert report["results"]["runs"][0]["prefix_cache_hit_rate"]["median"] > 0
     assert "in 32+4 / out 2" in capsys.readouterr().out  # the prompts' length, prefix included
+
+
+def test_sampled_throughput_records_its_sampling(tiny, tmp_path):
+    report = throughput.main(str(tiny), num_requests=3, input_len="4", output_len="3", temperature=0.8, top_p=0.9,
+                             top_k=20, repeats=1, threads=1)
+    assert report["config"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20}
+    assert report["results"]["runs"][0]["num_output_tokens"]["median"] == 9
+    with pytest.raises(RequestError, match="top_p must be in"):
+        throughput.main(str(tmp_path / "never-loaded"), top_p=0)
 
 
 def test_lengths_past_the_context_are_refused_not_cut(tiny):
