@@ -193,10 +193,9 @@ class KVCacheManager:
         """The step that fills the pending blocks ran: their hashes name written KV."""
         self._pending.clear()
 
-    def forget_pending(self) -> set[int]:
-        """Drop the pending hashes (their step failed) and return those blocks. Whoever holds one
-        must be freed and recomputed: the scheduler preempts the failed step's sequences."""
-        dropped = set(self._pending)
+    def forget_pending(self) -> None:
+        """Drop the pending hashes (their step failed). Whoever holds one of those blocks must be
+        freed and recomputed: the scheduler preempts the failed step's sequences."""
         for block_id in self._pending:
             block = self.blocks[block_id]
             if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
@@ -206,7 +205,6 @@ class KVCacheManager:
                 del self._evictable[block_id]
                 self._free.append(block_id)
         self._pending.clear()
-        return dropped
 
     def free(self, seq) -> None:
         """Release all of `seq`'s blocks; safe to call on a sequence that holds none."""
