@@ -132,6 +132,8 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     ids = _token_ids(prompt)
+    if ids is None and hasattr(prompt, "__len__") and len(prompt) == 0:
+        raise RequestError(f"prompt {index} is empty; send at least one token", "prompt")
     if ids is None:
         raise RequestError(f"prompt {index} must be a string or a list of token ids (ints), "
                            f"got {type(prompt).__name__}", "prompt")

@@ -43,6 +43,11 @@ def test_an_interrupt_leaves_the_llm_usable(llm, monkeypatch):
     assert llm.generate(["hello"], GREEDY)[0].token_ids == expected
 
 
+def test_an_empty_token_list_is_named_as_empty(llm):
+    with pytest.raises(RequestError, match="prompt 1 is empty"):
+        llm.generate(["a", []], GREEDY)
+
+
 def test_params_list_must_match_the_prompts(llm):
     with pytest.raises(RequestError, match="3 prompts but 1 SamplingParams"):
         llm.generate(["a", "b", "c"], [GREEDY])
