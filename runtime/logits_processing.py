@@ -95,10 +95,8 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     whose candidates hold less than p of its mass has its nucleus found from a histogram.
     """
     num_seqs, vocab_size = logits.shape
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_p = [p.top_p for p in params]
-    has_top_k = any(k < vocab_size for k in top_k)
-    has_top_p = any(p < 1.0 for p in top_p)
+    top_k, top_p = _top_k_top_p(params, vocab_size)
+    has_top_k, has_top_p = any(k < vocab_size for k in top_k), any(p < 1.0 for p in top_p)
     if not (has_top_k or has_top_p):
         return logits
     device = logits.device
@@ -166,10 +164,8 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     Ties with the k-th value survive top-k, as in vLLM.
     """
     vocab_size = logits.shape[-1]
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_p = [p.top_p for p in params]
-    has_top_k = any(k < vocab_size for k in top_k)
-    has_top_p = any(p < 1.0 for p in top_p)
+    top_k, top_p = _top_k_top_p(params, vocab_size)
+    has_top_k, has_top_p = any(k < vocab_size for k in top_k), any(p < 1.0 for p in top_p)
     if not (has_top_k or has_top_p):
         return logits
     device = logits.device
@@ -185,3 +181,8 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
         drop[:, -1] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _top_k_top_p(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], list[float]]:
+    """Each row's k (vocab_size when top-k is off) and p (1.0 when top-p is off)."""
+    return [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], [p.top_p for p in params]
