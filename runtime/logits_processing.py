@@ -112,19 +112,20 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     if has_top_p:
         p = torch.tensor(top_p, device=device).unsqueeze(1)
         candidates = values.masked_fill(values < threshold, float("-inf"))
-        # the row's normalizer: over its top-k set (inside the candidates), or over the whole row
-        normalizer = torch.where(in_top_k, candidates.logsumexp(dim=-1, keepdim=True),
-                                 logits.logsumexp(dim=-1, keepdim=True))
+        # the normalizer of the top-k set, over the whole row: tokens tied with the k-th logit
+        # stay, and may lie beyond the candidates
+        in_top_k_set = logits.masked_fill(logits < threshold, float("-inf"))
+        normalizer = in_top_k_set.logsumexp(dim=-1, keepdim=True)
         probs = (candidates - normalizer).exp()
         mass = probs.cumsum(dim=-1)
         num_kept = ((mass - probs) < p).sum(dim=-1, keepdim=True)  # >= 1: the top token's mass before is 0
         nucleus_min = values.gather(1, num_kept - 1)
         applies = p < 1.0
-        threshold = torch.where(applies, torch.maximum(threshold, nucleus_min), threshold)
-        unresolved = applies & ~in_top_k & (mass[:, -1:] < p)  # the nucleus reaches past the candidates
+        unresolved = applies & (mass[:, -1:] < p)  # the nucleus reaches past the candidates
+        threshold = torch.where(applies & ~unresolved, torch.maximum(threshold, nucleus_min), threshold)
         rows = unresolved.squeeze(1).nonzero().squeeze(1)
-        if rows.numel():  # no top-k there, so the threshold is the nucleus's alone
-            threshold[rows] = _wide_nucleus_threshold(logits[rows], p[rows])
+        if rows.numel():  # the top-k set's nucleus, from a histogram (top-k's threshold is below it)
+            threshold[rows] = _wide_nucleus_threshold(in_top_k_set[rows], p[rows])
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
@@ -143,6 +144,9 @@ def _wide_nucleus_threshold(logits: torch.Tensor, top_p: torch.Tensor) -> torch.
     probs = logits.softmax(dim=-1)
     cumulative = torch.zeros(logits.shape[0], HISTOGRAM_BINS, device=logits.device).scatter_add_(1, bins, probs)
     cumulative = cumulative.cumsum_(dim=-1)
+    # p of the mass as summed here (0.9996 at 49,152 even tokens in fp32): against p itself, a p
+    # near 1 was never reached and an empty last bin was searched
+    top_p = top_p * cumulative[:, -1:]
     crossing = (cumulative < top_p).sum(dim=-1, keepdim=True).clamp_(max=HISTOGRAM_BINS - 1)  # [rows, 1]
     above = torch.where(crossing > 0, cumulative.gather(1, (crossing - 1).clamp(min=0)), 0.0)
     thresholds = []

@@ -12,6 +12,7 @@ no-op values.
 """
 
 import codecs
+import copy
 import functools
 import json
 import time
@@ -138,7 +139,15 @@ class SamplingFields(BaseModel):
         if seed is not None and seed + self.n - 1 > SEED_MAX:
             raise InvalidRequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); "
                                       "lower the seed", param="seed")
-        return [first] + [replace(first, seed=None if seed is None else seed + j) for j in range(1, self.n)]
+        return [first] + [_with_seed(first, None if seed is None else seed + j) for j in range(1, self.n)]
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """A copy with another seed, set as is: made anew, a seed of -1 (from seed -2, n 3) would have
+    become "no seed", so that choice was not reproducible."""
+    child = copy.copy(params)
+    child.seed = seed
+    return child
 
 
 class CompletionRequest(SamplingFields):

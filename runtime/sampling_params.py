@@ -135,9 +135,9 @@ class SamplingParams:
                f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
         bad_keys = [t for t in bias if not (_is_int(t) and t >= 0)]
         _check(not bad_keys, "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {bad_keys[:5]!r}")
-        bad = next((v for v in bias.values() if not (_is_number(v) and abs(v) <= MAX_LOGIT_BIAS)), None)
-        _check(bad is None, "logit_bias",
-               f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bad!r}")
+        bad_values = [v for v in bias.values() if not (_is_number(v) and abs(v) <= MAX_LOGIT_BIAS)]
+        _check(not bad_values, "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                             f"{MAX_LOGIT_BIAS:g}], got {bad_values[0] if bad_values else None!r}")
         return self
 
 

@@ -134,7 +134,8 @@ def test_logprobs_are_taken_before_min_tokens_bans():
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(max_tokens=0), dict(top_p=0.0), dict(top_p=1.5),
                                  dict(temperature=-0.1), dict(top_k=-2), dict(logprobs=100),
                                  dict(min_tokens=20, max_tokens=5), dict(stop=("",)), dict(temperature=float("nan")),
-                                 dict(temperature=float("inf")), dict(seed=2**64), dict(seed=-(2**63) - 1)])
+                                 dict(temperature=float("inf")), dict(seed=2**64), dict(seed=-(2**63) - 1),
+                                 dict(logit_bias={5: None})])
 def test_bad_params_are_refused_where_they_are_written(bad):
     with pytest.raises(RequestError) as refused:  # a ValueError as well, as vLLM's are
         SamplingParams(**bad)
@@ -192,3 +193,18 @@ def test_the_draw_never_picks_a_token_without_probability():
     out = Sampler().sample(logits, [SamplingParams(temperature=1.0)] * 4000)
     freq = torch.bincount(out.token_ids, minlength=6).float() / 4000
     assert freq[0] == 0 and freq[5] == 0 and torch.allclose(freq[1:5], torch.full((4,), 0.25), atol=0.03)
+
+
+def test_ties_at_the_kth_logit_count_in_top_p_and_near_1_top_p_holds_on_flat_rows():
+    """Top-k keeps every token tied with the k-th logit, past the candidates too: top-p's mass is
+    of all of them (5 tokens were kept here where 10 are right). And a flat row's mass, summed in
+    fp32 to 0.9996, still reaches a top_p of 0.9999 (an IndexError failed the step)."""
+    from qkiln.runtime.logits_processing import top_k_top_p_by_sort
+
+    logits = torch.cat([torch.linspace(5.0, 4.91, 10), torch.zeros(1990)]).unsqueeze(0)
+    params = [SamplingParams(top_k=256, top_p=0.4)]
+    kept = torch.isfinite(apply_top_k_top_p(logits, params))
+    assert torch.equal(kept, torch.isfinite(top_k_top_p_by_sort(logits, params))) and kept.sum() == 10
+    flat = apply_top_k_top_p(torch.zeros(2, 49152), [SamplingParams(top_p=0.9999), SamplingParams(top_p=0.5)])
+    assert torch.isfinite(flat).all()  # every token is tied with the nucleus's last
+

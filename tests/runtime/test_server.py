@@ -373,6 +373,9 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "logit_bias key not a token id": ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}},
                                       "logit_bias"),
     "logit_bias past 100": ("/v1/chat/completions", chat_body(logit_bias={"5": 150}), "logit_bias"),
+    # accepted once, it failed the step of every request in flight
+    "logit_bias null value": ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": None}},
+                              "logit_bias"),
     "logit_bias outside the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": "x",
                                                               "logit_bias": {"999999": 1}}, "logit_bias"),
     "tools": ("/v1/chat/completions", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),

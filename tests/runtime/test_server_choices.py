@@ -98,3 +98,14 @@ def test_logit_bias_with_json_string_keys(client):
     assert forced["logprobs"]["tokens"] == [token["logprobs"]["tokens"][0]] * 4  # the name of token 70
     plain = post(client, "/v1/completions", prompt="hello", max_tokens=4, temperature=0)["choices"][0]["text"]
     assert forced["text"] == token["logprobs"]["tokens"][0] * 4 != plain
+
+
+def test_choice_seeds_count_on_across_minus_one():
+    """seed -2 with n 3 gives -2, -1, 0: made anew, the -1 became "no seed" (vLLM's meaning for a
+    request's own seed), and that choice differed every time."""
+    from qkiln.runtime.openai_protocol import CompletionRequest
+
+    params = CompletionRequest(prompt="x", n=3, seed=-2).sampling_params(4, None)
+    assert [p.seed for p in params] == [-2, -1, 0]
+    assert [p.seed for p in CompletionRequest(prompt="x", n=2, seed=-1).sampling_params(4, None)] == [None, None]
+
