@@ -206,12 +206,15 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """Back to the front of the queue with nothing computed; `counted`: a preemption for the
+        stats (a failed step's rollback is not one)."""
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
         # Victims leave newest first, so each goes in front of the previous: FCFS order holds.
         self.waiting.appendleft(seq)
 
@@ -269,7 +272,7 @@ class Scheduler:
             seq = entry.seq
             if seq.status == SequenceStatus.RUNNING:
                 self.running.remove(seq)
-                self._preempt(seq)
+                self._preempt(seq, counted=False)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         params = seq.sampling_params

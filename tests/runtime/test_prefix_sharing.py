@@ -111,6 +111,7 @@ def test_a_failed_step_drops_the_hashes_it_gave_and_recomputes(tiny, monkeypatch
     # no hash survives: the blocks it named were never written, and a later prompt hit them
     assert not kv._hash_to_block and kv.usage == 0.0
     assert engine.scheduler.num_waiting == 3 and engine.scheduler.num_running == 0
+    assert engine.scheduler.num_preemptions == 0  # a rollback is not a preemption in the stats
     engine.check_integrity()
     monkeypatch.setattr(engine.runner, "run", run)
     assert finish(engine) == {f"r{i}": expected for i in range(3)}
