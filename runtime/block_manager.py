@@ -288,7 +288,8 @@ class KVCacheManager:
             assert self.blocks[b].block_hash == block_hash, f"hash map points at block {b} with another hash"
         for b in self._pending:  # mid-step: hashed when scheduled, so forget_pending can find them
             block_hash = self.blocks[b].block_hash
-            assert block_hash is not None and self._hash_to_block.get(block_hash) == b, f"pending block {b} lost its hash"
+            assert block_hash is not None and self._hash_to_block.get(block_hash) == b, \
+                f"pending block {b} lost its hash"
         num_used = sum(1 for block in self.blocks if block.ref_cnt > 0)
         assert len(free) + len(evictable) + num_used == self.num_blocks, \
             f"free {len(free)} + evictable {len(evictable)} + used {num_used} != total {self.num_blocks}"

@@ -124,7 +124,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
-                   name, f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), got {value!r}")
+                   name, f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 disables it), "
+                         f"got {value!r}")
         _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty < float("inf"),
                "repetition_penalty",
                f"repetition_penalty must be a finite number > 0 (1 disables it), got {self.repetition_penalty!r}")

@@ -22,7 +22,7 @@ def rng():
     return random.Random(seed)
 
 
-def referenceadjust_logits(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+def reference_adjust(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
     """One row, one token at a time: bias, then CTRL's repetition rule over prompt and output, then
     OpenAI's frequency and presence terms over the output."""
     row = logits.tolist()
@@ -52,7 +52,7 @@ def test_penalties_and_bias_match_the_formulas_row_by_row(rng):
                         [rng.randrange(V) for _ in range(rng.randrange(0, 20))]))
     adjusted = adjust_logits(logits, params, None, history)
     for i in range(rows):
-        expected = referenceadjust_logits(logits[i], params[i], *history[i])
+        expected = reference_adjust(logits[i], params[i], *history[i])
         torch.testing.assert_close(adjusted[i], expected, rtol=1e-5, atol=1e-5)
     out = Sampler().sample(logits, params, token_history=history)
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -61,7 +61,8 @@ def test_penalties_and_bias_match_the_formulas_row_by_row(rng):
 
 def test_rows_without_adjustments_keep_their_logits_and_logprobs_stay_raw():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0, frequency_penalty=1.5, logprobs=2),
+    params = [SamplingParams(temperature=0, logprobs=2),
+              SamplingParams(temperature=0, frequency_penalty=1.5, logprobs=2),
               SamplingParams(temperature=0, logit_bias={7: -100.0, 3: 100.0}, logprobs=2)]
     history = [([1, 2], [5, 5]), ([1, 2], [int(logits[1].argmax())] * 3), ([], [])]
     adjusted = adjust_logits(logits, params, None, history)
