@@ -165,7 +165,9 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     Ascending sort, per row:   [ low ........................ high ]
         top-k drops columns  <  vocab - k
         top-p drops the prefix whose cumulative probability <= 1 - p (the highest one always stays)
-    Ties with the k-th value survive top-k, as in vLLM.
+    The row then keeps every logit at or above its smallest kept one: ties with the k-th value
+    survive top-k, as in vLLM, and ties with the nucleus's last survive top-p, as on the CPU path
+    (a sort keeping some of them by position kept 10% of a flat row at top_p 0.1, the CPU 100%).
     """
     vocab_size = logits.shape[-1]
     top_k, top_p = _top_k_top_p(params, vocab_size)
@@ -173,18 +175,19 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     if not (has_top_k or has_top_p):
         return logits
     device = logits.device
-    sorted_logits, sorted_idx = logits.sort(dim=-1)  # [num_seqs, vocab_size], ascending
+    sorted_logits = logits.sort(dim=-1).values  # [num_seqs, vocab_size], ascending
+    keep = torch.ones_like(sorted_logits, dtype=torch.bool)
     if has_top_k:
         k = torch.tensor(top_k, device=device)
-        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))  # [num_seqs, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, float("-inf"))
+        keep &= sorted_logits >= sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
     if has_top_p:
         p = torch.tensor(top_p, device=device).unsqueeze(1)  # [num_seqs, 1]
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        cumulative = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1).cumsum(dim=-1)
         drop = (cumulative <= 1.0 - p) & (p < 1.0)  # p == 1 rows keep everything despite rounding
         drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+        keep &= ~drop
+    threshold = sorted_logits.masked_fill(~keep, float("inf")).amin(dim=-1, keepdim=True)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _top_k_top_p(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], list[float]]:
