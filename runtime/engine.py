@@ -146,20 +146,14 @@ class LLMEngine:
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
                                "prompt")
         vocab = self.model.config.vocab_size
-        bad = next((t for t in ids if t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in [0, {vocab})",
-                               "prompt")
-        # a stop token id indexes the logits when min_tokens bans it: one outside them failed the
-        # whole step, every request in it
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"stop_token_ids entry {bad} is outside the vocabulary: ids must be in [0, {vocab})",
-                               "stop_token_ids")
-        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias token {bad} is outside the vocabulary: ids must be in [0, {vocab})",
-                               "logit_bias")
+        # a stop token id or a biased one indexes the logits (a ban, a bias): one outside them
+        # failed the whole step, every request in it
+        for what, param, token_ids in (("prompt token id", "prompt", ids),
+                                       ("stop_token_ids entry", "stop_token_ids", params.stop_token_ids),
+                                       ("logit_bias token", "logit_bias", params.logit_bias or ())):
+            bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab})", param)
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")

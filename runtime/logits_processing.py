@@ -80,6 +80,8 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device)
 def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Mask tokens whose probability is below min_p x the row's top probability (Nguyen et al. 2024,
     "Min P Sampling"); the top token always stays, since min_p <= 1."""
+    if not any(p.min_p > 0.0 for p in params):
+        return logits
     min_p = torch.tensor([p.min_p for p in params], device=logits.device).unsqueeze(1)  # [num_seqs, 1]
     probs = logits.softmax(dim=-1)
     return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
@@ -94,9 +96,8 @@ def apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     distribution). Both come from the row's largest `max(k, TOP_P_CANDIDATES)` logits; a top-p row
     whose candidates hold less than p of its mass has its nucleus found from a histogram.
     """
-    num_seqs, vocab_size = logits.shape
-    top_k, top_p = _top_k_top_p(params, vocab_size)
-    has_top_k, has_top_p = any(k < vocab_size for k in top_k), any(p < 1.0 for p in top_p)
+    vocab_size = logits.shape[-1]
+    top_k, top_p, has_top_k, has_top_p = _top_k_top_p(params, vocab_size)
     if not (has_top_k or has_top_p):
         return logits
     device = logits.device
@@ -170,8 +171,7 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     (a sort keeping some of them by position kept 10% of a flat row at top_p 0.1, the CPU 100%).
     """
     vocab_size = logits.shape[-1]
-    top_k, top_p = _top_k_top_p(params, vocab_size)
-    has_top_k, has_top_p = any(k < vocab_size for k in top_k), any(p < 1.0 for p in top_p)
+    top_k, top_p, has_top_k, has_top_p = _top_k_top_p(params, vocab_size)
     if not (has_top_k or has_top_p):
         return logits
     device = logits.device
@@ -190,6 +190,9 @@ def top_k_top_p_by_sort(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _top_k_top_p(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], list[float]]:
-    """Each row's k (vocab_size when top-k is off) and p (1.0 when top-p is off)."""
-    return [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], [p.top_p for p in params]
+def _top_k_top_p(params: Sequence[SamplingParams], vocab_size: int) -> tuple[list[int], list[float], bool, bool]:
+    """Each row's k (vocab_size when top-k is off) and p (1.0 when top-p is off), and whether any
+    row has top-k, top-p."""
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    return top_k, top_p, any(k < vocab_size for k in top_k), any(p < 1.0 for p in top_p)

@@ -85,9 +85,7 @@ class Sampler:
         temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
                                    device=device).unsqueeze(1)  # [num_seqs, 1]
         scaled = logits / temperature  # fp32 (bf16 / fp32 promotes): a new tensor, ours to change
-        if any(p.min_p > 0.0 for p in params):
-            scaled = apply_min_p(scaled, params)
-        scaled = apply_top_k_top_p(scaled, params)
+        scaled = apply_top_k_top_p(apply_min_p(scaled, params), params)
         # The running sum of unnormalized probabilities: the draw scales u by the total, so no
         # softmax. fp32 suffices: each token's share is off by one rounding of the total (~1e-7).
         cdf = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # [num_seqs, vocab]
