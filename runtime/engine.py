@@ -135,6 +135,9 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = (params or SamplingParams()).validate()
+        if params.n != 1:  # one request is one sequence
+            raise RequestError(f"the engine runs one choice per request, got n {params.n}: add params.choices() "
+                               "one by one (LLM.generate and the server do)", "n")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")

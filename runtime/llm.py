@@ -4,6 +4,7 @@ renders conversations with the model's chat template first. Names follow vLLM's 
 qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}` prompts)."""
 
 import dataclasses
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -11,26 +12,45 @@ from tqdm import tqdm
 
 from qkiln.errors import RequestError, SourceModelError
 
-from .engine import EngineConfig, is_token_ids
+from .engine import EngineConfig, RequestOutput, is_token_ids
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
 
 @dataclass
 class CompletionOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+    """One choice (vLLM's CompletionOutput): choice `index` of its prompt's n."""
+    index: int
     text: str
+    token_ids: list[int]
     finish_reason: str
     stop_reason: int | str | None  # the stop string or stop token id that ended the text (engine.RequestOutput)
-    # SamplingParams.logprobs / prompt_logprobs: entries {"token_id", "logprob", "top"} (engine.RequestOutput)
+    # SamplingParams.logprobs: entries {"token_id", "logprob", "top"} (engine.RequestOutput)
     logprobs: list[dict] | None = None
-    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
         """Sum of the generated tokens' logprobs (vLLM's field); None unless logprobs were asked."""
         return None if self.logprobs is None else sum(entry["logprob"] for entry in self.logprobs)
+
+
+@dataclass
+class PromptOutput:
+    """One prompt's result, shaped as vLLM's RequestOutput: its `outputs` are its n choices. The
+    first choice's fields read through (`out.text`, ...), as they did before n, for n == 1."""
+    prompt: str | None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (engine.RequestOutput)
+    prompt_logprobs: list[dict | None] | None = None
+    finished: bool = True
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+    stop_reason = property(lambda self: self.outputs[0].stop_reason)
+    logprobs = property(lambda self: self.outputs[0].logprobs)
+    cumulative_logprob = property(lambda self: self.outputs[0].cumulative_logprob)
 
 
 class LLM:
@@ -55,30 +75,36 @@ class LLM:
         return self.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[CompletionOutput]:
-        """Outputs in prompt order. prompts: a string, token ids, {"prompt": str} or {"prompt_token_ids":
-        [...]}, or a list of those. sampling_params: one for all prompts, or one per prompt. A prompt
-        the engine refuses, or an interrupt, aborts every request of this call: the LLM stays usable.
-        Calls from several threads run one after another."""
+                 use_tqdm: bool = False) -> list[PromptOutput]:
+        """Outputs in prompt order, each with its SamplingParams.n choices. prompts: a string, token
+        ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of those. sampling_params: one
+        for all prompts, or one per prompt. A prompt the engine refuses, or an interrupt, aborts every
+        request of this call: the LLM stays usable. Calls from several threads run one after another."""
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list) and len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
                                "all or one per prompt")
-        params_list = sampling_params if isinstance(sampling_params, list) else \
-            [sampling_params or SamplingParams()] * len(prompts)
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         with self._lock:
-            ids: list[str] = []
+            request_ids: list[list[str]] = []  # each prompt's choices' engine requests
+            logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
             try:
-                for p, sp in zip(prompts, params_list):
-                    ids.append(self.engine.add_request(p, sp))
-                return self._run(ids, params_list, use_tqdm)
+                for prompt, params in zip(prompts, params_list):
+                    choices = (params or SamplingParams()).choices()
+                    for choice in choices[1:]:  # choice 0 scores the prompt; the others share its KV blocks
+                        choice.prompt_logprobs = None
+                    request_ids.append([])
+                    for choice in choices:  # appended one by one: a refused one aborts those before it
+                        request_ids[-1].append(self.engine.add_request(prompt, choice))
+                        logprobs[request_ids[-1][-1]] = None if choice.logprobs is None else []
+                return self._run(prompts, request_ids, logprobs, use_tqdm)
             finally:
-                for request_id in ids:  # those still running after an error or an interrupt
+                for request_id in itertools.chain.from_iterable(request_ids):  # those still running after an error
                     self.engine.abort_request(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[CompletionOutput]:
+             add_generation_prompt: bool = True) -> list[PromptOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the model's
         chat template and tokenized as `/v1/chat/completions` does (Tokenizer.chat_prompt_ids)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -88,24 +114,27 @@ class LLM:
             raise RequestError(str(e), "messages") from e
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], params_list: list, use_tqdm: bool) -> list[CompletionOutput]:
-        done: dict[str, CompletionOutput] = {}
-        # generated tokens' logprobs, for the requests that asked (None for the others)
-        logprobs: dict[str, list | None] = {i: [] if sp is not None and sp.logprobs is not None else None
-                                            for i, sp in zip(ids, params_list)}
-        prompt_logprobs: dict[str, list | None] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+    def _run(self, prompts: list, request_ids: list[list[str]], logprobs: dict[str, list | None],
+             use_tqdm: bool) -> list[PromptOutput]:
+        finished: dict[str, RequestOutput] = {}
+        prompt_logprobs: dict[str, list | None] = {}  # from a request's first output
+        with tqdm(total=len(logprobs), desc="generate", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if logprobs[out.request_id] is not None:
                         logprobs[out.request_id] += out.logprobs
-                    prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)  # the first output's
+                    prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)
                     if out.finished:
-                        done[out.request_id] = CompletionOutput(
-                            out.prompt_token_ids, out.token_ids, out.text, out.finish_reason, out.stop_reason,
-                            logprobs[out.request_id], prompt_logprobs[out.request_id])
+                        finished[out.request_id] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        results = []
+        for prompt, ids in zip(prompts, request_ids):
+            outs = [finished[i] for i in ids]
+            choices = [CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason, logprobs[o.request_id])
+                       for j, o in enumerate(outs)]
+            results.append(PromptOutput(prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
+                                        choices, prompt_logprobs[ids[0]]))
+        return results
 
 
 def _prompt_list(prompts) -> list[str | list[int]]:

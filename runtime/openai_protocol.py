@@ -12,7 +12,6 @@ no-op values.
 """
 
 import codecs
-import copy
 import functools
 import json
 import time
@@ -26,12 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from qkiln.errors import RequestError
 
 from .engine import RequestOutput
-from .sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
 
-# OpenAI's cap on n. Every choice is an engine request of its own; admitted in one step, they
-# compute the prompt's full KV blocks once and share them (block_manager.py).
-MAX_CHOICES = 128
+
+
+# Every choice of a completion batch (prompts x n) is an engine request: without a bound one HTTP
+# request could queue 2048 x 128 of them ahead of every other client's.
+MAX_CHOICES_PER_REQUEST = 2048
 
 
 class InvalidRequestError(RequestError):
@@ -66,7 +67,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)  # choices per prompt, each its own engine request
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension, for benchmarks
@@ -125,29 +126,14 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> list[SamplingParams]:
-        """One SamplingParams per choice (n). With a seed, choice j samples with seed + j, as vLLM's
-        n does, so the choices differ and each reproduces."""
+        """One SamplingParams per choice (SamplingParams.choices: choice j's seed is seed + j)."""
         # SamplingParams takes a string or a list of stops, and validates itself when made
-        first = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                               top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                               logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
-                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
-                               frequency_penalty=self.frequency_penalty,
-                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                               logit_bias=self.logit_bias)
-        seed = first.seed  # -1 is None there
-        if seed is not None and seed + self.n - 1 > SEED_MAX:
-            raise InvalidRequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); "
-                                      "lower the seed", param="seed")
-        return [first] + [_with_seed(first, None if seed is None else seed + j) for j in range(1, self.n)]
-
-
-def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
-    """A copy with another seed, set as is: made anew, a seed of -1 (from seed -2, n 3) would have
-    become "no seed", so that choice was not reproducible."""
-    child = copy.copy(params)
-    child.seed = seed
-    return child
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                              logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                              prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, logit_bias=self.logit_bias, n=self.n).choices()
 
 
 class CompletionRequest(SamplingFields):
@@ -183,6 +169,10 @@ class CompletionRequest(SamplingFields):
         if isinstance(self.prompt, list) and not self.prompt:
             raise InvalidRequestError("prompt is an empty list; send a string, token ids, or a list of them",
                                       param="prompt")
+        num_prompts = len(self.prompts())
+        if num_prompts * self.n > MAX_CHOICES_PER_REQUEST:
+            raise InvalidRequestError(f"{num_prompts} prompts x n {self.n} is {num_prompts * self.n} choices; one request "
+                                      f"takes at most {MAX_CHOICES_PER_REQUEST}: split the batch", param="prompt")
         if self.suffix:
             raise InvalidRequestError("suffix (insertion) is not supported; leave it out", param="suffix")
         if self.max_tokens == 0 and not self.echo:

@@ -7,6 +7,7 @@ or tensors. Invariant after `validate()`: every field is in its documented range
 sampler and the scheduler never re-check.
 """
 
+import copy
 from dataclasses import dataclass
 
 from qkiln.errors import RequestError
@@ -24,6 +25,9 @@ MIN_TEMPERATURE = 0.01
 # OpenAI's ranges: presence/frequency penalties in [-2, 2], a logit bias in [-100, 100]. Each biased
 # token is written on every step of the request: a bound, well above the few that ban or force one.
 MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 2.0, 100.0, 1024
+# OpenAI's cap on n. Each choice is an engine request of its own; admitted in one step, they
+# compute the prompt's full KV blocks once and share them (block_manager.py).
+MAX_N = 128
 
 
 @dataclass
@@ -43,6 +47,10 @@ class SamplingParams:
     below min_p x the top token's. `logprobs` asks for the generated tokens' logprobs (and the
     top n), `prompt_logprobs` for the prompt's (vLLM's semantics: every prompt token after the
     first, scored by the model given the ones before it; what loglikelihood evaluations read).
+
+    `n` asks for that many choices per prompt. The engine runs one sequence per request, so the
+    callers (`LLM`, the server) fan a request out into `choices()`: with a seed, choice j samples
+    with seed + j, as vLLM's n does, so the choices differ and each reproduces.
     """
 
     max_tokens: int = 16
@@ -61,6 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    n: int = 1
 
     def __post_init__(self):
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
@@ -90,6 +99,12 @@ class SamplingParams:
         """Whether the logits are changed before the choice, so a greedy row is not their argmax."""
         return self.has_penalties or bool(self.logit_bias)
 
+    def choices(self) -> list["SamplingParams"]:
+        """The n choices' own SamplingParams (n 1 each): choice j's seed is seed + j."""
+        first = copy.copy(self.validate())
+        first.n = 1
+        return [first] + [_with_seed(first, None if self.seed is None else self.seed + j) for j in range(1, self.n)]
+
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self (with a
         tiny positive temperature raised to MIN_TEMPERATURE)."""
@@ -105,6 +120,9 @@ class SamplingParams:
                "top_p", f"top_p must be in (0, 1] (1 disables it), got {self.top_p!r}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                "seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], or null / -1 for none, got {self.seed!r}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check(self.seed is None or self.seed + self.n - 1 <= SEED_MAX, "seed",
+               f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); lower the seed")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
@@ -140,6 +158,14 @@ class SamplingParams:
         _check(not bad_values, "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                              f"{MAX_LOGIT_BIAS:g}], got {bad_values[0] if bad_values else None!r}")
         return self
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    """A copy with another seed, set as is: made anew, a seed of -1 (from seed -2, n 3) would have
+    become "no seed", so that choice was not reproducible."""
+    child = copy.copy(params)
+    child.seed = seed
+    return child
 
 
 def _token_id_key(key):

@@ -1,6 +1,8 @@
 """The offline `LLM`: a call that fails part-way (a refused prompt, an interrupt) leaves nothing
 behind, so the next call works; mismatched prompt / params lists are refused, not truncated."""
 
+import dataclasses
+
 import pytest
 
 from qkiln.errors import RequestError
@@ -233,3 +235,49 @@ def test_logit_bias_forces_and_bans_through_the_engine(llm):
     assert not set(banned) & set(plain)
     with pytest.raises(RequestError, match="logit_bias token 99999 is outside the vocabulary"):
         llm.generate([prompt], SamplingParams(logit_bias={99999: 1}))
+
+
+def test_n_choices_are_the_seeded_requests_one_by_one(llm):
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True, logprobs=1)
+    out = llm.generate(["abc", "xyz"], dataclasses.replace(sampled, n=3))
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[1].outputs] == [0, 1, 2]
+    for prompt, result in zip(["abc", "xyz"], out):
+        alone = [llm.generate(prompt, dataclasses.replace(sampled, seed=7 + j))[0] for j in range(3)]
+        assert [c.token_ids for c in result.outputs] == [a.token_ids for a in alone]
+        assert [c.cumulative_logprob for c in result.outputs] == pytest.approx([a.cumulative_logprob for a in alone])
+        assert result.prompt == prompt and result.prompt_token_ids == alone[0].prompt_token_ids
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # the seeds differ, so do the samples
+    # n == 1 reads as before: the first choice's fields on the prompt's output
+    assert out[0].text == out[0].outputs[0].text and out[0].finish_reason == "length"
+
+
+def test_n_scores_the_prompt_once(llm):
+    ids = list(range(3, 3 + 40))
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1, n=4)
+    hits = llm.engine.kv_manager.prefix_cache_hits
+    out = llm.generate({"prompt_token_ids": ids}, params)[0]
+    single = llm.generate({"prompt_token_ids": ids}, dataclasses.replace(params, n=1))[0]
+    assert out.prompt_logprobs == single.prompt_logprobs and out.prompt is None
+    assert [c.token_ids for c in out.outputs] == [single.token_ids] * 4
+    # choices 1..3 took the prompt's two full 16-token blocks from choice 0
+    assert llm.engine.kv_manager.prefix_cache_hits - hits >= 3 * 32
+
+
+@pytest.mark.parametrize("n", [0, 129, 2.0, True])
+def test_n_out_of_range_is_refused_naming_it(n):
+    with pytest.raises(RequestError, match="n must be an integer in \\[1, 128\\]") as e:
+        SamplingParams(n=n)
+    assert e.value.param == "n"
+
+
+def test_seed_plus_n_past_the_generator_s_range_is_refused():
+    with pytest.raises(RequestError, match="seed \\+ n - 1") as e:
+        SamplingParams(seed=2**64 - 2, n=3)
+    assert e.value.param == "seed"
+    assert [c.seed for c in SamplingParams(seed=-2, n=3).choices()] == [-2, -1, 0]  # -1 stays a seed here
+
+
+def test_the_engine_takes_one_choice_per_request(llm):
+    with pytest.raises(RequestError, match="one choice per request"):
+        llm.engine.add_request("abc", SamplingParams(n=2))
+    assert not llm.engine.has_unfinished()

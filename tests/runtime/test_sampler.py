@@ -1,5 +1,6 @@
 """Sampler: greedy, top-k, top-p, seeds independent of batch composition, logprobs, bans."""
 
+import dataclasses
 import random
 
 import pytest
@@ -178,9 +179,17 @@ def test_top_k_top_p_from_candidates_keeps_what_a_full_sort_keeps():
                 rows.append(torch.randn(vocab, generator=generator) * scale)
     logits = torch.stack(rows)
     fast, reference = apply_top_k_top_p(logits, params), top_k_top_p_by_sort(logits, params)
-    assert torch.equal(torch.isfinite(fast), torch.isfinite(reference))
     kept = torch.isfinite(fast)
     assert torch.equal(fast[kept], logits[kept])
+    # The two sum the mass in fp32 in different orders: they may part on the one token whose mass
+    # before it is top_p to fp32's rounding (~7% of runs of this test met one such token).
+    for i in (kept != torch.isfinite(reference)).any(-1).nonzero().flatten().tolist():
+        parted = (kept[i] != torch.isfinite(reference[i])).nonzero().flatten()
+        assert len(parted) == 1, f"row {i}: {len(parted)} tokens differ"
+        top_k_only = dataclasses.replace(params[i], top_p=1.0)
+        probs = torch.softmax(top_k_top_p_by_sort(logits[i:i + 1].double(), [top_k_only])[0], -1)
+        mass_before = probs[probs > probs[parted[0]]].sum().item()
+        assert mass_before == pytest.approx(params[i].top_p, abs=1e-6), f"row {i} parted off the boundary"
     flat_wide = [i for i, p in enumerate(params) if p.top_p == 0.99 and p.top_k == -1 and i % 4 == 1]
     assert kept[flat_wide].sum(-1).min() > TOP_P_CANDIDATES  # the sort fallback was needed there
 

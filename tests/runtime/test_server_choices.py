@@ -109,3 +109,11 @@ def test_choice_seeds_count_on_across_minus_one():
     assert [p.seed for p in params] == [-2, -1, 0]
     assert [p.seed for p in CompletionRequest(prompt="x", n=2, seed=-1).sampling_params(4, None)] == [None, None]
 
+
+
+def test_a_batch_of_too_many_choices_is_refused_and_the_server_goes_on(client):
+    """prompts x n is bounded per request (MAX_CHOICES_PER_REQUEST): 20 prompts x 128 were queued."""
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 20, "n": 128, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "20 prompts x n 128 is 2560 choices" in r.json()["error"]["message"]
+    assert post(client, "/v1/completions", prompt=["a"] * 16, n=128, max_tokens=1)["usage"]["completion_tokens"] == 2048
