@@ -2,7 +2,7 @@
 
 Owns: encode/decode, the BOS policy (`add_bos`), special token ids, and the chat template
 (rendered with jinja2, as transformers does). Built from a `tokenizer.json` directory or from
-GGUF metadata (byte-level BPE, llama.cpp's `tokenizer.ggml.*` keys). Must not import
+GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys: byte-level or SentencePiece BPE). Must not import
 `transformers`: the runtime serves without it.
 """
 
@@ -155,26 +155,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
+        """llama.cpp's `tokenizer.ggml.*` keys: a byte-level BPE ('gpt2') or a SentencePiece BPE
+        ('llama': Llama 2, Mistral, TinyLlama), built as transformers builds them from a GGUF."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise SourceModelError(
-                f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "use the model's Hugging Face directory instead"
-            )
+        if kind not in ("gpt2", "llama"):
+            raise SourceModelError(f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2' and "
+                                   "SentencePiece BPE 'llama'); use the model's Hugging Face directory instead")
         tokens = meta["tokenizer.ggml.tokens"]
-        if "tokenizer.ggml.merges" not in meta:
-            raise SourceModelError("GGUF metadata lacks tokenizer.ggml.merges (a BPE vocabulary needs them): the file "
-                                   "is incomplete; convert the model again")
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        try:
-            backend = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
-        except Exception as e:  # tokenizers raises a bare Exception: a merge of tokens not in the vocabulary
-            raise SourceModelError(f"GGUF tokenizer metadata is inconsistent ({e}); convert the model again") from None
-        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
-        if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
-            backend.normalizer = normalizers.NFC()
-        backend.decoder = decoders.ByteLevel()
+        backend = _byte_level_bpe(meta, tokens) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens)
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         # CONTROL (3) tokens are special; USER_DEFINED (4) ones (Qwen's <tool_call>, <think>) are plain
         # text matched whole, as llama.cpp and transformers do (they were split into pieces)
@@ -185,11 +173,73 @@ class Tokenizer:
         config = {
             "bos_token": name("bos_token_id"),
             "eos_token": name("eos_token_id"),
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp's defaults when the key is absent: SentencePiece vocabularies start with BOS
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             "chat_template": meta.get("tokenizer.chat_template"),
         }
         return cls(backend, config)
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
+    if "tokenizer.ggml.merges" not in meta:
+        raise SourceModelError("GGUF metadata lacks tokenizer.ggml.merges (a BPE vocabulary needs them): the file "
+                               "is incomplete; convert the model again")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    backend = _bpe(tokens, merges, fuse_unk=False)
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
+        backend.normalizer = normalizers.NFC()
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
+    """SentencePiece's BPE as llama.cpp runs it: spaces are "▁" with one prepended, pieces merge
+    best score first across the whole text, and a character outside the vocabulary falls back to
+    its UTF-8 byte tokens (<0x..>). The file stores scores, not merges; the merges are their order."""
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    elif "tokenizer.ggml.scores" in meta:
+        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"])
+    else:
+        raise SourceModelError("GGUF metadata lacks tokenizer.ggml.scores (a SentencePiece vocabulary needs them): "
+                               "the file is incomplete; convert the model again")
+    unk = _token_at(tokens, meta.get("tokenizer.ggml.unknown_token_id"), "unknown_token_id")
+    backend = _bpe(tokens, merges, fuse_unk=True, byte_fallback=True, unk_token=unk)
+    # llama.cpp puts the space before the text and after every special token, whether or not the
+    # text starts with one (SentencePiece's add_dummy_prefix): a normalizer runs on each stretch
+    # of text between added tokens. (transformers' GGUF converter uses Metaspace, which skips it
+    # before a text starting with a space and after special tokens.)
+    space = [normalizers.Prepend("\u2581")] if meta.get("tokenizer.ggml.add_space_prefix", True) else []
+    backend.normalizer = normalizers.Sequence(space + [normalizers.Replace(" ", "\u2581")])
+    strip = [decoders.Strip(content=" ", left=1, right=0)] if space else []  # the space prepended
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *strip])
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the merged
+    piece's score (highest first), then by the longer left and right parts, then by the parts' ids:
+    SentencePiece's BPE joins the adjacent pair whose join scores best, and transformers' GGUF
+    converter ranks so too, so both tokenize alike."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    ranked = []
+    for piece, score in zip(tokens, scores):
+        splits = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in ids and piece[i:] in ids]
+        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        ranked += [(-score, -len(left), -len(right), order, left, right)
+                   for order, (left, right) in enumerate(splits, start=len(ranked))]
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _bpe(tokens: list[str], merges: list[tuple[str, str]], **options) -> HFTokenizer:
+    try:
+        return HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, **options))
+    except Exception as e:  # tokenizers raises a bare Exception: a merge of tokens not in the vocabulary
+        raise SourceModelError(f"GGUF tokenizer metadata is inconsistent ({e}); convert the model again") from None
 
 
 def _token_at(tokens: list[str], token_id, key: str) -> str | None:

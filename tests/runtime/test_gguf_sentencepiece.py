@@ -1,0 +1,119 @@
+"""A GGUF with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama", as Llama 2, Mistral and
+TinyLlama files have): the real stories260K model written so (stories_gguf.py) tokenizes as
+llama.cpp does, matches transformers' model of the same file, and scores TinyStories as a
+trained model does. Skips without ../shared/models/stories260k."""
+
+import math
+
+import pytest
+import torch
+
+from qkiln.runtime import LLM, SamplingParams
+from qkiln.runtime.gguf_reader import _open, read_metadata
+from qkiln.runtime.tokenizer import Tokenizer
+from stories_gguf import STORIES, write_stories_gguf
+
+TINYSTORIES = STORIES / "../../data/tinystories/tinystories_val.txt"
+TEXTS = ["Once upon a time, there was a little girl named Lily.", "a\n\n\nb\ttab", "émoji 🙂 and 日本語 fall back to bytes",
+         "Tom said, \"Let's go!\" 123 + 4.5"]
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory):
+    if not (STORIES / "stories260K.bin").is_file():
+        pytest.skip("../shared/models/stories260k is absent")
+    pytest.importorskip("gguf")
+    return write_stories_gguf(tmp_path_factory.mktemp("stories"))
+
+
+@pytest.fixture(scope="module")
+def llm(stories):
+    return LLM(str(stories), dtype="fp32", num_kv_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def story_text():
+    if not TINYSTORIES.is_file():
+        pytest.skip("../shared/data/tinystories is absent")
+    return TINYSTORIES.read_text()[:30_000]
+
+
+def spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[int]:
+    """llama.cpp's SentencePiece BPE, written out: spaces as "▁" with one prepended, characters
+    outside the vocabulary as their UTF-8 byte tokens, then the adjacent pair whose join scores
+    best (the leftmost of equals) is joined until no join is in the vocabulary."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    pieces = []
+    for ch in "\u2581" + text.replace(" ", "\u2581"):
+        pieces += [ch] if ch in ids else [f"<0x{b:02X}>" for b in ch.encode()]
+    while True:
+        joins = [(scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(pieces, pieces[1:])) if a + b in ids]
+        if not joins:
+            return [ids[p] for p in pieces]
+        i = -max(joins)[1]
+        pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
+
+
+def test_text_tokenizes_as_llama_cpp_and_decodes_back(llm, stories, story_text):
+    meta = read_metadata(_open(stories))
+    tokenizer = llm.tokenizer
+    for text in TEXTS + ["  two leading spaces", story_text[:4000]]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == spm_reference(text, meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id == 1  # a SentencePiece vocabulary adds BOS
+    # after a special token the text gets its own leading "▁", as llama.cpp does
+    assert tokenizer.encode("</s>hi", add_special_tokens=False) == [2] + tokenizer.encode("hi", add_special_tokens=False)
+    assert tokenizer.token_name(tokenizer.encode("🙂", add_special_tokens=False)[1]) == "bytes:\\xf0"
+
+
+def test_the_tokenizer_survives_an_artifact_s_tokenizer_json(llm, tmp_path, story_text):
+    llm.tokenizer.save(tmp_path)
+    reloaded = Tokenizer.from_dir(tmp_path)
+    for text in TEXTS + [story_text[:2000]]:
+        assert reloaded.encode(text) == llm.tokenizer.encode(text)
+        assert reloaded.decode(reloaded.encode(text)) == text
+
+
+def test_the_model_generates_as_transformers_does(llm, stories):
+    """transformers' GGUF loader builds the same model from the file (its tokenizer differs only on
+    text that starts with a space or follows a special token)."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(stories.parent, gguf_file=stories.name,
+                                                                  dtype=torch.float32).eval()
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(stories.parent, gguf_file=stories.name)
+    prompt = "Once upon a time, there was a"
+    ours = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0))[0]
+    assert ours.prompt_token_ids == reference_tokenizer.encode(prompt)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ours.prompt_token_ids]), max_new_tokens=40, do_sample=False)
+    assert ours.token_ids == expected[0, len(ours.prompt_token_ids):].tolist()
+    assert "Lily" in ours.text or len(set(ours.text.split())) > 10  # a story, not a repeated token
+
+
+def test_tinystories_perplexity_is_a_trained_model_s(llm, story_text):
+    """20 windows of 256 tokens (BOS + 255) from the start of tinystories_val.txt: 4.47 measured
+    (llama2.c quotes ~4.2 for its own protocol); an untrained 512-token model scores ~512."""
+    tokenizer = llm.tokenizer
+    ids = tokenizer.encode(story_text, add_special_tokens=False)
+    windows = [[tokenizer.bos_token_id] + ids[i:i + 255] for i in range(0, 20 * 255, 255)]
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    nll = [-entry["logprob"] for out in outs for entry in out.prompt_logprobs[1:]]
+    assert 3.5 < math.exp(sum(nll) / len(nll)) < 5.5
+
+
+def test_streamed_text_is_the_decoded_text(llm):
+    """Token by token (byte-fallback characters arrive in pieces), the stream spells what decoding
+    the whole output spells: spaces after the prompt's last token included."""
+    from qkiln.runtime.detokenizer import IncrementalDetokenizer
+
+    tokenizer = llm.tokenizer
+    prompt = tokenizer.encode("Once upon a time")
+    for output in (" émoji 🙂 and 日本語 too", "\nThe end. 🙂"):
+        ids = tokenizer.encode("Once upon a time" + output)[len(prompt):]
+        detok, streamed = IncrementalDetokenizer(tokenizer, prompt), ""
+        for i, token_id in enumerate(ids):
+            detok.update([token_id], is_final=i == len(ids) - 1)
+            streamed += detok.get_next_output_text(finished=i == len(ids) - 1)
+        assert streamed == output
