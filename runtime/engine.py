@@ -157,7 +157,7 @@ class LLMEngine:
             bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
             if bad is not None:
                 raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab})", param)
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (as in vLLM)
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
         seq = Sequence(request_id, ids, params)

@@ -140,12 +140,14 @@ class Scheduler:
             raise RequestError("the prompt is empty; send at least one token", "prompt")
         seq.sampling_params.validate()
         max_len = self.config.max_model_len
-        if max_len is not None and seq.num_prompt_tokens >= max_len:
+        # A prompt may fill the context: its logprobs are what a loglikelihood evaluation reads,
+        # and the one token sampled after it is never computed (it ends the sequence, "length").
+        if max_len is not None and seq.num_prompt_tokens > max_len:
             raise RequestError(f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is "
                                f"{max_len}; shorten the prompt", "prompt")
         # The last token is sampled but never computed, so it needs no KV slot.
         final_len = seq.num_prompt_tokens + seq.sampling_params.max_tokens
-        num_slots = min(final_len, max_len if max_len is not None else final_len) - 1
+        num_slots = max(seq.num_prompt_tokens, min(final_len, max_len if max_len is not None else final_len) - 1)
         if self.kv.num_blocks_for(num_slots) > self.kv.num_blocks:
             raise RequestError(f"prompt ({seq.num_prompt_tokens} tokens) plus max_tokens "
                                f"({seq.sampling_params.max_tokens}) needs {num_slots} KV slots but the cache holds "

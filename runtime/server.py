@@ -97,8 +97,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
             ids = prompt if isinstance(prompt, list) else await _encode(engine, prompt, where)
-            # max_tokens 0 (echo only): the engine samples one token, which is not returned
-            max_tokens = _completion_budget(body.max_tokens if body.generates else 1, len(ids), engine, where)
+            # max_tokens 0 (echo only): the engine samples one token, which is not returned and
+            # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
+            max_tokens = _completion_budget(body.max_tokens, len(ids), engine, where) if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
             params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None)
             echo = None

@@ -281,3 +281,15 @@ def test_the_engine_takes_one_choice_per_request(llm):
     with pytest.raises(RequestError, match="one choice per request"):
         llm.engine.add_request("abc", SamplingParams(n=2))
     assert not llm.engine.has_unfinished()
+
+
+def test_a_prompt_may_fill_the_context(llm):
+    """Its logprobs are scored and one token follows it, ending on "length" (as in vLLM); a prompt
+    past the context is refused."""
+    ids = [(7 * i) % 200 + 3 for i in range(128)]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=0))[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    assert len(out.prompt_logprobs) == 128 and all(e is not None for e in out.prompt_logprobs[1:])
+    with pytest.raises(RequestError, match="129 tokens"):
+        llm.generate({"prompt_token_ids": ids + [5]}, GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.kv_manager.usage == 0.0

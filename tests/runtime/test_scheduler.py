@@ -282,7 +282,7 @@ def test_stop_conditions_eos_stop_ids_min_tokens_ignore_eos():
 def test_max_model_len_and_engine_finish():
     sched, model = make(max_model_len=12)
     with pytest.raises(RequestError, match="context"):
-        sched.add(seq("long", range(12)))
+        sched.add(seq("long", range(13)))
     with pytest.raises(RequestError, match="empty"):
         sched.add(seq("empty", []))
     with pytest.raises(RequestError, match="max_tokens"):
@@ -297,6 +297,10 @@ def test_max_model_len_and_engine_finish():
     assert sched.finish("b", "stop") is None
     run(sched, model, {})
     assert a.finish_reason == "length" and a.num_tokens == 12
+    full = seq("full", range(12), max_tokens=100)  # fills the context: computed, then one token
+    sched.add(full)
+    run(sched, model, {})
+    assert full.finish_reason == "length" and full.num_output_tokens == 1
 
 
 @pytest.mark.parametrize("prefix", [True, False])

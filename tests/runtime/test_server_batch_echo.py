@@ -199,3 +199,19 @@ def test_a_kv_pool_smaller_than_the_context_bounds_null_max_tokens(model_dir):
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert "KV cache" in r.json()["error"]["message"]
+
+
+def test_echo_only_scores_a_prompt_that_fills_the_context(client, engine, model):
+    """lm-eval's rolling loglikelihood sends windows of exactly max_length tokens with echo and
+    max_tokens 0: a prompt of max_model_len tokens is scored (it was refused), one more is not."""
+    ids = [random.randrange(256) for _ in range(ENGINE_KW["max_model_len"])]
+    r = post(client, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert r.status_code == 200, r.text
+    scored = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    torch.testing.assert_close(torch.tensor(scored[1:]), torch.tensor(teacher_forced(model, ids)), atol=2e-4, rtol=1e-4)
+    r = post(client, prompt=ids + [7], max_tokens=0, echo=True, logprobs=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = post(client, prompt=ids, max_tokens=1)  # generating needs room after the prompt
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert engine.call(lambda e: (e.has_unfinished(), e.kv_manager.num_free_blocks)).result(30) == (False, 64)
