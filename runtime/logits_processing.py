@@ -46,35 +46,41 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], banned
 
 
 def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], token_history) -> None:
-    """In place, on the rows with penalties (one [rows, vocab] count of their tokens):
+    """In place, on the rows with penalties, touching only the tokens each row has seen:
         repetition: a token seen in the prompt or output has its logit divided by the penalty when
                     positive, multiplied when not (CTRL; HF's and vLLM's rule)
-        frequency, presence: logit -= frequency x output count + presence x (output count > 0)."""
+        frequency, presence: logit -= frequency x output count + presence x (output count > 0).
+    Each row's tokens are found as unique (row, token) keys of the flat logits, so a step costs
+    what its histories hold, not rows x vocabulary (full-row passes cost 10-40 ms a step)."""
     rows = [i for i, p in enumerate(params) if p.has_penalties]
-    device, vocab_size = logits.device, logits.shape[1]
+    flat = logits.view(-1)
+    vocab_size = logits.shape[1]
+    repeating = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if repeating:
+        seen = _unique_keys([token_history[i][0] for i in repeating] + [token_history[i][1] for i in repeating],
+                            repeating * 2, vocab_size, logits.device)[0]
+        penalty = torch.tensor([params[i].repetition_penalty for i in range(len(params))],
+                               device=logits.device)[seen // vocab_size]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]
+    if counted:
+        keys, counts = _unique_keys([token_history[i][1] for i in counted], counted, vocab_size, logits.device)
+        row = keys // vocab_size
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device)[row]
+        presence = torch.tensor([p.presence_penalty for p in params], device=logits.device)[row]
+        flat[keys] = flat[keys] - frequency * counts - presence
 
-    def column(name):
-        return torch.tensor([getattr(params[i], name) for i in rows], device=device).unsqueeze(1)  # [rows, 1]
 
-    index = torch.tensor(rows, device=device)
-    picked = logits[index]  # [rows, vocab]
-    output_counts = _token_counts([token_history[i][1] for i in rows], vocab_size, device)
-    if any(params[i].repetition_penalty != 1.0 for i in rows):
-        prompts = [token_history[i][0] if params[i].repetition_penalty != 1.0 else () for i in rows]
-        seen = (output_counts > 0) | (_token_counts(prompts, vocab_size, device) > 0)
-        penalty = column("repetition_penalty")
-        picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
-    picked = picked - column("frequency_penalty") * output_counts - column("presence_penalty") * (output_counts > 0)
-    logits[index] = picked
-
-
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
-    """[len(token_lists), vocab_size] how often each token occurs in each list (one bincount)."""
+def _unique_keys(token_lists: Sequence[Sequence[int]], rows: Sequence[int], vocab_size: int,
+                 device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct row * vocab_size + token keys of the lists (list j belongs to row rows[j]) and
+    how often each occurs."""
     lengths = torch.tensor([len(ids) for ids in token_lists], device=device)
     ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-    rows = torch.arange(len(token_lists), device=device).repeat_interleave(lengths)
-    counts = torch.bincount(rows * vocab_size + ids, minlength=len(token_lists) * vocab_size)
-    return counts.view(len(token_lists), vocab_size).to(torch.float32)
+    row = torch.tensor(rows, dtype=torch.int64, device=device).repeat_interleave(lengths)
+    keys, counts = torch.unique(row * vocab_size + ids, return_counts=True)
+    return keys, counts.to(torch.float32)
 
 
 def apply_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
