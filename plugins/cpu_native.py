@@ -19,6 +19,7 @@ stored in an artifact. Layouts and math: the headers of the .cpp files.
 import hashlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,13 +37,15 @@ _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_int8.cpp", "c
             "decode_stack.cpp", "decode_stack_rows.cpp", "module.cpp")
 TILE_ROWS = 4  # output rows per tile (kRows in gemv_common.h)
 CHUNK = 64  # weights per row per chunk (kChunk)
+# A load (not a first build) slower than this is a rebuild or a wait on another process: said on stderr.
+SLOW_LOAD_S = 10.0
 _MISSING = object()
 _extension = _MISSING
 _ops_enabled = True
 
 
 def _build(extra_cflags: list[str]):
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import _get_build_directory, include_paths, load
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).
@@ -51,22 +54,34 @@ def _build(extra_cflags: list[str]):
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
     # -march=native code must not be reused on another CPU: the extensions dir is per machine
     # (~/.cache/torch_extensions), and a source or flag change rebuilds.
-    # The checkout's path is in the name: two checkouts on one machine would otherwise share one
-    # build folder and rebuild every object each time the other one loaded (minutes each switch).
-    checkout = hashlib.sha256(str(_CSRC.resolve()).encode()).hexdigest()[:8]
-    name = f"qkiln_cpu_{checkout}" + "".join("_" + f.strip("-").replace("=", "_").replace("-", "_")
-                                             for f in extra_cflags)
-    # A first compile takes minutes with nothing on the screen: say so, or it looks hung.
+    # The checkout's path and torch's headers are in the name: two checkouts, or two Python
+    # environments, on one machine would otherwise share one build folder and rebuild every
+    # object each time the other one loaded (minutes each switch, with nothing on the screen).
+    key = "\n".join([str(_CSRC.resolve()), torch.__version__, *include_paths()])
+    name = f"qkiln_cpu_{hashlib.sha256(key.encode()).hexdigest()[:8]}" + "".join(
+        "_" + f.strip("-").replace("=", "_").replace("-", "_") for f in extra_cflags)
+    # A compile takes minutes with nothing on the screen: say so, or it looks hung. A first one is
+    # known in advance; a rebuild after a source change, or a wait on another process building the
+    # same folder, only by how long the load takes.
     folder = Path(_get_build_directory(name, verbose=False))
     first = not (folder / f"{name}.so").exists()
     if first:
         print(f"qkiln: compiling its CPU kernels for this machine, once (about 5 minutes on 2 cores; kept in "
               f"{folder})", file=sys.stderr)
+    slow = threading.Timer(SLOW_LOAD_S, lambda: print(
+        f"qkiln: loading its CPU kernels is taking a while: recompiling after a change (about 5 minutes on 2 "
+        f"cores), or waiting for another process compiling them in {folder}", file=sys.stderr))
+    slow.daemon = True
+    if not first:
+        slow.start()
     start = time.perf_counter()
-    module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
-                  extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
-    if first:
-        print(f"qkiln: CPU kernels compiled in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    try:
+        module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+    finally:
+        slow.cancel()
+    if first or time.perf_counter() - start > SLOW_LOAD_S:
+        print(f"qkiln: CPU kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return module
 
 
