@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
@@ -41,6 +42,7 @@ from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
                               InvalidRequestError, ResponseBuilder, SamplingFields, batch_response, error_body,
                               usage_chunk)
+from .sampling_params import SamplingParams
 
 
 # Larger than any body a request needs: a 128k-token prompt as ids is ~1 MB, an evaluation batch a few.
@@ -93,7 +95,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
-        choices = _Choices()
+        choices: list[_Choice] = []
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
             ids = prompt if isinstance(prompt, list) else await _encode(engine, prompt, where)
@@ -110,7 +112,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                 builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
                                              index=i * body.n + j, counts_prompt=j == 0, echo=echo,
                                              logprobs=body.logprobs is not None, generates=body.generates)
-                choices.add(ids, sp, builder, i if len(batch) > 1 else None)
+                choices.append(_Choice(ids, sp, builder, i if len(batch) > 1 else None))
         return await _respond(engine, metrics, request, choices, body.stream)
 
     @v1.post("/chat/completions")
@@ -129,10 +131,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
         max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
                                         "messages")
-        request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", _Choices()
+        request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs)):
-            choices.add(prompt_ids, sp, ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage,
-                                                     index=j, counts_prompt=j == 0))
+            builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
+                                   counts_prompt=j == 0)
+            choices.append(_Choice(prompt_ids, sp, builder))
         return await _respond(engine, metrics, request, choices, body.stream)
 
     app.include_router(v1)
@@ -204,26 +207,22 @@ def _cut_after_final_message(text: str, final: str) -> str:
     return text[:end + len(final)]
 
 
-class _Choices:
-    """One HTTP request's choices: each an engine request (its prompt ids, SamplingParams), the
+@dataclass
+class _Choice:
+    """One choice of an HTTP request: an engine request (its prompt ids, SamplingParams), the
     builder that writes it, and the index of its prompt in a completion batch (None: not a batch)."""
-
-    def __init__(self):
-        self.prompts, self.params, self.builders, self.prompt_index = [], [], [], []
-
-    def add(self, prompt_ids: list[int], params, builder: ResponseBuilder, prompt_index: int | None = None) -> None:
-        self.prompts.append(prompt_ids)
-        self.params.append(params)
-        self.builders.append(builder)
-        self.prompt_index.append(prompt_index)
+    prompt_ids: list[int]
+    params: SamplingParams
+    builder: ResponseBuilder
+    prompt_index: int | None = None
 
 
-async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, choices: _Choices,
+async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, choices: list[_Choice],
                    is_stream: bool):
     """Run one request's choices (a completion batch's prompts, n per prompt) and answer with them all."""
     # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
     streams = await _admit(engine, choices)
-    builders = choices.builders
+    builders = [c.builder for c in choices]
     if is_stream:
         return StreamingResponse(_sse(engine, metrics, streams, builders), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -238,22 +237,21 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
     return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
 
 
-async def _admit(engine: AsyncLLMEngine, choices: _Choices) -> list[RequestStream]:
+async def _admit(engine: AsyncLLMEngine, choices: list[_Choice]) -> list[RequestStream]:
     """Every choice admitted (at once: one engine round trip, not one per choice), or none: a
     refused one aborts the others and is a 400 naming its prompt's place in the batch."""
-    builders = choices.builders
 
     def engine_id(i):
-        return builders[i].request_id if len(builders) == 1 else f"{builders[i].request_id}-{i}"
+        request_id = choices[i].builder.request_id
+        return request_id if len(choices) == 1 else f"{request_id}-{i}"
 
-    admitted = await asyncio.gather(*(engine.add_request(p, sp, engine_id(i))
-                                      for i, (p, sp) in enumerate(zip(choices.prompts, choices.params))),
-                                    return_exceptions=True)
+    admitted = await asyncio.gather(*(engine.add_request(c.prompt_ids, c.params, engine_id(i))
+                                      for i, c in enumerate(choices)), return_exceptions=True)
     streams = [r for r in admitted if isinstance(r, RequestStream)]
-    for i, result in enumerate(admitted):
+    for choice, result in zip(choices, admitted):
         if isinstance(result, BaseException):
             _abort_unfinished(engine, streams)
-            k = choices.prompt_index[i]
+            k = choice.prompt_index
             if isinstance(result, RequestError) and k is not None:
                 param = getattr(result, "param", None)
                 param = f"prompt.{k}" if param in (None, "prompt") else param
