@@ -266,7 +266,7 @@ def serve_cmd(
         except QkilnError as e:
             _fail(e)
         if engine.max_request_len < engine.max_model_len:
-            print(f"note: the KV cache holds {engine.max_request_len - 1} tokens, fewer than the model's context of "
+            print(f"note: the KV cache holds {engine.max_request_len} tokens, fewer than the model's context of "
                   f"{engine.max_model_len}: a request (prompt and output) is limited to that; raise --kv-cache-mb "
                   "to serve the whole context", file=sys.stderr)
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)

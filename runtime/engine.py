@@ -114,9 +114,10 @@ class LLMEngine:
         self.kv_dtype = kv_dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        # the longest sequence (prompt + output) one request can reach: the context, or less when
-        # the pool is smaller (the last sampled token needs no slot)
-        self.max_request_len = min(self.max_model_len, num_blocks * config.block_size + 1)
+        # the longest prompt, or prompt + output, one request can reach: the context, or the pool's
+        # slots when fewer (a prompt that fills them is scored in full, as evaluations read it; a
+        # generated last token would need no slot, but one more would be a prompt that cannot run)
+        self.max_request_len = min(self.max_model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
                             max_model_len=self.max_model_len),

@@ -118,7 +118,9 @@ class LLM:
              use_tqdm: bool) -> list[PromptOutput]:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list | None] = {}  # from a request's first output
-        with tqdm(total=len(logprobs), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        prompt_of = {i: k for k, ids in enumerate(request_ids) for i in ids}
+        unfinished = [len(ids) for ids in request_ids]  # choices per prompt: the bar counts prompts, as vLLM's
+        with tqdm(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if logprobs[out.request_id] is not None:
@@ -126,7 +128,8 @@ class LLM:
                     prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)
                     if out.finished:
                         finished[out.request_id] = out
-                        bar.update(1)
+                        unfinished[prompt_of[out.request_id]] -= 1
+                        bar.update(unfinished[prompt_of[out.request_id]] == 0)
         results = []
         for prompt, ids in zip(prompts, request_ids):
             outs = [finished[i] for i in ids]

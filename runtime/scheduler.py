@@ -145,6 +145,10 @@ class Scheduler:
         if max_len is not None and seq.num_prompt_tokens > max_len:
             raise RequestError(f"the prompt has {seq.num_prompt_tokens} tokens but the model's context is "
                                f"{max_len}; shorten the prompt", "prompt")
+        pool = self.kv.num_blocks * self.kv.block_size
+        if seq.num_prompt_tokens > pool:
+            raise RequestError(f"the prompt has {seq.num_prompt_tokens} tokens but the KV cache holds {pool}; shorten "
+                               "the prompt, or give the engine more KV cache", "prompt")
         # The last token is sampled but never computed, so it needs no KV slot.
         final_len = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         num_slots = max(seq.num_prompt_tokens, min(final_len, max_len if max_len is not None else final_len) - 1)

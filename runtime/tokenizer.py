@@ -8,6 +8,7 @@ GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys: byte-level or SentencePiece 
 
 import functools
 import json
+import math
 import re
 from pathlib import Path
 
@@ -163,13 +164,15 @@ class Tokenizer:
                                    "SentencePiece BPE 'llama'); use the model's Hugging Face directory instead")
         tokens = meta["tokenizer.ggml.tokens"]
         backend = _byte_level_bpe(meta, tokens) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens)
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        # CONTROL (3) tokens are special; USER_DEFINED (4) ones (Qwen's <tool_call>, <think>) are plain
-        # text matched whole, as llama.cpp and transformers do (they were split into pieces)
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty == 3])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+        types = _per_token(meta, "token_type", tokens) or [1] * len(tokens)
         name = lambda key: _token_at(tokens, meta.get(f"tokenizer.ggml.{key}"), key)  # noqa: E731
+        # UNKNOWN (2) and CONTROL (3) tokens are special, and so are BOS, EOS and UNK whatever their
+        # type says (a file without types decoded "<s> hi"); USER_DEFINED (4) ones (Qwen's
+        # <tool_call>, <think>) are plain text matched whole, as llama.cpp and transformers do
+        named = {name(key) for key in ("bos_token_id", "eos_token_id", "unknown_token_id")} - {None}
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty in (2, 3) or t in named])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
         config = {
             "bos_token": name("bos_token_id"),
             "eos_token": name("eos_token_id"),
@@ -202,7 +205,11 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
     if "tokenizer.ggml.merges" in meta:
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     elif "tokenizer.ggml.scores" in meta:
-        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"])
+        scores = _per_token(meta, "scores", tokens)
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
+            raise SourceModelError("GGUF metadata tokenizer.ggml.scores holds a value that is not a finite number: the "
+                                   "file is damaged; convert the model again")
+        merges = _merges_from_scores(tokens, scores)
     else:
         raise SourceModelError("GGUF metadata lacks tokenizer.ggml.scores (a SentencePiece vocabulary needs them): "
                                "the file is incomplete; convert the model again")
@@ -218,6 +225,16 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          *strip])
     return backend
+
+
+def _per_token(meta: dict, key: str, tokens: list[str]) -> list | None:
+    """`tokenizer.ggml.{key}`, one entry per token, or None when absent (a shorter list was cut
+    short silently: the tokens past its end lost their scores or types)."""
+    values = meta.get(f"tokenizer.ggml.{key}")
+    if values is not None and len(values) != len(tokens):
+        raise SourceModelError(f"GGUF metadata tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} "
+                               "tokens: the file is inconsistent; convert the model again")
+    return values
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:

@@ -117,3 +117,31 @@ def test_streamed_text_is_the_decoded_text(llm):
             detok.update([token_id], is_final=i == len(ids) - 1)
             streamed += detok.get_next_output_text(finished=i == len(ids) - 1)
         assert streamed == output
+
+
+def test_unk_bos_and_eos_are_special_whatever_the_types_say(stories):
+    meta = read_metadata(_open(stories))
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    assert tokenizer.encode("<unk>", add_special_tokens=False) == [0]  # matched whole, as llama.cpp does
+    assert tokenizer.decode([0] + tokenizer.encode("ha", add_special_tokens=False)) == "ha"
+    untyped = {k: v for k, v in meta.items() if k != "tokenizer.ggml.token_type"}
+    assert Tokenizer.from_gguf_metadata(untyped).decode(tokenizer.encode("hi")) == "hi"  # was "<s> hi"
+
+
+@pytest.mark.parametrize("key, change, message", [
+    ("tokenizer.ggml.scores", lambda v: v[:-3], "scores has 509 entries for 512 tokens"),
+    ("tokenizer.ggml.token_type", lambda v: v[:100], "token_type has 100 entries"),
+    ("tokenizer.ggml.scores", lambda v: v[:-1] + [float("nan")], "not a finite number"),
+    ("tokenizer.ggml.scores", lambda v: v[:-1] + ["x"], "not a finite number"),
+    ("tokenizer.ggml.scores", None, "lacks tokenizer.ggml.scores"),
+])
+def test_inconsistent_sentencepiece_metadata_is_refused(stories, key, change, message):
+    from qkiln.errors import SourceModelError
+
+    meta = read_metadata(_open(stories))
+    if change is None:
+        del meta[key]
+    else:
+        meta[key] = change(list(meta[key]))
+    with pytest.raises(SourceModelError, match=message):
+        Tokenizer.from_gguf_metadata(meta)

@@ -192,13 +192,21 @@ def test_a_kv_pool_smaller_than_the_context_bounds_null_max_tokens(model_dir):
     """max_tokens null means the rest of what the request can reach: the context, or the KV pool
     when it is smaller (was: every such request refused, default chat requests included)."""
     with serving(model_dir, num_kv_blocks=4, max_model_len=128) as (eng, c):
-        assert eng.max_request_len == 4 * 16 + 1
+        assert eng.max_request_len == 4 * 16
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["total_tokens"] == eng.max_request_len
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert "KV cache" in r.json()["error"]["message"]
+        # the longest prompt /v1/models reports is scored in full (lm-eval reads its windows there)
+        window = c.get("/v1/models").json()["data"][0]["max_model_len"]
+        r = c.post("/v1/completions", json={"prompt": list(range(3, 3 + window)), "max_tokens": 0, "echo": True,
+                                            "logprobs": 0})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == window, r.text
+        r = c.post("/v1/completions", json={"prompt": list(range(3, 4 + window)), "max_tokens": 0, "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert "KV cache holds 64" in r.json()["error"]["message"]
 
 
 def test_echo_only_scores_a_prompt_that_fills_the_context(client, engine, model):
