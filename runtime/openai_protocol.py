@@ -28,8 +28,6 @@ from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
 
-
-
 # Every choice of a completion batch (prompts x n) is an engine request: without a bound one HTTP
 # request could queue 2048 x 128 of them ahead of every other client's.
 MAX_CHOICES_PER_REQUEST = 2048
@@ -171,8 +169,9 @@ class CompletionRequest(SamplingFields):
                                       param="prompt")
         num_prompts = len(self.prompts())
         if num_prompts * self.n > MAX_CHOICES_PER_REQUEST:
-            raise InvalidRequestError(f"{num_prompts} prompts x n {self.n} is {num_prompts * self.n} choices; one request "
-                                      f"takes at most {MAX_CHOICES_PER_REQUEST}: split the batch", param="prompt")
+            raise InvalidRequestError(f"{num_prompts} prompts x n {self.n} is {num_prompts * self.n} choices; one "
+                                      f"request takes at most {MAX_CHOICES_PER_REQUEST}: split the batch",
+                                      param="prompt")
         if self.suffix:
             raise InvalidRequestError("suffix (insertion) is not supported; leave it out", param="suffix")
         if self.max_tokens == 0 and not self.echo:

@@ -156,8 +156,9 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
-        """llama.cpp's `tokenizer.ggml.*` keys: a byte-level BPE ('gpt2') or a SentencePiece BPE
-        ('llama': Llama 2, Mistral, TinyLlama), built as transformers builds them from a GGUF."""
+        """llama.cpp's `tokenizer.ggml.*` keys: a byte-level BPE ('gpt2', built as transformers
+        builds it) or a SentencePiece BPE ('llama': Llama 2, Mistral, TinyLlama; tokenized as
+        llama.cpp tokenizes it)."""
         kind = meta.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
             raise SourceModelError(f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE 'gpt2' and "
@@ -239,9 +240,11 @@ def _per_token(meta: dict, key: str, tokens: list[str]) -> list | None:
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of a piece into two pieces of the vocabulary is a merge, ranked by the merged
-    piece's score (highest first), then by the longer left and right parts, then by the parts' ids:
-    SentencePiece's BPE joins the adjacent pair whose join scores best, and transformers' GGUF
-    converter ranks so too, so both tokenize alike."""
+    piece's score (highest first), then by the longer left and right parts, then by the parts' ids
+    (transformers' GGUF converter's order). SentencePiece's BPE joins the adjacent pair whose join
+    scores best, so this tokenizes as it does wherever the scores are distinct, as a trained
+    vocabulary's are; among equal scores llama.cpp joins the leftmost pair in the text, which no
+    fixed merge order can reproduce."""
     ids = {token: i for i, token in enumerate(tokens)}
     ranked = []
     for piece, score in zip(tokens, scores):

@@ -14,8 +14,8 @@ from qkiln.runtime.tokenizer import Tokenizer
 from stories_gguf import STORIES, write_stories_gguf
 
 TINYSTORIES = STORIES / "../../data/tinystories/tinystories_val.txt"
-TEXTS = ["Once upon a time, there was a little girl named Lily.", "a\n\n\nb\ttab", "émoji 🙂 and 日本語 fall back to bytes",
-         "Tom said, \"Let's go!\" 123 + 4.5"]
+TEXTS = ["Once upon a time, there was a little girl named Lily.", "a\n\n\nb\ttab",
+         "émoji 🙂 and 日本語 fall back to bytes", "Tom said, \"Let's go!\" 123 + 4.5"]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,8 @@ def test_text_tokenizes_as_llama_cpp_and_decodes_back(llm, stories, story_text):
         assert tokenizer.decode(ids) == text
     assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id == 1  # a SentencePiece vocabulary adds BOS
     # after a special token the text gets its own leading "▁", as llama.cpp does
-    assert tokenizer.encode("</s>hi", add_special_tokens=False) == [2] + tokenizer.encode("hi", add_special_tokens=False)
+    hi = tokenizer.encode("hi", add_special_tokens=False)
+    assert tokenizer.encode("</s>hi", add_special_tokens=False) == [2] + hi
     assert tokenizer.token_name(tokenizer.encode("🙂", add_special_tokens=False)[1]) == "bytes:\\xf0"
 
 
