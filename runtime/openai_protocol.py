@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from qkiln.errors import RequestError
 
+from .detokenizer import IncrementalDetokenizer
 from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
@@ -360,11 +361,25 @@ class CompletionResponse(ResponseBuilder):
         return self._usage(final, len(final.token_ids) if self.generates else 0)
 
     def _prompt_entries(self, prompt_logprobs: list[dict | None] | None) -> list[dict]:
-        """The echoed prompt's logprob entries (the first token's null)."""
+        """The echoed prompt's logprob entries (the first token's null), with their text offsets."""
         if self.echo is None or not self.with_logprobs:
             return []
-        first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "in_text": not self._bos_added}
-        return [first] + [e | {"in_text": True} for e in prompt_logprobs[1:]]
+        offsets = self._echo_offsets()
+        first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "offset": 0}
+        return [first] + [e | {"offset": offset} for e, offset in zip(prompt_logprobs[1:], offsets[1:])]
+
+    def _echo_offsets(self) -> list[int]:
+        """Where each prompt token starts in the echoed text: the length of what the tokens before
+        it decode to, through the tokenizer's own decoder, as generated text is streamed. Counting
+        each token's bytes put every SentencePiece token one character late: the "▁" the tokenizer
+        prepends to the text is not in it. A BOS the tokenizer added is not in the text either."""
+        detok = IncrementalDetokenizer(self.tokenizer, [], skip_special_tokens=False)
+        offsets = []
+        for k, token_id in enumerate(self.prompt_ids):
+            offsets.append(len(detok.output_text))
+            if k > 0 or not self._bos_added:
+                detok.update([token_id])
+        return offsets
 
     def _generated_entries(self, outputs: list[RequestOutput]) -> list[dict]:
         return [e for out in outputs for e in out.logprobs] if self.generates else []
@@ -374,6 +389,10 @@ class CompletionResponse(ResponseBuilder):
             return None
         offsets = []
         for e in entries:
+            if "offset" in e:  # an echoed prompt token; generated text follows the whole echo
+                offsets.append(e["offset"])
+                self._text_offset = len(self.echo)
+                continue
             offsets.append(self._text_offset)
             if self._in_text(e):
                 self._text_offset += len(self._utf8.decode(self.tokenizer.token_bytes(e["token_id"])))
@@ -383,8 +402,8 @@ class CompletionResponse(ResponseBuilder):
                 "text_offset": offsets}
 
     def _in_text(self, entry: dict) -> bool:
-        """Whether the token is spelled in the returned text: generated text skips special tokens."""
-        return entry.get("in_text", entry["token_id"] not in self.tokenizer.special_token_ids)
+        """Whether a generated token is spelled in the returned text, which skips special tokens."""
+        return entry["token_id"] not in self.tokenizer.special_token_ids
 
     def _top(self, entry: dict) -> dict:
         """The top n and the token itself, as vLLM writes them (logprobs 0: the token alone), so a

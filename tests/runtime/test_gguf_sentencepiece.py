@@ -146,3 +146,23 @@ def test_inconsistent_sentencepiece_metadata_is_refused(stories, key, change, me
         meta[key] = change(list(meta[key]))
     with pytest.raises(SourceModelError, match=message):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_echoed_text_offsets_point_at_each_token_s_text(stories):
+    """Over real HTTP: each echoed token's text_offset is where its text starts in the echo (a
+    SentencePiece token's length counted the "▁" prepended to the text: one character late)."""
+    httpx = pytest.importorskip("httpx")
+    from loopback import serving_model
+
+    text = "Lily saw a big, red ball. 🙂 She said hi"
+    with serving_model(stories, dtype="fp32", num_kv_blocks=64) as (_, server):
+        body = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "prompt": text, "echo": True, "logprobs": 0, "max_tokens": 3, "temperature": 0}).json()
+    choice = body["choices"][0]
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert tokens[0] == "<s>" and offsets[:3] == [0, 0, 4]  # BOS (added, not in the text), "Lily", " saw"
+    ends = offsets[1:] + [len(choice["text"])]
+    for token, start, end in zip(tokens[1:], offsets[1:], ends[1:]):
+        if not token.startswith("bytes:"):  # a piece of 🙂 is named by its bytes
+            assert choice["text"][start:end] in (token, token.lstrip()), (token, start, end)
+    assert offsets[body["usage"]["prompt_tokens"]] == len(text)  # the generated text follows the echo
