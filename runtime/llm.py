@@ -38,6 +38,7 @@ class CompletionOutput:
 class PromptOutput:
     """One prompt's result, shaped as vLLM's RequestOutput: its `outputs` are its n choices. The
     first choice's fields read through (`out.text`, ...), as they did before n, for n == 1."""
+    request_id: str  # vLLM's field: here the engine request id of choice 0
     prompt: str | None  # the prompt's text, when it was given as text
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -135,7 +136,7 @@ class LLM:
             outs = [finished[i] for i in ids]
             choices = [CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason, logprobs[o.request_id])
                        for j, o in enumerate(outs)]
-            results.append(PromptOutput(prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
+            results.append(PromptOutput(ids[0], prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
                                         choices, prompt_logprobs[ids[0]]))
         return results
 

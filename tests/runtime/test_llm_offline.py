@@ -247,6 +247,7 @@ def test_n_choices_are_the_seeded_requests_one_by_one(llm):
         assert [c.cumulative_logprob for c in result.outputs] == pytest.approx([a.cumulative_logprob for a in alone])
         assert result.prompt == prompt and result.prompt_token_ids == alone[0].prompt_token_ids
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1  # the seeds differ, so do the samples
+    assert isinstance(out[0].request_id, str) and out[0].request_id != out[1].request_id
     # n == 1 reads as before: the first choice's fields on the prompt's output
     assert out[0].text == out[0].outputs[0].text and out[0].finish_reason == "length"
 
