@@ -99,10 +99,8 @@ def eval_cmd(
             window = seq_len + int(m.tokenizer.add_bos)  # a tokenizer that adds BOS puts one before each window
             if window > config.max_position_embeddings:
                 raise QkilnError(f"--seq-len {seq_len} (a window of {window} tokens) exceeds the model's context of "
-                                 f"{config.max_position_embeddings} tokens: lower it")
-            if served and window >= config.max_position_embeddings:  # the engine's rule for any prompt
-                raise QkilnError(f"--served scores each window as a prompt that leaves room for one generated token: "
-                                 f"at most {config.max_position_embeddings - 1} tokens, got {window}; lower --seq-len")
+                                 f"{config.max_position_embeddings} tokens: lower it to at most "
+                                 f"{config.max_position_embeddings - int(m.tokenizer.add_bos)}")
             ref = open_model(ref_path) if reference else None
             if ref is not None:
                 check_reference(m.tokenizer, ref.tokenizer, (config.vocab_size, ref.model.config.vocab_size),

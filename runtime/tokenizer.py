@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 import jinja2
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from qkiln.errors import SourceModelError
 
@@ -181,8 +182,25 @@ class Tokenizer:
             "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             "chat_template": meta.get("tokenizer.chat_template"),
+            "unk_token": name("unknown_token_id"),
         }
+        backend.post_processor = _bos_eos_processor(backend, config)
         return cls(backend, config)
+
+
+def _bos_eos_processor(backend: HFTokenizer, config: dict):
+    """What the BOS / EOS policy does to an encoding, written into tokenizer.json as Llama's own
+    file has it: `Tokenizer.encode` adds them itself (it encodes without special tokens), but
+    an artifact's tokenizer loaded by transformers (lm-eval's HF tokenizer backend) read none
+    from the config and scored every text without its BOS. None: the policy adds nothing."""
+    ends = [(config["bos_token"], config["add_bos_token"]), (config["eos_token"], config["add_eos_token"])]
+    bos, eos = [token if add and token is not None else None for token, add in ends]
+    if bos is None and eos is None:
+        return None
+    single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
+    pair = single + " " + " ".join([f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
+    special = [(t, backend.token_to_id(t)) for t in dict.fromkeys(t for t in (bos, eos) if t is not None)]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _byte_level_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
@@ -271,7 +289,8 @@ def _token_at(tokens: list[str], token_id, key: str) -> str | None:
     return tokens[token_id]
 
 
-_KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template", "pad_token")
+_KEPT_CONFIG_KEYS = ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template", "pad_token",
+                     "unk_token")
 
 
 def _gguf_pre_tokenizer(pre: str):

@@ -71,6 +71,7 @@ def write_stories_gguf(out_dir: Path) -> Path:
 
     config, tensors = read_llama2c(STORIES / "stories260K.bin")
     tokens, scores, types = read_tok512(STORIES / "tok512.bin", config["vocab"])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
     path = Path(out_dir) / "stories260K.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("stories260K")

@@ -69,11 +69,16 @@ def test_text_tokenizes_as_llama_cpp_and_decodes_back(llm, stories, story_text):
 
 
 def test_the_tokenizer_survives_an_artifact_s_tokenizer_json(llm, tmp_path, story_text):
+    """Reloaded by qkiln, and by transformers (lm-eval's HF tokenizer backend reads an artifact's
+    tokenizer/ so): the same ids, BOS included (transformers had added none)."""
     llm.tokenizer.save(tmp_path)
     reloaded = Tokenizer.from_dir(tmp_path)
-    for text in TEXTS + [story_text[:2000]]:
-        assert reloaded.encode(text) == llm.tokenizer.encode(text)
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS + ["  two leading spaces", story_text[:2000]]:
+        assert reloaded.encode(text) == llm.tokenizer.encode(text) == theirs.encode(text)
         assert reloaded.decode(reloaded.encode(text)) == text
+    assert (theirs.bos_token, theirs.eos_token, theirs.unk_token) == ("<s>", "</s>", "<unk>")
 
 
 def test_the_model_generates_as_transformers_does(llm, stories):
