@@ -13,6 +13,7 @@ import torch
 
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.loader import resolve_dtype
+from qkiln.runtime.quantized_linear import QuantizedLinear
 from qkiln.runtime.sampling_params import SamplingParams
 
 
@@ -22,7 +23,11 @@ class ServedScorer:
         self.tokenizer = self.llm.tokenizer
         self.config = self.llm.engine.model.config
         dtype_name = str(resolve_dtype(dtype)).removeprefix("torch.")
-        self.description = {"scoring": f"served: qkiln's runtime engine in {dtype_name}"
+        # On a CPU, quantized linears compute prompts (many rows) with bf16 activations whatever the
+        # dtype (plugins/cpu_linear.py): "float32" alone read as an fp32 score of the recipe.
+        quantized = any(isinstance(m, QuantizedLinear) for m in self.llm.engine.model.modules())
+        caveat = " (quantized linears with bf16 activations)" if quantized and dtype_name == "float32" else ""
+        self.description = {"scoring": f"served: qkiln's runtime engine in {dtype_name}{caveat}"
                                        f"{' with int8 activations' if int8_activations else ''}, paged KV cache "
                                        f"{self.llm.engine.kv_dtype}, prompt logprobs"}
 
