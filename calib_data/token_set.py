@@ -35,7 +35,8 @@ def token_sha256(ids: torch.Tensor) -> str:
 
 
 def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> TokenSet:
-    """Tokenize the documents as one stream and cut `num_samples` windows at seeded offsets.
+    """Tokenize the documents as one stream and cut `num_samples` windows at seeded offsets, each
+    after a BOS when the tokenizer adds one.
 
     Windows never straddle the stream's end. When the stream is shorter than
     num_samples * seq_len, windows overlap (still seeded); shorter than one window is an error.
@@ -51,9 +52,13 @@ def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: i
         raise CalibrationDataError(
             f"{source.spec} has {len(stream)} tokens, fewer than one window of {seq_len}; use more text"
         )
+    # A tokenizer that adds BOS puts one before every served prompt: each window starts with it too,
+    # so calibration sees the activations of that position (llm-compressor's samples start so).
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos", False) else []
+    span = seq_len - len(bos)
     rng = random.Random(seed)
-    starts = [rng.randrange(0, len(stream) - seq_len + 1) for _ in range(num_samples)]
-    ids = torch.tensor([stream[s : s + seq_len] for s in starts], dtype=torch.int64)
+    starts = [rng.randrange(0, len(stream) - span + 1) for _ in range(num_samples)]
+    ids = torch.tensor([bos + stream[s : s + span] for s in starts], dtype=torch.int64)
     provenance = {
         "source": portable_spec(source.spec),
         "num_samples": num_samples,

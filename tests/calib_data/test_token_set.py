@@ -64,3 +64,17 @@ def test_too_short_is_a_clear_error(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text("tiny")
     with pytest.raises(CalibrationDataError, match="fewer than one window"):
         sample_token_set(load_text_source(str(tmp_path / "a.txt")), tokenizer, 2, 64)
+
+
+def test_windows_start_with_bos_when_the_tokenizer_adds_one(tmp_path):
+    """Served prompts start with BOS under such a tokenizer, so calibration windows do too."""
+    d = write_tiny_hf_model(tmp_path / "m")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog " * 50)
+    src = load_text_source(str(tmp_path / "a.txt"))
+    for add_bos in (False, True):
+        (d / "tokenizer_config.json").write_text(json.dumps(config | {"add_bos_token": add_bos}))
+        tokenizer = Tokenizer.from_dir(d)
+        ids = sample_token_set(src, tokenizer, num_samples=8, seq_len=32, seed=1).input_ids
+        assert ids.shape == (8, 32)
+        assert ((ids[:, 0] == tokenizer.bos_token_id).all() == add_bos) and (ids[:, 1:] != tokenizer.bos_token_id).all()
