@@ -59,8 +59,7 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], tok
     if repeating:
         seen = _unique_keys([token_history[i][0] for i in repeating] + [token_history[i][1] for i in repeating],
                             repeating * 2, vocab_size, logits.device)[0]
-        penalty = torch.tensor([params[i].repetition_penalty for i in range(len(params))],
-                               device=logits.device)[seen // vocab_size]
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[seen // vocab_size]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
     counted = [i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0]

@@ -168,13 +168,6 @@ class Tokenizer:
         backend = _byte_level_bpe(meta, tokens) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens)
         types = _per_token(meta, "token_type", tokens) or [1] * len(tokens)
         name = lambda key: _token_at(tokens, meta.get(f"tokenizer.ggml.{key}"), key)  # noqa: E731
-        # UNKNOWN (2) and CONTROL (3) tokens are special, and so are BOS, EOS and UNK whatever their
-        # type says (a file without types decoded "<s> hi"); USER_DEFINED (4) ones (Qwen's
-        # <tool_call>, <think>) are plain text matched whole, as llama.cpp and transformers do
-        named = {name(key) for key in ("bos_token_id", "eos_token_id", "unknown_token_id")} - {None}
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, ty in zip(tokens, types) if ty in (2, 3) or t in named])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
         config = {
             "bos_token": name("bos_token_id"),
             "eos_token": name("eos_token_id"),
@@ -184,6 +177,13 @@ class Tokenizer:
             "chat_template": meta.get("tokenizer.chat_template"),
             "unk_token": name("unknown_token_id"),
         }
+        # UNKNOWN (2) and CONTROL (3) tokens are special, and so are BOS, EOS and UNK whatever their
+        # type says (a file without types decoded "<s> hi"); USER_DEFINED (4) ones (Qwen's
+        # <tool_call>, <think>) are plain text matched whole, as llama.cpp and transformers do
+        named = {config["bos_token"], config["eos_token"], config["unk_token"]} - {None}
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, ty in zip(tokens, types) if ty in (2, 3) or t in named])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
         backend.post_processor = _bos_eos_processor(backend, config)
         return cls(backend, config)
 
@@ -197,17 +197,21 @@ def _bos_eos_processor(backend: HFTokenizer, config: dict):
     bos, eos = [token if add and token is not None else None for token, add in ends]
     if bos is None and eos is None:
         return None
-    single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
-    pair = single + " " + " ".join([f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
+
+    def template(sequence: str, type_id: int) -> list[str]:
+        return ([f"{bos}:{type_id}"] * (bos is not None) + [f"${sequence}:{type_id}"]
+                + [f"{eos}:{type_id}"] * (eos is not None))
+
+    single, pair = " ".join(template("A", 0)), " ".join(template("A", 0) + template("B", 1))
     special = [(t, backend.token_to_id(t)) for t in dict.fromkeys(t for t in (bos, eos) if t is not None)]
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _byte_level_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
-    if "tokenizer.ggml.merges" not in meta:
+    merges = _file_merges(meta)
+    if merges is None:
         raise SourceModelError("GGUF metadata lacks tokenizer.ggml.merges (a BPE vocabulary needs them): the file "
                                "is incomplete; convert the model again")
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     pre = meta.get("tokenizer.ggml.pre", "default")
     backend = _bpe(tokens, merges, fuse_unk=False)
     backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
@@ -221,17 +225,16 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
     """SentencePiece's BPE as llama.cpp runs it: spaces are "▁" with one prepended, pieces merge
     best score first across the whole text, and a character outside the vocabulary falls back to
     its UTF-8 byte tokens (<0x..>). The file stores scores, not merges; the merges are their order."""
-    if "tokenizer.ggml.merges" in meta:
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    elif "tokenizer.ggml.scores" in meta:
+    merges = _file_merges(meta)
+    if merges is None:
         scores = _per_token(meta, "scores", tokens)
+        if scores is None:
+            raise SourceModelError("GGUF metadata lacks tokenizer.ggml.scores (a SentencePiece vocabulary needs them): "
+                                   "the file is incomplete; convert the model again")
         if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
             raise SourceModelError("GGUF metadata tokenizer.ggml.scores holds a value that is not a finite number: the "
                                    "file is damaged; convert the model again")
         merges = _merges_from_scores(tokens, scores)
-    else:
-        raise SourceModelError("GGUF metadata lacks tokenizer.ggml.scores (a SentencePiece vocabulary needs them): "
-                               "the file is incomplete; convert the model again")
     unk = _token_at(tokens, meta.get("tokenizer.ggml.unknown_token_id"), "unknown_token_id")
     backend = _bpe(tokens, merges, fuse_unk=True, byte_fallback=True, unk_token=unk)
     # llama.cpp puts the space before the text and after every special token, whether or not the
@@ -244,6 +247,12 @@ def _sentencepiece_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          *strip])
     return backend
+
+
+def _file_merges(meta: dict) -> list[tuple[str, str]] | None:
+    """`tokenizer.ggml.merges` ("left right" strings) as pairs, or None when the file has none."""
+    merges = meta.get("tokenizer.ggml.merges")
+    return None if merges is None else [tuple(m.split(" ", 1)) for m in merges]
 
 
 def _per_token(meta: dict, key: str, tokens: list[str]) -> list | None:

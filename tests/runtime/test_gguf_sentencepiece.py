@@ -27,6 +27,12 @@ def stories(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def metadata(stories):
+    """The file's GGUF metadata (copy it before changing it)."""
+    return read_metadata(_open(stories))
+
+
+@pytest.fixture(scope="module")
 def llm(stories):
     return LLM(str(stories), dtype="fp32", num_kv_blocks=128)
 
@@ -54,12 +60,11 @@ def spm_reference(text: str, tokens: list[str], scores: list[float]) -> list[int
         pieces[i:i + 2] = [pieces[i] + pieces[i + 1]]
 
 
-def test_text_tokenizes_as_llama_cpp_and_decodes_back(llm, stories, story_text):
-    meta = read_metadata(_open(stories))
+def test_text_tokenizes_as_llama_cpp_and_decodes_back(llm, metadata, story_text):
     tokenizer = llm.tokenizer
     for text in TEXTS + ["  two leading spaces", story_text[:4000]]:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        assert ids == spm_reference(text, meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]), text
+        assert ids == spm_reference(text, metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.scores"]), text
         assert tokenizer.decode(ids) == text
     assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id == 1  # a SentencePiece vocabulary adds BOS
     # after a special token the text gets its own leading "▁", as llama.cpp does
@@ -125,12 +130,11 @@ def test_streamed_text_is_the_decoded_text(llm):
         assert streamed == output
 
 
-def test_unk_bos_and_eos_are_special_whatever_the_types_say(stories):
-    meta = read_metadata(_open(stories))
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+def test_unk_bos_and_eos_are_special_whatever_the_types_say(metadata):
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
     assert tokenizer.encode("<unk>", add_special_tokens=False) == [0]  # matched whole, as llama.cpp does
     assert tokenizer.decode([0] + tokenizer.encode("ha", add_special_tokens=False)) == "ha"
-    untyped = {k: v for k, v in meta.items() if k != "tokenizer.ggml.token_type"}
+    untyped = {k: v for k, v in metadata.items() if k != "tokenizer.ggml.token_type"}
     assert Tokenizer.from_gguf_metadata(untyped).decode(tokenizer.encode("hi")) == "hi"  # was "<s> hi"
 
 
@@ -141,10 +145,10 @@ def test_unk_bos_and_eos_are_special_whatever_the_types_say(stories):
     ("tokenizer.ggml.scores", lambda v: v[:-1] + ["x"], "not a finite number"),
     ("tokenizer.ggml.scores", None, "lacks tokenizer.ggml.scores"),
 ])
-def test_inconsistent_sentencepiece_metadata_is_refused(stories, key, change, message):
+def test_inconsistent_sentencepiece_metadata_is_refused(metadata, key, change, message):
     from qkiln.errors import SourceModelError
 
-    meta = read_metadata(_open(stories))
+    meta = dict(metadata)
     if change is None:
         del meta[key]
     else:
