@@ -246,6 +246,7 @@ def serve_cmd(
     int8_activations: Int8Activations = False,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
     allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
+    max_concurrent_requests: Annotated[int, typer.Option(min=1, help="requests running or queued at once (a request with n choices counts n); past it new ones get 429 with Retry-After")] = 4096,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
@@ -269,7 +270,7 @@ def serve_cmd(
                   "to serve the whole context", file=sys.stderr)
         print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
         serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
-              allowed_origins=allowed_origin)
+              allowed_origins=allowed_origin, max_concurrent_requests=max_concurrent_requests)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -69,16 +69,20 @@ class RequestStream:
 
     _END = object()
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None] | None = None):
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = loop.create_future()  # None once admitted, or the admission error
         self.finished = False
+        self._on_end = on_end  # called on the engine thread with the last item, whoever listens
 
     # ---- engine thread side (thread-safe: everything goes through the loop) ------------------
     def put(self, item: RequestOutput | BaseException) -> bool:
         """Hand an output or an error to the consumer; False if its event loop is gone."""
+        if self._on_end is not None and (isinstance(item, BaseException)
+                                         or (item is not _ACCEPTED and item.finished)):
+            self._on_end()
         try:
             self.loop.call_soon_threadsafe(self._deliver, item)
             return True
@@ -131,6 +135,8 @@ class AsyncLLMEngine:
         self._send_lock = threading.Lock()
         self.snapshot = EngineSnapshot()
         self._num_step_errors = 0
+        self._num_open = 0  # requests submitted whose stream has not ended; guarded by `_open_lock`
+        self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
         self._thread.start()
 
@@ -148,7 +154,34 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def num_open_requests(self) -> int:
+        """Requests submitted and not yet ended (waiting, running, or on their way to the engine):
+        exact at any moment, unlike the snapshot's counts, so a server can bound them."""
+        return self._num_open
+
     # ---- public API (any thread / the event loop) -------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request without waiting (call it on the event loop its stream belongs to):
+        `await stream.accepted` raises the engine's refusal. Raises `RequestError` for bad
+        parameters and `EngineError` when the engine is not running."""
+        params = (params or SamplingParams()).validate()
+        stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
+                               asyncio.get_running_loop(), on_end=self._request_ended)
+        with self._open_lock:
+            self._num_open += 1
+        try:
+            self._send(_Add(stream, prompt, params))
+        except EngineError:
+            self._request_ended()
+            raise
+        return stream
+
+    def _request_ended(self) -> None:
+        with self._open_lock:
+            self._num_open -= 1
+
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine has admitted it.
@@ -156,10 +189,7 @@ class AsyncLLMEngine:
         Raises `RequestError` if the engine refuses it (bad parameters, prompt too long), so a
         server can answer 400 before it starts streaming.
         """
-        params = (params or SamplingParams()).validate()
-        stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
-                               asyncio.get_running_loop())
-        self._send(_Add(stream, prompt, params))
+        stream = self.submit(prompt, params, request_id)
         try:
             await stream.accepted
         except asyncio.CancelledError:

@@ -37,6 +37,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
         self._finished = Counter("qkiln_request_success", "Requests that finished, by finish reason.",
                                  labelnames=["model_name", "finish_reason"], registry=self.registry)
+        self.refused_busy = Counter("qkiln_request_refused_busy", "Requests answered 429: the server was at its "
+                                    "limit of requests in flight.", **labels).labels(model_name)
         self._model_name = model_name
         self.registry.register(_EngineCollector(engine, model_name))
 

@@ -9,6 +9,8 @@ Invariants:
   refusal is a 400 (401 for auth, 413 for a body past MAX_BODY_BYTES) with OpenAI's body
   `{"error": {message, type, param, code}}`.
   Validation errors (including malformed JSON) are 400, not FastAPI's default 422.
+- Bounded: at most `max_concurrent_requests` engine requests open at once (past it a 429 with
+  Retry-After, before anything is queued), and a deadline on reading each request (http_guard.py).
 - A request whose client goes away is aborted: a streaming response is cancelled by Starlette
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
   the connection while it waits.
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qkiln.errors import QkilnError, RequestError, SourceModelError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
+from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
                               InvalidRequestError, ResponseBuilder, SamplingFields, batch_response, error_body,
@@ -50,15 +53,24 @@ MAX_BODY_BYTES = 64 << 20
 # Above clients' pool expiry (httpx and openai: 5 s, aiohttp: 15 s): at uvicorn's 5 s the server
 # closed idle connections just as clients reused them, ~1 request in 500 failing with a ReadError.
 KEEP_ALIVE_S = 30
+# Requests running or queued at once (a choice of n is one): the engine runs max_num_seqs of them;
+# the rest wait, holding their prompts. A full completion batch (MAX_CHOICES_PER_REQUEST) fits.
+MAX_CONCURRENT_REQUESTS = 4096
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None,
-               allowed_origins: list[str] | None = None) -> FastAPI:
-    """allowed_origins: origins browsers may call from (`*` for any); none by default."""
+               allowed_origins: list[str] | None = None,
+               max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS) -> FastAPI:
+    """allowed_origins: origins browsers may call from (`*` for any); none by default.
+    max_concurrent_requests: engine requests (a choice is one) open at once, running or waiting;
+    past it requests get a 429 with Retry-After."""
+    if max_concurrent_requests < 1:
+        raise ValueError(f"max_concurrent_requests must be at least 1, not {max_concurrent_requests}")
     model_name = model_name or engine.name
     metrics = ServerMetrics(engine, model_name)
     app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    app.state.max_concurrent_requests = max_concurrent_requests
     _install_error_handlers(app)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     if api_key is not None:
@@ -221,6 +233,7 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
                    is_stream: bool):
     """Run one request's choices (a completion batch's prompts, n per prompt) and answer with them all."""
     # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
+    _check_capacity(engine, metrics, len(choices), request.app.state.max_concurrent_requests)
     streams = await _admit(engine, choices)
     builders = [c.builder for c in choices]
     if is_stream:
@@ -237,17 +250,37 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
     return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
 
 
+def _check_capacity(engine: AsyncLLMEngine, metrics: ServerMetrics, num_choices: int, capacity: int) -> None:
+    """At most `capacity` engine requests are open at once (a choice is one). Past it a request is
+    a 429 the client may retry (OpenAI's clients do, after Retry-After), refused before anything
+    is queued, so a burst cannot grow the queue, and the memory it holds, without bound."""
+    if num_choices > capacity:
+        raise InvalidRequestError(f"this request makes {num_choices} completions (prompts x n), more than the "
+                                  f"{capacity} this server runs at once (serve --max-concurrent-requests); split it",
+                                  param="n")
+    if engine.num_open_requests + num_choices > capacity:
+        metrics.refused_busy.inc()
+        raise _HTTPError(429, f"the server is at its limit of {capacity} requests in flight; retry shortly",
+                         code="server_busy", type="server_busy", headers={"Retry-After": "1"})
+
+
 async def _admit(engine: AsyncLLMEngine, choices: list[_Choice]) -> list[RequestStream]:
     """Every choice admitted (at once: one engine round trip, not one per choice), or none: a
-    refused one aborts the others and is a 400 naming its prompt's place in the batch."""
+    refused one aborts the others and is a 400 naming its prompt's place in the batch.
+    Everything up to the first await is synchronous, so a capacity check just before holds."""
 
     def engine_id(i):
         request_id = choices[i].builder.request_id
         return request_id if len(choices) == 1 else f"{request_id}-{i}"
 
-    admitted = await asyncio.gather(*(engine.add_request(c.prompt_ids, c.params, engine_id(i))
-                                      for i, c in enumerate(choices)), return_exceptions=True)
-    streams = [r for r in admitted if isinstance(r, RequestStream)]
+    streams: list[RequestStream] = []
+    try:
+        for i, c in enumerate(choices):
+            streams.append(engine.submit(c.prompt_ids, c.params, engine_id(i)))
+        admitted = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
+    except BaseException:  # a bad parameter, the engine stopped, or the client went away
+        _abort_unfinished(engine, streams)
+        raise
     for choice, result in zip(choices, admitted):
         if isinstance(result, BaseException):
             _abort_unfinished(engine, streams)
@@ -384,9 +417,10 @@ class _BodyLimitMiddleware:
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.code, self.param = status, code, param
+        self.status, self.code, self.param, self.type, self.headers = status, code, param, type, headers or {}
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -418,7 +452,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(_HTTPError)
     async def http_error(request: Request, exc: _HTTPError):
-        return reply(exc.status, str(exc), exc.param, exc.code)
+        response = reply(exc.status, str(exc), exc.param, exc.code, exc.type)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
@@ -438,7 +474,7 @@ def _param(loc) -> str | None:
 
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0,
-          allowed_origins: list[str] | None = None) -> None:
+          allowed_origins: list[str] | None = None, max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
 
     SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn stops accepting, requests in flight
@@ -451,9 +487,8 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
     previous = signal.signal(signal.SIGTERM, _exit_cleanly) if on_main_thread else None
     try:
         # uvicorn's own bound is a backstop: by then every handler has had its EngineError
-        config = uvicorn.Config(create_app(engine, model_name, api_key, allowed_origins), host=host, port=port,
-                                log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + 5,
-                                timeout_keep_alive=KEEP_ALIVE_S)
+        app = create_app(engine, model_name, api_key, allowed_origins, max_concurrent_requests)
+        config = _uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_timeout + 5)
         server = _DrainingServer(config, engine, shutdown_timeout)
         server.run()
         if not server.started:  # the port was taken, say: uvicorn has logged why
@@ -462,6 +497,13 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
         engine.shutdown()
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, timeout_graceful_shutdown: float,
+                    read_timeout: float = REQUEST_READ_TIMEOUT_S) -> uvicorn.Config:
+    """h11 with a deadline on reading each request (http_guard.py), whatever else is installed."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=GuardedH11Protocol.with_timeout(read_timeout),
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown)
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -490,9 +532,9 @@ class _DrainingServer(uvicorn.Server):
 class BackgroundServer:
     """uvicorn in a daemon thread on a free loopback port (tests, benchmarks): `.url`, `.stop()`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=5))
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 read_timeout: float = REQUEST_READ_TIMEOUT_S):
+        self.server = uvicorn.Server(_uvicorn_config(app, host, port, log_level, 5, read_timeout))
         self.thread = threading.Thread(target=self.server.run, name="qkiln-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -42,6 +42,7 @@ def wait_idle(engine: AsyncLLMEngine, timeout: float = 30.0) -> None:
     engine.call(lambda e: e.check_integrity()).result(timeout)
     kv = engine.call(lambda e: (e.kv_manager.num_free_blocks, e.kv_manager.num_blocks)).result(timeout)
     assert kv[0] == kv[1], f"{kv[1] - kv[0]} KV blocks still held after every request ended"
+    assert engine.num_open_requests == 0  # every stream ended, however (a server's capacity check counts them)
 
 
 async def collect(engine, prompt, params, request_id=None):
@@ -160,6 +161,7 @@ def test_shutdown_ends_open_streams(model_dir):
 
     asyncio.run(main())
     assert not eng.is_running
+    assert eng.num_open_requests == 0
 
 
 _NO_TRANSFORMERS = textwrap.dedent("""
