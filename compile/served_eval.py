@@ -35,4 +35,6 @@ class ServedScorer:
         """ids [B, T] -> the logprob of ids[:, 1:] given what precedes them [B, T - 1] (fp32)."""
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
         outputs = self.llm.generate([row.tolist() for row in ids], params)
-        return torch.tensor([[entry["logprob"] for entry in out.prompt_logprobs[1:]] for out in outputs])
+        return torch.tensor([[scored[token].logprob for scored, token in zip(out.prompt_logprobs[1:],
+                                                                              out.prompt_token_ids[1:])]
+                             for out in outputs])

@@ -1,14 +1,15 @@
 """qkiln.runtime: the serving engine. `from qkiln.runtime import LLM, SamplingParams` is the
-offline API (llm.py); they load on first use, so importing a submodule stays light."""
+offline API (llm.py, with its output types); they load on first use, so importing a submodule
+stays light."""
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "PromptOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from .llm import LLM
+    if name in ("LLM", "PromptOutput", "CompletionOutput", "Logprob"):
+        from . import llm
 
-        return LLM
+        return getattr(llm, name)
     if name == "SamplingParams":
         from .sampling_params import SamplingParams
 

@@ -72,10 +72,11 @@ class RequestOutput:
     # vLLM's extension: the stop string or stop_token_ids entry that ended the text; None for EOS,
     # length and abort
     stop_reason: int | str | None = None
-    logprobs: list[dict] = field(default_factory=list)  # for new tokens, when asked
+    # for new tokens, when asked: {"token_id", "logprob", "rank", "top": {token id: logprob}} each
+    logprobs: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
-    # None for the first (nothing scores it), else {"token_id", "logprob", "top"} as in `logprobs`
+    # None for the first (nothing scores it), else {"token_id", "logprob", "rank", "top"} as in `logprobs`
     prompt_logprobs: list[dict | None] | None = None
 
 
@@ -226,10 +227,11 @@ class LLMEngine:
                 part = positions[lo:lo + PROMPT_SCORE_ROWS]
                 rows = self.runner.compute_logits(hidden[first + lo:first + lo + len(part)])
                 targets = s.seq.prompt_token_ids[part.start + 1:part.stop + 1]
-                chosen, top_values, top_ids = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
+                scores = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
+                chosen, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
                 for k, (position, target) in enumerate(zip(part, targets)):
-                    top = {} if n == 0 else dict(zip(top_ids[k].tolist(), top_values[k].tolist()))
-                    entries[position + 1] = {"token_id": target, "logprob": float(chosen[k]), "top": top}
+                    top = {} if n == 0 else dict(zip(scores.top_token_ids[k].tolist(), scores.top_logprobs[k].tolist()))
+                    entries[position + 1] = {"token_id": target, "logprob": chosen[k], "rank": ranks[k], "top": top}
             first += len(positions)
 
     def _postprocess(self, s, token_id, out, row, finished) -> RequestOutput:
@@ -252,7 +254,8 @@ class LLMEngine:
         if s.seq.sampling_params.logprobs is not None and out.logprobs is not None:
             n = s.seq.sampling_params.logprobs  # 0: the sampled token's logprob only (no top tensors then)
             top = {} if n == 0 else dict(zip(out.top_token_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))
-            logprobs = [{"token_id": token_id, "logprob": float(out.logprobs[row]), "top": top}]
+            logprobs = [{"token_id": token_id, "logprob": float(out.logprobs[row]), "rank": int(out.ranks[row]),
+                         "top": top}]
         result = RequestOutput(
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,

@@ -17,6 +17,19 @@ from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's Logprob)."""
+    logprob: float
+    rank: int | None = None  # among the whole vocabulary, 1 the most likely
+    decoded_token: str | None = None  # the text the token adds (U+FFFD for part of a character)
+
+
+# vLLM's SampleLogprobs / PromptLogprobs element: token id -> Logprob, the scored token first, then
+# the top `logprobs` (`prompt_logprobs`) tokens, most likely first
+TokenLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     """One choice (vLLM's CompletionOutput): choice `index` of its prompt's n."""
@@ -25,13 +38,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     stop_reason: int | str | None  # the stop string or stop token id that ended the text (engine.RequestOutput)
-    # SamplingParams.logprobs: entries {"token_id", "logprob", "top"} (engine.RequestOutput)
-    logprobs: list[dict] | None = None
-
-    @property
-    def cumulative_logprob(self) -> float | None:
-        """Sum of the generated tokens' logprobs (vLLM's field); None unless logprobs were asked."""
-        return None if self.logprobs is None else sum(entry["logprob"] for entry in self.logprobs)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams.logprobs
+    cumulative_logprob: float | None = None  # the generated tokens' logprobs summed, with logprobs
 
 
 @dataclass
@@ -42,8 +50,8 @@ class PromptOutput:
     prompt: str | None  # the prompt's text, when it was given as text
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (engine.RequestOutput)
-    prompt_logprobs: list[dict | None] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = True
 
     text = property(lambda self: self.outputs[0].text)
@@ -131,14 +139,42 @@ class LLM:
                         finished[out.request_id] = out
                         unfinished[prompt_of[out.request_id]] -= 1
                         bar.update(unfinished[prompt_of[out.request_id]] == 0)
-        results = []
+        results, convert = [], _LogprobConverter(self.tokenizer)
         for prompt, ids in zip(prompts, request_ids):
             outs = [finished[i] for i in ids]
-            choices = [CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason, logprobs[o.request_id])
-                       for j, o in enumerate(outs)]
+            choices = []
+            for j, o in enumerate(outs):
+                entries = logprobs[o.request_id]
+                cumulative = None if entries is None else sum(e["logprob"] for e in entries)
+                choices.append(CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason,
+                                                convert.all(entries), cumulative))
             results.append(PromptOutput(ids[0], prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
-                                        choices, prompt_logprobs[ids[0]]))
+                                        choices, convert.all(prompt_logprobs[ids[0]])))
         return results
+
+
+class _LogprobConverter:
+    """The engine's logprob entries ({"token_id", "logprob", "rank", "top"}) as vLLM's dicts."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def all(self, entries: list[dict | None] | None) -> list[TokenLogprobs | None] | None:
+        return None if entries is None else [None if e is None else self.one(e) for e in entries]
+
+    def one(self, entry: dict) -> TokenLogprobs:
+        token = entry["token_id"]
+        out = {token: Logprob(entry["logprob"], entry["rank"], self.text(token))}
+        for rank, (top_id, logprob) in enumerate(entry["top"].items(), 1):
+            if top_id != token:
+                out[top_id] = Logprob(logprob, rank, self.text(top_id))
+        return out
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            self._text[token_id] = self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        return self._text[token_id]
 
 
 def _prompt_list(prompts) -> list[str | list[int]]:

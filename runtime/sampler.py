@@ -19,6 +19,7 @@ as OpenAI and vLLM report them.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +37,8 @@ class SamplerOutput:
     # Top-n by logprob for n = the largest `logprobs` asked; a row uses its own first n columns.
     top_logprobs: torch.Tensor | None = None  # [num_seqs, max_n] fp32
     top_token_ids: torch.Tensor | None = None  # [num_seqs, max_n] int64
+    # Each chosen token's rank among the vocabulary (1: the most likely), with `logprobs`.
+    ranks: torch.Tensor | None = None  # [num_seqs] int64
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -107,17 +110,26 @@ class Sampler:
         max_n = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         if max_n is None:
             return SamplerOutput(token_ids)
-        return SamplerOutput(token_ids, *score_tokens(logits, token_ids, max_n))
+        scores = score_tokens(logits, token_ids, max_n)
+        return SamplerOutput(token_ids, scores.logprobs, scores.top_logprobs, scores.top_token_ids, scores.ranks)
 
 
-def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
-    """logits [rows, vocab], token_ids [rows] -> (each token's logprob [rows] fp32, and with num_top
-    > 0 the top num_top logprobs [rows, num_top] and their ids, else None, None). The token's value
-    and the top values come from one log_softmax, so a token that is the argmax equals the top-1
-    exactly (what loglikelihood evaluations compare to call a continuation greedy)."""
+class TokenScores(NamedTuple):
+    logprobs: torch.Tensor  # [rows] fp32: each token's
+    ranks: torch.Tensor  # [rows] int64: each token's rank in the vocabulary, 1 the most likely (vLLM's)
+    top_logprobs: torch.Tensor | None  # [rows, num_top] fp32, None for num_top 0
+    top_token_ids: torch.Tensor | None  # [rows, num_top] int64
+
+
+def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TokenScores:
+    """logits [rows, vocab], token_ids [rows] -> their logprobs and ranks, and with num_top > 0
+    the top num_top logprobs and ids. The token's value and the top values come from one
+    log_softmax, so a token that is the argmax equals the top-1 exactly (what loglikelihood
+    evaluations compare to call a continuation greedy)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab_size]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [rows]
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(1) + 1  # ties share the better rank, as in vLLM
     if num_top == 0:
-        return chosen, None, None
+        return TokenScores(chosen, ranks, None, None)
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top]
-    return chosen, top_values, top_ids
+    return TokenScores(chosen, ranks, top_values, top_ids)

@@ -110,7 +110,8 @@ def test_tinystories_perplexity_is_a_trained_model_s(llm, story_text):
     windows = [[tokenizer.bos_token_id] + ids[i:i + 255] for i in range(0, 20 * 255, 255)]
     outs = llm.generate([{"prompt_token_ids": w} for w in windows],
                         SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    nll = [-entry["logprob"] for out in outs for entry in out.prompt_logprobs[1:]]
+    nll = [-entry[token].logprob for out in outs
+           for entry, token in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
     assert 3.5 < math.exp(sum(nll) / len(nll)) < 5.5
 
 

@@ -20,11 +20,13 @@ def tiny(tmp_path_factory):
     return load_for_serving(str(write_tiny_hf_model(tmp_path_factory.mktemp("m"), "llama")), dtype="fp32")
 
 
-def teacher_forced(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt) - 1] logprob of prompt[i + 1] given prompt[: i + 1], one dense forward."""
+def teacher_forced(model, prompt: list[int], full: bool = False) -> torch.Tensor:
+    """[len(prompt) - 1] logprob of prompt[i + 1] given prompt[: i + 1], one dense forward
+    (full: every token's, [len(prompt) - 1, vocab])."""
     with torch.inference_mode():
         logits = model(torch.tensor([prompt]))[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    logprobs = torch.log_softmax(logits[:-1], -1)
+    return logprobs if full else logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
 
 
 def run(engine: LLMEngine, prompts, params, arrivals=None) -> dict[int, list]:
@@ -113,13 +115,44 @@ def test_prompt_logprobs_out_of_range_is_refused_naming_the_field(tiny):
 
 
 def test_offline_llm_returns_prompt_and_token_logprobs(tmp_path):
-    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.llm import LLM, Logprob
 
     llm = LLM(str(write_tiny_hf_model(tmp_path, "llama")), dtype="fp32", num_kv_blocks=32)
     prompt = [5, 17, 99, 3, 250, 42]
     scored, plain = llm.generate([prompt, prompt], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                                    logprobs=2, prompt_logprobs=0),
                                                     SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)])
-    check(scored.prompt_logprobs, prompt, teacher_forced(llm.engine.model, prompt), 0)
-    assert [e["token_id"] for e in scored.logprobs] == scored.token_ids and all(len(e["top"]) == 2 for e in scored.logprobs)
+    # vLLM's shapes: per token a dict token id -> Logprob(logprob, rank, decoded_token), the scored
+    # token first, then the top ones
+    full = teacher_forced(llm.engine.model, prompt, full=True)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(prompt)
+    for row, token, entry in zip(full, prompt[1:], scored.prompt_logprobs[1:]):
+        assert list(entry) == [token]  # prompt_logprobs=0: the prompt token alone
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=2e-4)
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    for entry, token in zip(scored.logprobs, scored.token_ids):
+        assert next(iter(entry)) == token and entry[token].rank == 1  # greedy: the top token
+        assert len(entry) == 2 and all(isinstance(v, Logprob) for v in entry.values())
+        runner_up = list(entry)[1]
+        assert entry[runner_up].rank == 2 and entry[runner_up].logprob <= entry[token].logprob
+    assert scored.outputs[0].cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in
+                                                                     zip(scored.logprobs, scored.token_ids)))
     assert plain.logprobs is None and plain.prompt_logprobs is None and plain.token_ids == scored.token_ids
+    assert plain.cumulative_logprob is None
+
+
+def test_offline_logprobs_of_a_sampled_token_outside_the_top(tmp_path):
+    """A sampled token that is not among the top ones is first in its dict, with its own rank,
+    and the dict holds it and the top `logprobs` (k + 1 entries), as vLLM's does."""
+    from qkiln.runtime import LLM
+
+    llm = LLM(str(write_tiny_hf_model(tmp_path, "llama")), dtype="fp32", num_kv_blocks=32)
+    out = llm.generate([[5, 17, 99]], SamplingParams(max_tokens=48, temperature=5.0, seed=3, ignore_eos=True,
+                                                     logprobs=1))[0]
+    outside = [(e, t) for e, t in zip(out.logprobs, out.token_ids) if e[t].rank > 1]
+    assert outside, "a temperature of 5 on a random model never sampled past the top token"
+    for entry, token in outside:
+        assert list(entry)[0] == token and len(entry) == 2
+        top = list(entry)[1]
+        assert entry[top].rank == 1 and entry[top].logprob > entry[token].logprob
