@@ -125,7 +125,7 @@ def _check_evaluation_data(recipe: Recipe) -> None:
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:
     """Before calibration: an evaluation window is seq_len tokens, and a BOS when the tokenizer adds one."""
-    for what, seq_len, bos in (("calibration.seq_len", recipe.calibration.seq_len, 0),
+    for what, seq_len, bos in (("calibration.seq_len (a recipe file's)", recipe.calibration.seq_len, 0),
                                ("evaluation.seq_len (--eval-seq-len)", recipe.evaluation.seq_len, int(add_bos))):
         if seq_len + bos > max_len:
             raise RecipeError(f"{what} (a window of {seq_len + bos} tokens) exceeds the model's context of {max_len} "

@@ -29,7 +29,7 @@ from qkiln.quant import Fp8Weight, QuantizedWeight
 from qkiln.quant.scheme import ActivationScheme, KVCacheScheme, QuantScheme, WeightScheme
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
-from qkiln.runtime.source import file_sha256, load_weight_files, weight_files
+from qkiln.runtime.source import file_sha256, load_weight_files, read_generation_config, weight_files
 from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import Manifest, toolchain_versions
@@ -107,7 +107,7 @@ def _tokenizer_files(src: Path) -> dict[str, bytes]:
 def read_checkpoint(path) -> ImportedCheckpoint:
     src = Path(path)
     hf = _read_json(src / "config.json")
-    config = ModelConfig.from_hf(hf)
+    config = ModelConfig.from_hf(hf, read_generation_config(src))
     fmt, qc = _quantization_config(src, hf)
     files = weight_files(src)
     tensors = load_weight_files(files)

@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 HF_ARCHITECTURE_NAME = {family: hf for hf, family in SUPPORTED_ARCHITECTURES.items()}
+# The MLP computes SwiGLU: SiLU(gate) * up
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,23 @@ class ModelConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """generation_config: the checkpoint's generation_config.json, whose eos_token_id may name
+        more stop tokens than config.json's (Llama 3 Instruct's <|eot_id|>), as transformers and
+        vLLM read it."""
         archs = hf.get("architectures") or []
-        family = SUPPORTED_ARCHITECTURES.get(archs[0]) if archs else None
+        if archs:
+            family = SUPPORTED_ARCHITECTURES.get(archs[0])
+        else:  # transformers picks the class by model_type then
+            family = hf.get("model_type") if hf.get("model_type") in HF_ARCHITECTURE_NAME else None
         if family is None:
             raise UnsupportedArchitectureError(
                 f"architecture {archs or hf.get('model_type')!r} is not supported; qkiln supports "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (convert the model or open an issue)"
             )
+        _check_computed_as_declared(hf, family)
         num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos_ids = tuple(dict.fromkeys(_ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))))
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
         # transformers 5 moves theta into `rope_parameters`; accept both spellings.
@@ -87,7 +95,7 @@ class ModelConfig:
             rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None
+        window = _sliding_window(hf, family)
         context = hf.get("max_position_embeddings", 4096)
         if window is not None and window < context:
             # qkiln attends to the whole context; within the window the two are the same attention
@@ -114,3 +122,40 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _ids(value) -> tuple[int, ...]:
+    """config.json's eos_token_id: one id, a list of them, or null."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _check_computed_as_declared(hf: dict[str, Any], family: str) -> None:
+    """Refuse what the lean model would compute differently from the checkpoint's config (it
+    would load and answer wrongly): another activation, biases qkiln's layers do not hold."""
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported: qkiln's MLP computes SiLU(gate) * up "
+                                           "(SwiGLU), as Llama, Mistral and Qwen do")
+    # Qwen2's attention has q/k/v biases (qkiln holds them); Llama's and Qwen3's attention_bias
+    # puts one on o_proj too
+    if hf.get("attention_bias") and family in ("llama", "mistral", "qwen3"):
+        raise UnsupportedArchitectureError(f"attention_bias: a {family} model with attention_bias has an o_proj bias, "
+                                           "which qkiln's attention does not hold (only q/k/v biases, as Qwen2's)")
+    if hf.get("mlp_bias"):
+        raise UnsupportedArchitectureError("mlp_bias: qkiln's MLP holds no biases")
+
+
+def _sliding_window(hf: dict[str, Any], family: str) -> int | None:
+    """The window some layer attends through, as transformers reads the config: every Mistral
+    layer; a Qwen layer when use_sliding_window and it is past max_window_layers (or layer_types
+    says so). The context is then capped at it, within which every layer attends alike."""
+    window = hf.get("sliding_window")
+    if family == "mistral":
+        return window if hf.get("use_sliding_window", True) else None
+    if window is None or family not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
+        return None
+    layer_types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28)
+                                            else "full_attention" for i in range(hf["num_hidden_layers"])]
+    return window if "sliding_attention" in layer_types else None

@@ -120,16 +120,31 @@ def _load_hf_dir(path: Path) -> SourceModel:
         raise SourceModelError(f"{path} is neither a qkiln artifact (no {MANIFEST_NAME}) nor a Hugging Face model "
                                "(no config.json); give an artifact, a model directory, a .gguf file or an alias")
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        config = ModelConfig.from_hf(json.loads(config_path.read_text()), read_generation_config(path))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
     state_dict = load_weight_files(weight_files(path), convert=torch.Tensor.float)
     return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
 
 
+def read_generation_config(path: Path) -> dict | None:
+    """An HF directory's generation_config.json (its extra EOS ids), or None without one."""
+    file = path / GENERATION_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        loaded = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceModelError(f"{file} is malformed ({e}); re-download it or remove it") from None
+    if not isinstance(loaded, dict):
+        raise SourceModelError(f"{file} holds a {type(loaded).__name__}, not a JSON object; re-download it or remove it")
+    return loaded
+
+
 def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor]:
     """Every tensor of every file (each passed through `convert`, if given); a damaged file or a
-    tensor in two files is an error, not a guess."""
+    tensor in two files is an error, not a guess. RoPE's inv_freq, which older transformers saved
+    with the weights, is dropped: it is computed from the config, as transformers does."""
     from safetensors.torch import load_file
 
     tensors, origin = {}, {}
@@ -139,6 +154,8 @@ def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor
         except Exception as e:  # safetensors raises SafetensorError / OSError on damage
             raise SourceModelError(f"{f} is not a valid safetensors file ({e}); re-download or re-save it") from None
         for name, tensor in loaded.items():
+            if name.endswith(".rotary_emb.inv_freq"):
+                continue
             if name in origin:
                 raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
                                        "remove the stray file")
@@ -147,6 +164,7 @@ def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -172,11 +190,12 @@ def weight_files(path: Path) -> list[Path]:
 
 def source_files(path: Path) -> list[Path]:
     """The files a source model is read from, which its sha256 covers: a .gguf file; or an HF
-    directory's config.json and tokenizer files and its weight files (a changed rope_theta or
-    norm epsilon is another model: the build cache and the provenance must tell them apart)."""
+    directory's config.json, generation_config.json, tokenizer files and weight files (a changed
+    rope_theta, norm epsilon or EOS id is another model: the build cache and the provenance must
+    tell them apart)."""
     if path.is_file():
         return [path]
-    named = [path / name for name in ("config.json", *TOKENIZER_FILES) if (path / name).is_file()]
+    named = [path / name for name in ("config.json", GENERATION_CONFIG, *TOKENIZER_FILES) if (path / name).is_file()]
     return named + weight_files(path)
 
 

@@ -43,9 +43,26 @@ class Tokenizer:
         self.config = config
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
-        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
-        self.add_eos = bool(config.get("add_eos_token", False)) and self.eos_token_id is not None
+        before, after = self._post_processor_tokens()
+        if "add_bos_token" in config:
+            self.add_bos = bool(config["add_bos_token"]) and self.bos_token_id is not None
+        else:  # Llama 3's layout: no flag, tokenizer.json's post-processor puts BOS first (transformers follows it)
+            self.add_bos = len(before) == 1
+            self.bos_token_id = before[0] if before else self.bos_token_id
+        if "add_eos_token" in config:
+            self.add_eos = bool(config["add_eos_token"]) and self.eos_token_id is not None
+        else:
+            self.add_eos = len(after) == 1 and after[0] == self.eos_token_id
         self.chat_template = config.get("chat_template")
+
+    def _post_processor_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids tokenizer.json's post-processor adds before and after a text."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
 
     def _token_id(self, token) -> int | None:
         if isinstance(token, dict):

@@ -1,0 +1,112 @@
+"""Hugging Face checkpoints laid out as real ones are, beyond the tidy tiny models: each must
+compute what transformers computes from the same files, or be refused naming what differs, never
+load and answer wrongly. transformers is the reference."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import processors
+
+from qkiln.errors import UnsupportedArchitectureError
+from qkiln.runtime import LLM, SamplingParams
+from qkiln.runtime.config import ModelConfig
+from qkiln.runtime.source import load_source
+from qkiln.runtime.tokenizer import Tokenizer
+from tiny_models import write_tiny_hf_model
+
+PROMPT = [256, 72, 101, 108, 108, 111, 32, 119]
+
+
+def hf_greedy(model_dir, ids, n, **kw) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+    path.write_text(json.dumps(data))
+
+
+def test_a_bos_declared_only_by_the_post_processor_is_added_as_transformers_adds_it(tmp_path):
+    """Llama 3's layout: tokenizer_config.json has no add_bos_token; tokenizer.json's
+    TemplateProcessing puts <|begin_of_text|> first."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    backend = Tokenizer.from_dir(model_dir).backend
+    backend.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                           special_tokens=[("<|bos|>", 256)])
+    backend.save(str(model_dir / "tokenizer.json"))
+    edit_json(model_dir / "tokenizer_config.json", add_bos_token=None)
+    text = "Hello world, it is a bright cold day"
+    expected = transformers.AutoTokenizer.from_pretrained(model_dir)(text).input_ids
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert expected[0] == 256 and tokenizer.encode(text) == expected
+    assert tokenizer.add_bos and tokenizer.encode(text, add_special_tokens=False) == expected[1:]
+    # an explicit flag still wins, as before
+    edit_json(model_dir / "tokenizer_config.json", add_bos_token=False)
+    assert Tokenizer.from_dir(model_dir).encode(text) == expected[1:]
+
+
+def test_eos_ids_in_generation_config_stop_generation_as_in_transformers(tmp_path):
+    """Llama 3 Instruct's layout: config.json names one EOS, generation_config.json adds
+    end-of-turn; both stop (transformers and vLLM read the second file)."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    free = hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+    stop_at = next(t for t in free[2:] if t != 257)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, stop_at]}))
+    expected = hf_greedy(model_dir, PROMPT, 6)
+    assert expected[-1] == stop_at and len(expected) < 6
+    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
+                                                                       SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.token_ids == expected and out.finish_reason == "stop"
+    assert load_source(str(model_dir)).config.eos_token_ids == (257, stop_at)
+
+
+def test_rope_inv_freq_saved_by_older_transformers_is_ignored(tmp_path):
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    weights = load_file(model_dir / "model.safetensors")
+    for layer in range(2):
+        weights[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(16)  # wrong values, unused
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
+                                                                       SamplingParams(max_tokens=4, temperature=0,
+                                                                                      ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model_dir, PROMPT, 4, eos_token_id=None)
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type(tmp_path):
+    model_dir = write_tiny_hf_model(tmp_path, "qwen2")
+    edit_json(model_dir / "config.json", architectures=None)
+    assert load_source(str(model_dir)).config.architecture == "qwen2"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+    ({"attention_bias": True}, "o_proj bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+])
+def test_what_the_model_would_compute_differently_is_refused(tmp_path, change, message):
+    """A model transformers computes otherwise than qkiln's layers would is refused by name, not
+    loaded to answer wrongly (a GELU Llama loaded, and its first greedy token was another)."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama", **change)
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        load_source(str(model_dir))
+
+
+def test_qwen_sliding_window_applies_only_to_the_layers_transformers_slides():
+    hf = transformers.Qwen2Config(use_sliding_window=True, sliding_window=8, num_hidden_layers=4,
+                                  max_window_layers=28, max_position_embeddings=512).to_dict()
+    hf["architectures"] = ["Qwen2ForCausalLM"]
+    assert ModelConfig.from_hf(hf).max_position_embeddings == 512  # no layer past max_window_layers: none slides
+    with pytest.warns(UserWarning, match="sliding window of 8"):
+        assert ModelConfig.from_hf(hf | {"max_window_layers": 2, "layer_types": None}).max_position_embeddings == 8
+    assert ModelConfig.from_hf(hf | {"use_sliding_window": False, "max_window_layers": 0,
+                                     "layer_types": None}).sliding_window is None
