@@ -66,6 +66,32 @@ def read_text_exact(path: Path) -> str:
         raise CalibrationDataError(f"{path} is not UTF-8 text ({e}); convert it to UTF-8") from e
 
 
+# Between an evaluation file's JSONL documents: a blank line, as paragraphs are in the plain files
+EVAL_DOCUMENT_SEPARATOR = "\n\n"
+
+
+def eval_data_file(spec: str | Path) -> tuple[Path, str | None]:
+    """An evaluation data spec -> (its file, the JSONL field to read, or None for a text file as
+    stored): `PATH` (`*.jsonl`: field "text"), or `jsonl:PATH[#FIELD]`."""
+    spec = str(spec)
+    if spec.startswith("jsonl:"):
+        path, _, field = spec.removeprefix("jsonl:").partition("#")
+        return Path(path), field or "text"
+    return Path(spec), ("text" if spec.endswith(".jsonl") else None)
+
+
+def read_eval_text(spec: str | Path) -> tuple[str, str]:
+    """(the text an evaluation scores, the name its protocol records): a text file exactly as
+    stored, or a JSONL file's documents joined by EVAL_DOCUMENT_SEPARATOR (not its JSON syntax)."""
+    path, field = eval_data_file(spec)
+    if field is None:
+        return read_text_exact(path), path.name
+    documents = _read_jsonl(path, field)
+    if not documents:
+        raise CalibrationDataError(f"{path} holds no documents; give a JSONL file with a {field!r} string per line")
+    return EVAL_DOCUMENT_SEPARATOR.join(documents), f"{path.name}#{field}"
+
+
 def _read_jsonl(path: Path, field: str) -> list[str]:
     docs = []
     for i, line in enumerate(read_text_exact(path).splitlines(), 1):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.calib_data import load_text_source, sample_token_set
+from qkiln.calib_data import eval_data_file, load_text_source, sample_token_set
 from qkiln.errors import CalibrationDataError, RecipeError
 from qkiln.runtime.source import load_source
 
@@ -118,7 +118,7 @@ def _check_engines(engines: tuple[str, ...], recipe: Recipe) -> None:
 def _check_evaluation_data(recipe: Recipe) -> None:
     """A named evaluation file that is not there is an error now, not a skipped report later."""
     data = recipe.evaluation.data
-    if data is not None and not Path(data).is_file():
+    if data is not None and not eval_data_file(data)[0].is_file():
         raise CalibrationDataError(f"evaluation data {data}: no such file; fix the path, or leave "
                                    "evaluation.data / --eval-data out to build without an accuracy report")
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from qkiln.calib_data import read_text_exact
+from qkiln.calib_data import read_eval_text
 from qkiln.errors import CalibrationDataError, SourceModelError
 
 # ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
@@ -37,7 +37,7 @@ SCORE_ROWS = 512
 
 @dataclass
 class EvalProtocol:
-    data: str  # the file's name; data_sha256 names its text wherever it was read from
+    data: str  # the file's name (a JSONL file's: NAME#FIELD); data_sha256 names its text wherever it was read from
     seq_len: int
     max_tokens: int
     add_bos: bool
@@ -104,7 +104,7 @@ def evaluate_many(
     """Score several models on the same windows; the reference runs once per batch for all."""
     if seq_len < 2 or max_tokens < 2:
         raise CalibrationDataError("--seq-len and --eval-tokens must be at least 2")
-    text = read_text_exact(data_path)
+    text, data_name = read_eval_text(data_path)
     ids = leading_tokens(tokenizer, text, max_tokens)
     if len(ids) < min(seq_len, max_tokens):
         raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens, fewer than one window of "
@@ -112,7 +112,7 @@ def evaluate_many(
     if batch_size < 1:
         raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
     batch_size = min(batch_size, max(1, MAX_BATCH_TOKENS // seq_len))  # long windows: fewer at a time
-    protocol = EvalProtocol(Path(data_path).name, seq_len, max_tokens, tokenizer.add_bos,
+    protocol = EvalProtocol(data_name, seq_len, max_tokens, tokenizer.add_bos,
                             hashlib.sha256(text.encode("utf-8")).hexdigest())
     windows = make_windows(ids, seq_len, tokenizer.bos_token_id if tokenizer.add_bos else None)
     byte_len = token_byte_lengths(tokenizer, ids)

@@ -46,7 +46,7 @@ def _fail(e: QkilnError):
 @app.command("eval")
 def eval_cmd(
     model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf), artifact dir or artifact archive (.tar, .tar.gz)")],
-    data: Annotated[Path, typer.Option(help="text file scored exactly as stored (UTF-8)")],
+    data: Annotated[str, typer.Option(help="text file scored exactly as stored (UTF-8); or a JSONL file's documents joined by a blank line: FILE.jsonl (field text) or jsonl:FILE#FIELD")],
     seq_len: Annotated[int, typer.Option(help="window length in tokens")] = 512,
     max_tokens: Annotated[int, typer.Option("--eval-tokens", "--max-tokens", help="score the first T tokens of the file (as build's --eval-tokens; --max-tokens is the older name)")] = 16384,
     reference: Annotated[Optional[str], typer.Option(help="model to compare against (KL, top-1)")] = None,
@@ -59,6 +59,7 @@ def eval_cmd(
     dtype: Annotated[str, typer.Option(help="--served: auto (bf16), bf16, fp16 or fp32, as `serve --dtype`")] = "auto",
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
+    from qkiln.calib_data import eval_data_file
     from qkiln.compile.artifact_writer import check_writable_dir
     from qkiln.compile.evaluate import check_reference, evaluate
     from qkiln.compile.model_ref import open_model
@@ -68,8 +69,9 @@ def eval_cmd(
             if json_out.is_dir():
                 raise QkilnError(f"--json {json_out} is a directory; give a file name")
             check_writable_dir(json_out.absolute().parent)
-        if not data.is_file():  # before the model loads (~20 s for SmolLM2), not after
-            raise QkilnError(f"--data {data} {'is not a file' if data.exists() else 'does not exist'}; "
+        data_file = eval_data_file(data)[0]
+        if not data_file.is_file():  # before the model loads (~20 s for SmolLM2), not after
+            raise QkilnError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}; "
                              "give the text file to score")
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
@@ -81,9 +83,9 @@ def eval_cmd(
                              "--reference (KL needs whole distributions)")
         if dtype != "auto" and not served:
             raise QkilnError("--dtype applies to --served (the simulation scores in fp32)")
-        if data.suffix in (".jsonl", ".json"):
+        if data_file.suffix == ".json":
             print(f"note: {data} is scored as the file's text as stored, JSON syntax included; to score its "
-                  "documents, put their text in a plain file", file=sys.stderr)
+                  "documents, write them as JSONL (one {\"text\": ...} object a line)", file=sys.stderr)
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             if engine:
                 from qkiln.compile.onnx_eval import open_engine
@@ -106,7 +108,7 @@ def eval_cmd(
                 check_reference(m.tokenizer, ref.tokenizer, (config.vocab_size, ref.model.config.vocab_size),
                                 ref.model.config.max_position_embeddings, window)
                 _warn_if_swapped(getattr(m, "description", {}), ref.description)
-            report = evaluate(m, m.tokenizer, str(data), seq_len, max_tokens, reference=ref, batch_size=batch_size)
+            report = evaluate(m, m.tokenizer, data, seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
         _fail(e)
     report["model"] = model
@@ -143,7 +145,7 @@ def build_cmd(
     calib: Annotated[Optional[str], typer.Option(help="calibration data: bundled:NAME, file:PATH, jsonl:PATH, hf:NAME:SPLIT, self:N, mix:A+B [default: the recipe's, else mix:bundled:wikitext2-valid+bundled:pride-and-prejudice]")] = None,
     num_samples: Annotated[Optional[int], typer.Option(help="calibration samples [default: the recipe's, else 128]")] = None,
     target: Annotated[Optional[str], typer.Option(help="cpu or cuda [default: the recipe's, else cpu]")] = None,
-    eval_data: Annotated[Optional[str], typer.Option(help="text file for the accuracy report [default: the recipe's, else none]")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="text file (or JSONL, as eval's --data) for the accuracy report [default: the recipe's, else none]")] = None,
     eval_tokens: Annotated[Optional[int],
                            typer.Option(help="tokens scored in the accuracy report, as eval's --eval-tokens [default: the recipe's, else 4096; eval's is 16384]")] = None,
     eval_seq_len: Annotated[Optional[int], typer.Option(help="window length of the accuracy report, as eval's --seq-len [default: the recipe's, else 512]")] = None,

@@ -187,9 +187,12 @@ def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_con
     assert_one_line_error(run_cli(*base, "--json", str(tmp_path / "out")), "is a directory")  # was lost after scoring
     assert_one_line_error(run_cli(*base, "--served", "--reference", str(tmp_path / "m")), "KL needs")
     assert_one_line_error(run_cli(*base, "--dtype", "bf16"), "--dtype applies to --served")
+    (tmp_path / "t.json").write_text('{"text": "hello there, general kenobi"}\n' * 40)
+    as_json = run_cli(*base[:3], str(tmp_path / "t.json"), *base[4:])
+    assert as_json.returncode == 0 and "JSON syntax included" in as_json.stderr  # scored, but said so
     (tmp_path / "t.jsonl").write_text('{"text": "hello there, general kenobi"}\n' * 40)
-    jsonl = run_cli(*base[:3], str(tmp_path / "t.jsonl"), *base[4:])
-    assert jsonl.returncode == 0 and "JSON syntax included" in jsonl.stderr  # scored, but said so
+    jsonl = run_cli(*base[:3], str(tmp_path / "t.jsonl"), *base[4:], "--json", str(tmp_path / "j.json"))
+    assert jsonl.returncode == 0 and json.loads((tmp_path / "j.json").read_text())["protocol"]["data"] == "t.jsonl#text"
 
 
 def test_a_window_with_its_bos_must_fit_the_context(tmp_path):

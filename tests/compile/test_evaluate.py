@@ -41,6 +41,30 @@ def test_perplexity_matches_a_direct_computation(tmp_path):
     assert report["protocol"]["data_sha256"] == hashlib.sha256(text.encode()).hexdigest()
 
 
+def test_a_jsonl_file_scores_its_documents_joined_by_a_blank_line(tmp_path):
+    """Not the JSON syntax: the same report as a text file of the documents, named NAME#FIELD."""
+    import json
+
+    from qkiln.errors import CalibrationDataError
+
+    write_tiny_hf_model(tmp_path / "m", "llama")
+    m = open_model(str(tmp_path / "m"))
+    docs = ["First document, with \"quotes\" and é.", "Second one.\nTwo lines.", "Third: the end."]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d, "body": d.upper()}) for d in docs) + "\n\n")
+    (tmp_path / "d.txt").write_text("\n\n".join(docs))
+    plain = evaluate(m, m.tokenizer, str(tmp_path / "d.txt"), 16, 200, progress=False)
+    for spec, field, text in ((tmp_path / "d.jsonl", "text", docs), (f"jsonl:{tmp_path / 'd.jsonl'}#body", "body",
+                                                                      [d.upper() for d in docs])):
+        report = evaluate(m, m.tokenizer, str(spec), 16, 200, progress=False)
+        assert report["protocol"]["data"] == f"d.jsonl#{field}"
+        assert report["protocol"]["data_sha256"] == hashlib.sha256("\n\n".join(text).encode()).hexdigest()
+    assert evaluate(m, m.tokenizer, str(tmp_path / "d.jsonl"), 16, 200, progress=False)["perplexity"] == \
+        pytest.approx(plain["perplexity"], rel=1e-6)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"title": "no text"}\n')
+    with pytest.raises(CalibrationDataError, match="bad.jsonl:2: expected a JSON object with a 'text' string"):
+        evaluate(m, m.tokenizer, str(tmp_path / "bad.jsonl"), 16, 200, progress=False)
+
+
 def test_reference_against_itself_has_zero_kl(tmp_path):
     write_tiny_hf_model(tmp_path / "m", "qwen2")
     m = open_model(str(tmp_path / "m"))
