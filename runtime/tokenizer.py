@@ -6,6 +6,7 @@ GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys: byte-level or SentencePiece 
 `transformers`: the runtime serves without it.
 """
 
+import datetime
 import functools
 import json
 import math
@@ -13,6 +14,7 @@ import re
 from pathlib import Path
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors)
 
@@ -132,16 +134,27 @@ class Tokenizer:
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered as transformers renders it. The template comes with the model,
+        so it runs sandboxed: one that reaches for Python internals is refused, not run."""
+        try:
+            return self._compiled_template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=_token_text(self.config.get("bos_token")),
+                eos_token=_token_text(self.config.get("eos_token")),
+            )
+        except jinja2.TemplateError as e:  # raise_exception(), a sandbox refusal, an undefined call
+            raise SourceModelError(f"chat template error: {e}") from None
+
+    @functools.cached_property
+    def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise SourceModelError("this model's tokenizer has no chat template; use /v1/completions instead")
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.config.get("bos_token") or "",
-            eos_token=self.config.get("eos_token") or "",
-        )
+        try:
+            return _TEMPLATE_ENV.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise SourceModelError(f"the model's chat template does not parse ({e}); fix tokenizer_config.json's "
+                                   "chat_template") from None
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """A conversation rendered with the chat template, as token ids: the template places BOS, so
@@ -359,4 +372,25 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _raise_template_error(message: str):
-    raise SourceModelError(f"chat template error: {message}")
+    raise jinja2.TemplateError(message)
+
+
+def _token_text(token) -> str:
+    """A tokenizer_config special token as text: a string, or an AddedToken's {"content": ...}."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token or ""
+
+
+def _template_environment() -> jinja2.Environment:
+    """transformers' chat-template environment: sandboxed and immutable, loop controls, tojson
+    that keeps non-ASCII text, and the raise_exception / strftime_now globals templates call."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
+    return env
+
+
+_TEMPLATE_ENV = _template_environment()

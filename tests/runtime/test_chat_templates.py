@@ -1,0 +1,80 @@
+"""Chat templates run as transformers runs them: sandboxed (a template ships with a downloaded
+model, so it must not reach Python), with the extensions and globals real templates call. The
+rendering is compared with transformers' apply_chat_template on the same files."""
+
+import json
+
+import httpx
+import pytest
+import transformers
+
+from qkiln.errors import SourceModelError
+from qkiln.runtime.tokenizer import Tokenizer
+from loopback import serving_model
+from tiny_models import write_tiny_hf_model
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo ✓"}]
+
+
+def with_template(model_dir, template: str):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    return model_dir
+
+
+def rendered_by_transformers(model_dir, messages=MESSAGES) -> str:
+    return transformers.AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return write_tiny_hf_model(tmp_path, "llama")
+
+
+def test_a_template_reaching_for_python_is_refused_not_run(model_dir, tmp_path):
+    marker = tmp_path / "written_by_the_template"
+    with_template(model_dir, "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+                             "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(SourceModelError, match="chat template error"):
+        Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES)
+    assert not marker.exists()
+    with serving_model(model_dir, dtype="fp32", num_kv_blocks=16, max_model_len=64) as (_, server):
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert reply.status_code == 400 and "chat template error" in reply.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("template", [
+    # loop controls (Llama 3.1's tool templates break out of loops)
+    "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}[{{ m.content }}]{% endfor %}",
+    # tojson keeps non-ASCII text, as transformers' filter does
+    "{% for m in messages %}{{ m | tojson }}{% endfor %}{{ messages[1].content | tojson(indent=2) }}",
+    # the date Llama 3.2's template writes into its system prompt
+    "Today {{ strftime_now('%Y') }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    # trim_blocks / lstrip_blocks
+    "{% for m in messages %}\n  {% if m.role == 'user' %}\n{{ m.content }}\n  {% endif %}\n{% endfor %}\n"
+    "{% if add_generation_prompt %}<assistant>{% endif %}",
+])
+def test_templates_render_as_transformers_renders_them(model_dir, template):
+    with_template(model_dir, template)
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == rendered_by_transformers(model_dir)
+
+
+def test_raise_exception_and_syntax_errors_are_the_models_errors(model_dir):
+    with_template(model_dir, "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
+                             "{% endif %}")
+    with pytest.raises(SourceModelError, match="System role not supported"):
+        Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES)
+    with_template(model_dir, "{% for m in messages %}{{ m.content }")
+    with pytest.raises(SourceModelError, match="does not parse"):
+        Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES)
+
+
+def test_special_tokens_stored_as_added_token_dicts_render_as_their_text(model_dir):
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config |= {"bos_token": {"content": "<|bos|>", "special": True, "__type": "AddedToken"},
+               "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == "<|bos|>Be brief.<|eos|>Héllo ✓<|eos|>"
