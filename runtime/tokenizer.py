@@ -20,7 +20,9 @@ from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, m
 
 from qkiln.errors import SourceModelError
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# transformers 5 saves the chat template beside tokenizer_config.json, in its own file
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE)
 # Texts longer than this are encoded through encode_batch, which lets other threads run (the
 # server's event loop, the engine); 1M characters took 0.58 s with the GIL held throughout.
 LONG_TEXT = 16_384
@@ -183,6 +185,12 @@ class Tokenizer:
         if not isinstance(config, dict):
             raise SourceModelError(f"{config_path} holds a {type(config).__name__}, not a JSON object; re-download it")
         config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
+        template_path = Path(directory) / CHAT_TEMPLATE_FILE
+        if template_path.is_file():  # transformers reads it in preference to the config's
+            config["chat_template"] = template_path.read_text(encoding="utf-8")
+        elif isinstance(config.get("chat_template"), list):  # the older named-templates form
+            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+            config["chat_template"] = named.get("default")
         return cls(backend, config)
 
     @classmethod

@@ -78,3 +78,19 @@ def test_special_tokens_stored_as_added_token_dicts_render_as_their_text(model_d
                "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"}
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == "<|bos|>Be brief.<|eos|>Héllo ✓<|eos|>"
+
+
+def test_a_template_saved_in_its_own_file_is_used(model_dir, tmp_path):
+    """transformers 5 saves it as chat_template.jinja, not in tokenizer_config.json."""
+    with_template(model_dir, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    saved = tmp_path / "saved"
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(saved)
+    assert (saved / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((saved / "tokenizer_config.json").read_text())
+    assert Tokenizer.from_dir(saved).apply_chat_template(MESSAGES) == rendered_by_transformers(saved)
+
+
+def test_the_named_templates_form_uses_the_default_one(model_dir):
+    with_template(model_dir, [{"name": "tool_use", "template": "tools"},
+                              {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}])
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == "Be brief.Héllo ✓"
