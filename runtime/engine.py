@@ -95,6 +95,13 @@ class _Request:
     prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
 
 
+def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
+    """What ends a generation: the model's EOS ids (config.json and generation_config.json) and,
+    as in vLLM, the tokenizer's EOS: a fine-tune's end-of-turn token is often named only there."""
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    return tuple(dict.fromkeys([*config.eos_token_ids, *([] if tokenizer_eos is None else [tokenizer_eos])]))
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig = EngineConfig(), kv_scales=None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -122,7 +129,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
                             max_model_len=self.max_model_len),
-            self.kv_manager, eos_token_ids=tuple(mc.eos_token_ids))
+            self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer))
         if str(config.device).startswith("cuda"):  # decode steps replay CUDA graphs there
             self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
                                       max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs)

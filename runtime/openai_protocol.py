@@ -18,7 +18,7 @@ import time
 import types
 import typing
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -195,6 +195,14 @@ class ChatMessage(BaseModel):
     # OpenAI's roles; "tool" / "function" turns are refused with `tools` (no function calling)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    tool_calls: list | None = None  # an assistant's function calls: refused, not dropped from the prompt
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, value):
+        if value:
+            raise ValueError("tool_calls (function calling) are not supported; send the assistant's text only")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -228,6 +236,13 @@ class ChatCompletionRequest(SamplingFields):
     # an assistant's (prefill: "The answer is") in place
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's, refused: a template sent with the request (vLLM too refuses it unless trusted),
+    # documents for RAG templates, and echo (each would change the prompt or the answer)
+    chat_template: str | None = None
+    documents: list | None = None
+    echo: bool = False
 
     @property
     def num_logprobs(self) -> int | None:
@@ -240,6 +255,12 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidRequestError("continue_final_message continues the last message, so it needs "
                                       "add_generation_prompt false", param="continue_final_message")
+        for name in ("chat_template", "documents", "echo"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported on chat completions; leave it out", param=name)
+        if self.chat_template_kwargs and {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs):
+            raise InvalidRequestError("chat_template_kwargs may not set messages or add_generation_prompt; send "
+                                      "them as the request's own fields", param="chat_template_kwargs")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
                                       param="continue_final_message")

@@ -135,9 +135,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             knows_developer = "developer" in (tokenizer.chat_template or "")
             messages = [m.as_template_dict(knows_developer) for m in body.messages]
             _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
-            if body.continue_final_message:
-                text = _cut_after_final_message(text, messages[-1]["content"])
+            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
+                                           body.continue_final_message, body.chat_template_kwargs)
         except SourceModelError as e:  # no template, or the template refused these messages
             raise InvalidRequestError(str(e), param="messages") from e
         prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
@@ -204,19 +203,6 @@ def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLME
         raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "
                                   f"{holder}, leaving {room}; lower max_tokens", param="max_tokens")
     return requested
-
-
-def _cut_after_final_message(text: str, final: str) -> str:
-    """The rendered conversation up to the end of its last message's content (what follows closes
-    the turn), so generation continues that message, as vLLM's continue_final_message does."""
-    if not final:
-        raise InvalidRequestError("continue_final_message needs text in the last message to continue; send it "
-                                  "with add_generation_prompt true instead", param="continue_final_message")
-    end = text.rfind(final)
-    if end == -1:
-        raise InvalidRequestError("the chat template does not reproduce the last message's text, so it cannot be "
-                                  "continued; send it without continue_final_message", param="continue_final_message")
-    return text[:end + len(final)]
 
 
 @dataclass

@@ -135,33 +135,41 @@ class Tokenizer:
         """The tokens `decode(skip_special_tokens=True)` leaves out."""
         return frozenset(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation rendered as transformers renders it. The template comes with the model,
-        so it runs sandboxed: one that reaches for Python internals is refused, not run."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, template_kwargs: dict | None = None,
+                            chat_template: str | None = None) -> str:
+        """The conversation rendered as transformers renders it. The template comes with the model
+        (or `chat_template`), so it runs sandboxed: one that reaches for Python internals is
+        refused, not run. continue_final_message: end the text inside the last message, so that
+        generation continues it. template_kwargs: more variables for the template (vLLM's
+        chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+        template = self._compiled_template if chat_template is None else _compile_template(chat_template)
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final:
+                raise SourceModelError("continue_final_message needs text in the last message to continue")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         try:
-            return self._compiled_template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=_token_text(self.config.get("bos_token")),
-                eos_token=_token_text(self.config.get("eos_token")),
-            )
+            text = template.render(**(template_kwargs or {}), messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=_token_text(self.config.get("bos_token")),
+                                   eos_token=_token_text(self.config.get("eos_token")))
         except jinja2.TemplateError as e:  # raise_exception(), a sandbox refusal, an undefined call
             raise SourceModelError(f"chat template error: {e}") from None
+        return _cut_at_continue_tag(text, final) if continue_final_message else text
 
     @functools.cached_property
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise SourceModelError("this model's tokenizer has no chat template; use /v1/completions instead")
-        try:
-            return _TEMPLATE_ENV.from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as e:
-            raise SourceModelError(f"the model's chat template does not parse ({e}); fix tokenizer_config.json's "
-                                   "chat_template") from None
+        return _compile_template(self.chat_template)
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation rendered with the chat template, as token ids: the template places BOS, so
-        encoding adds none (a second BOS on Llama / Mistral templates otherwise)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_options) -> list[int]:
+        """A conversation rendered with the chat template (apply_chat_template's options), as token
+        ids: the template places BOS, so encoding adds none (a second BOS on Llama / Mistral
+        templates otherwise)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
+        return self.encode(text, add_special_tokens=False)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -402,3 +410,24 @@ def _template_environment() -> jinja2.Environment:
 
 
 _TEMPLATE_ENV = _template_environment()
+# appended to the message to continue, then cut from the text (transformers' tag): where the
+# message ends in the rendered text, whatever else in the template matches its last characters
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    try:
+        return _TEMPLATE_ENV.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise SourceModelError(f"the chat template does not parse ({e}); fix it (tokenizer_config.json's "
+                               "chat_template or chat_template.jinja)") from None
+
+
+def _cut_at_continue_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise SourceModelError("the chat template does not reproduce the last message's text, so it cannot be "
+                               "continued; send it without continue_final_message")
+    end = text.rindex(tag)
+    # a template that trims the message (|trim) took its trailing space: continue after the trimmed text
+    return text[:end] if text[end:end + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:end].rstrip()

@@ -94,3 +94,54 @@ def test_the_named_templates_form_uses_the_default_one(model_dir):
     with_template(model_dir, [{"name": "tool_use", "template": "tools"},
                               {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}])
     assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == "Be brief.Héllo ✓"
+
+
+LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+               "{{ m.content | trim }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+@pytest.mark.parametrize("final", ["The answer is ", "d", "ok\n", "<|eot"])
+def test_continue_final_message_ends_where_transformers_ends(model_dir, final):
+    """Cut at a tag appended to the message: a trimmed trailing space and a message whose last
+    characters also occur in the closing tokens (had cut at the wrong place, silently)."""
+    with_template(model_dir, LLAMA3_LIKE)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+    expected = transformers.AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(messages, False, continue_final_message=True) == expected
+
+
+THINKING = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_offline_and_served(model_dir):
+    from qkiln.runtime import LLM, SamplingParams
+
+    with_template(model_dir, THINKING)
+    kwargs = {"enable_thinking": False}
+    expected = transformers.AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert expected.endswith("<think></think>")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.apply_chat_template(MESSAGES, template_kwargs=kwargs) == expected
+    llm = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16)
+    out = llm.chat(MESSAGES, SamplingParams(max_tokens=1), chat_template_kwargs=kwargs)[0]
+    assert out.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    own = llm.chat(MESSAGES, SamplingParams(max_tokens=1), chat_template="{{ messages[1].content }}")[0]
+    assert own.prompt_token_ids == tokenizer.encode("Héllo ✓", add_special_tokens=False)
+    with serving_model(model_dir, dtype="fp32", num_kv_blocks=16, max_model_len=64) as (_, server):
+        body = {"messages": MESSAGES, "max_tokens": 1}
+        plain = httpx.post(f"{server.url}/v1/chat/completions", json=body).json()
+        thinking_off = httpx.post(f"{server.url}/v1/chat/completions", json=body | {"chat_template_kwargs": kwargs})
+        assert thinking_off.json()["usage"]["prompt_tokens"] == len(out.prompt_token_ids) \
+            == plain["usage"]["prompt_tokens"] + len("<think></think>".encode())  # byte tokens
+        for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"text": "x"}]), ("echo", True),
+                             ("chat_template_kwargs", {"messages": []})):
+            refused = httpx.post(f"{server.url}/v1/chat/completions", json=body | {field: value})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+        tool_call = {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=body | {"messages": [*MESSAGES, tool_call]})
+        assert refused.status_code == 400 and "tool_calls" in refused.json()["error"]["message"]

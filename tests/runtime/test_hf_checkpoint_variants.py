@@ -70,6 +70,21 @@ def test_eos_ids_in_generation_config_stop_generation_as_in_transformers(tmp_pat
     assert load_source(str(model_dir)).config.eos_token_ids == (257, stop_at)
 
 
+def test_the_tokenizer_s_eos_stops_generation_as_in_vllm(tmp_path):
+    """A fine-tune's layout: config.json keeps the base model's EOS, the tokenizer names the
+    end-of-turn token it was trained to emit."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    free = hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+    stop_at = next(t for t in free[2:] if t != 257)
+    name = Tokenizer.from_dir(model_dir).backend.id_to_token(stop_at)
+    edit_json(model_dir / "tokenizer_config.json", eos_token=name)
+    llm = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.token_ids == free[:free.index(stop_at) + 1] and out.finish_reason == "stop"
+    ignored = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert ignored[0].token_ids == free
+
+
 def test_rope_inv_freq_saved_by_older_transformers_is_ignored(tmp_path):
     model_dir = write_tiny_hf_model(tmp_path, "llama")
     weights = load_file(model_dir / "model.safetensors")
