@@ -19,6 +19,7 @@ from qkiln.plugins import onnx_nodes
 from .artifact import Manifest, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, read_json_field, staged_directory
 from .onnx_check import OnnxCheck, check_fits_in_memory, read_engine_contract, require_engine_matches
+from .onnx_contract import read_engine_model
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
 INSTALL_HINT = "pip install -e '.[onnx]' in qkiln's checkout (or: pip install onnx==1.23.2)"
@@ -101,17 +102,12 @@ def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
     RoPE tables, computed with the platform's sin / cos, which must agree to 1e-6. Two numerical
     steps cannot see a weight they never read (an embedding row, a far RoPE position); this covers
     them all."""
-    import onnx
     from onnx import numpy_helper
 
     manifest = read_manifest(artifact)
     expected = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
     contract = read_engine_contract(engine_dir)
-    try:
-        actual = onnx.load(str(engine_dir / MODEL_FILE))
-    except Exception as e:  # a damaged file: onnx and protobuf raise their own types
-        raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
-                            "re-export it from this artifact (qkiln export --format onnx)") from None
+    actual = read_engine_model(engine_dir)
     want, have = expected.model.graph, actual.graph
     differs = [what for what, a, b in (
         ("engine.json content", json.loads(json.dumps(expected.contract)), {k: v for k, v in contract.items()

@@ -36,8 +36,8 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_contract import kv_cache_shape
-from .onnx_graph import CONTRACT_FILE, MODEL_FILE, step_inputs
+from .onnx_contract import kv_cache_shape, read_engine_model
+from .onnx_graph import CONTRACT_FILE, step_inputs
 
 BLOCK_SIZE = 4
 # Peak resident memory of a check per model parameter: the float32 simulation, its float64 copy,
@@ -171,11 +171,9 @@ class ReferenceEngine:
     (each step's cache_out.* become the next step's cache.*, as a runtime binding them would)."""
 
     def __init__(self, engine_dir: Path, caches: list[KVCache]):
-        import onnx
         from onnx.reference import ReferenceEvaluator
 
-        self.session = ReferenceEvaluator(onnx.load(str(Path(engine_dir) / MODEL_FILE)),
-                                          new_ops=onnx_nodes.reference_ops())
+        self.session = ReferenceEvaluator(read_engine_model(engine_dir), new_ops=onnx_nodes.reference_ops())
         self.use(caches)
 
     def use(self, caches: list[KVCache]) -> None:

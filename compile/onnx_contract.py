@@ -9,6 +9,9 @@ The cache encodings restate plugins/kv_cache.py (the source of truth, tested bit
 every kernel); a plugin that writes caches qkiln's runtime also reads must match them exactly.
 """
 
+from pathlib import Path
+
+from qkiln.errors import ArtifactError
 from qkiln.plugins import onnx_nodes
 from qkiln.runtime.config import ModelConfig
 
@@ -118,8 +121,14 @@ def engine_contract(manifest: Manifest, config: ModelConfig, kv: dict, cache_io:
 def kv_cache_shape(kv: dict, config: ModelConfig) -> dict:
     """The part of engine.json's kv_cache entry that says which caches the engine takes: what an
     engine of another model or cache differs in (onnx_check.check_contract compares it)."""
-    return {"dtype": kv["dtype"], "group_size": kv.get("group_size"), "num_layers": config.num_hidden_layers,
+    return {"dtype": kv["dtype"], "group_size": kv_group_size(kv), "num_layers": config.num_hidden_layers,
             "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim}
+
+
+def kv_group_size(kv: dict) -> int | None:
+    """Channels per scale group of an int4 cache; other caches have none (a scheme's unused
+    default had gone into fp8 engines as 16)."""
+    return int(kv["group_size"]) if kv["dtype"] == "int4" else None
 
 
 def _kv_encoding(kv: dict, manifest: Manifest) -> str:
@@ -128,3 +137,14 @@ def _kv_encoding(kv: dict, manifest: Manifest) -> str:
         text += ("; the artifact has no KV scheme, so this is the runtime's default cache: its recorded accuracy "
                  "was measured with K/V in float32")
     return text
+
+
+def read_engine_model(engine_dir: Path, load_external_data: bool = True):
+    """An engine's model.onnx as an onnx ModelProto; a damaged file is an ArtifactError."""
+    import onnx
+
+    try:
+        return onnx.load(str(Path(engine_dir) / MODEL_FILE), load_external_data=load_external_data)
+    except Exception as e:  # onnx and protobuf raise their own types (DecodeError, ...)
+        raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
+                            "re-export it from its artifact (qkiln export --format onnx)") from None

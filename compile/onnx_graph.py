@@ -41,7 +41,7 @@ from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.rope import RotaryEmbedding
 
 from .artifact import Manifest, sha256_file
-from .onnx_contract import CONTRACT_FILE, DATA_FILE, INPUTS, IR_VERSION, MODEL_FILE, OPSET, engine_contract
+from .onnx_contract import CONTRACT_FILE, DATA_FILE, INPUTS, IR_VERSION, MODEL_FILE, OPSET, engine_contract, kv_group_size
 
 _FP8_MIN_SCALE = 1e-12  # the runtime's per-token fp8 scale floor (plugins/reference.py)
 _FLOAT = 1  # onnx.TensorProto.FLOAT; onnx itself is imported where used (the extra is optional)
@@ -219,7 +219,7 @@ class _Builder:
         written = [f"cache_out.{i}.{f}" for f in fields]
         g.op("CacheWrite", [k, v, f"cache.{i}.k", f"cache.{i}.v", *params.values(), "slot_mapping"],
              outputs=written, domain=onnx_nodes.DOMAIN, kv_dtype=kv_dtype,
-             group_size=int(self.kv.get("group_size") or 0), **onnx_nodes.plugin_attributes())
+             group_size=kv_group_size(self.kv) or 0, **onnx_nodes.plugin_attributes())
         after = params | dict(zip(fields, written))  # attention reads the caches as written
         out = g.op("PagedAttention", [q, after["k"], after["v"], *(after[n] for n in onnx_nodes.CACHE_PARAMS),
                                       "block_tables", "seq_lens", "query_start_loc"],

@@ -21,7 +21,8 @@ from qkiln.errors import ArtifactError
 from qkiln.plugins import onnx_nodes
 from qkiln.plugins.kv_cache import KVCache
 
-from .onnx_graph import MODEL_FILE, step_inputs
+from .onnx_contract import read_engine_model
+from .onnx_graph import step_inputs
 
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 0 float activations .. 4 int8
 
@@ -41,7 +42,6 @@ class OrtEngine:
     def __init__(self, engine_dir: Path, caches: list[KVCache], accuracy_level: int = 0, threads: int | None = None,
                  optimized_dir: Path | None = None):
         """optimized_dir: where ONNX Runtime writes each segment as it optimized it (fused_op_counts)."""
-        import onnx
         from onnx import helper
 
         if accuracy_level not in ACCURACY_LEVELS:
@@ -49,7 +49,7 @@ class OrtEngine:
         self.ort = require_onnxruntime()
         self.accuracy_level, self.threads = accuracy_level, threads or torch.get_num_threads()
         self.optimized_dir = optimized_dir
-        model = onnx.load(str(Path(engine_dir) / MODEL_FILE))
+        model = read_engine_model(engine_dir)
         self.ir_version = model.ir_version
         self.opsets = [helper.make_opsetid("", o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")]
         self.initializers = {t.name: t for t in model.graph.initializer}

@@ -385,3 +385,23 @@ def test_eval_scores_the_engine_as_the_simulation(root, tmp_path, runner):
     bare = _artifact(root, "w4a16-rtn")  # no engines/onnx/: a typed error, not a stack
     done = subprocess.run(cmd[:4] + [str(bare)] + cmd[5:], capture_output=True, text=True)
     assert done.returncode != 0 and "has no engines/onnx/" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cache_without_groups_records_none_and_a_damaged_graph_is_a_typed_error(root, tmp_path):
+    """An fp8 cache's engine had carried its scheme's unused default group size (16), which the
+    contract defines for int4 caches only; an unreadable model.onnx had been a protobuf traceback."""
+    import onnx
+
+    from qkiln.compile.onnx_contract import read_engine_model
+
+    export_onnx(_artifact(root, "awq-kv-fp8"), tmp_path / "fp8", verify=False)
+    contract = json.loads((tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).read_text())
+    assert contract["kv_cache"]["group_size"] is None
+    writes = [n for n in onnx.load(str(tmp_path / "fp8" / onnx_graph.MODEL_FILE)).graph.node if n.op_type == "CacheWrite"]
+    assert writes and all(a.i == 0 for n in writes for a in n.attribute if a.name == "group_size")
+    (tmp_path / "fp8" / onnx_graph.MODEL_FILE).write_bytes(b"\x08\x01garbage")
+    with pytest.raises(ArtifactError, match="cannot be read"):
+        read_engine_model(tmp_path / "fp8")
+    artifact = _artifact(root, "awq-kv-fp8")  # an intact artifact is not an engine to replace (nor "damaged")
+    with pytest.raises(ArtifactError, match="is a qkiln artifact, not an ONNX engine"):
+        export_onnx(artifact, artifact, overwrite=True, verify=False)
