@@ -113,7 +113,7 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
         present = _files_under(out)
         if present:
             written = files_written(out)
-            if written is None and _is_artifact_dir(out):  # another kind of output, e.g. export -o ARTIFACT
+            if written is None and _artifact_files(out) is not None:  # another kind of output: export -o ARTIFACT
                 raise ArtifactError(f"{out}: is a qkiln artifact, not {kind}; refusing to replace it: choose "
                                     "another output path")
             if written is None and (out / WEIGHTS_DIR).is_dir():  # an artifact's layout, its record unreadable
