@@ -45,8 +45,9 @@ _KV_ENCODINGS = {
     "fp8": "stored = float8e4m3fn(clip(x / scale[h], -448, 448)) with k_scale / v_scale [num_kv_heads] float32 "
            "(static, from calibration; initializers model.layers.{i}.self_attn.k_scale / v_scale feeding the "
            "plugin nodes); read back as float(stored) * scale[h]",
-    "int4": "per (slot, kv head, group of group_size channels): min = float16 rounded down from the group's "
-            "minimum, scale = float16 rounded up from max(2^-23, (max - min) / 15), q = clamp(round half to "
+    "int4": "in float32 arithmetic, per (slot, kv head, group of group_size channels): min = float16 rounded "
+            "down from the group's minimum, scale = float16 rounded up from max(2^-23, (max - min) / 15) with that "
+            "rounded min, q = clamp(round half to "
             "even((x - min) / scale), 0, 15); k / v bytes hold two codes, byte j = q[2j] | q[2j + 1] << 4 "
             "(low nibble = even channel); k_group_scale / k_group_min (and v_) float16 [num_blocks, block_size, "
             "num_kv_heads, head_dim / group_size] are cache tensors the CacheWrite node writes; read back as "
@@ -99,12 +100,18 @@ def engine_contract(manifest: Manifest, config: ModelConfig, kv: dict, cache_io:
                      "tokenizer": "the artifact's tokenizer/ folder (tokenizer.json; tokenizer_config.json holds "
                                   "the chat template)"},
         "tokens": {"vocab_size": config.vocab_size, "bos_token_id": config.bos_token_id,
-                   "eos_token_ids": list(config.eos_token_ids)},
+                   "eos_token_ids": list(config.eos_token_ids),
+                   "bos": "put before a prompt when the artifact's tokenizer adds it (tokenizer_config.json's "
+                          "add_bos_token, else tokenizer.json's post-processor); generation also stops at the "
+                          "tokenizer's eos_token"},
         "max_positions": config.max_position_embeddings,
         "attention": {"num_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
                       "head_dim": config.head_dim, "scale": config.head_dim ** -0.5},
         "kv_cache": kv_cache_shape(kv, config) | {
             "encoding": _kv_encoding(kv, manifest), "key_smoothing": key_smoothing, "key_offset": key_offset,
+            "key_offset_semantics": "when true, the graph subtracts a per-channel offset from keys before "
+                                    "CacheWrite and never adds it back: each query's scores all shift by "
+                                    "q . offset, which softmax cancels; a runtime does nothing about it",
             "block_size": "any size >= 1, the same for every cache tensor (qkiln's runtime uses 16)"},
         "int4_zero_points": int4_zero_points,
         "inputs": list(INPUTS), "outputs": ["logits"],
