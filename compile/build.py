@@ -124,9 +124,13 @@ def _check_evaluation_data(recipe: Recipe) -> None:
 
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:
-    """Before calibration: an evaluation window is seq_len tokens, and a BOS when the tokenizer adds one."""
-    for what, seq_len, bos in (("calibration.seq_len (a recipe file's)", recipe.calibration.seq_len, 0),
-                               ("evaluation.seq_len (--eval-seq-len)", recipe.evaluation.seq_len, int(add_bos))):
+    """Before calibration: an evaluation window is seq_len tokens, and a BOS when the tokenizer adds
+    one; without evaluation data there is no window (a 512-token model that adds BOS had been
+    refused for the default evaluation.seq_len of 512 it would never use)."""
+    windows = [("calibration.seq_len (a recipe file's)", recipe.calibration.seq_len, 0)]
+    if recipe.evaluation.data is not None:
+        windows.append(("evaluation.seq_len (--eval-seq-len)", recipe.evaluation.seq_len, int(add_bos)))
+    for what, seq_len, bos in windows:
         if seq_len + bos > max_len:
             raise RecipeError(f"{what} (a window of {seq_len + bos} tokens) exceeds the model's context of {max_len} "
                               f"tokens: lower it to at most {max_len - bos}")

@@ -88,7 +88,11 @@ def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[f
                                "incomplete; convert the model again (llama.cpp's convert_hf_to_gguf.py)")
     num_heads = a("attention.head_count")
     hidden = a("embedding_length")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    head_dim = a("attention.key_length") or hidden // num_heads
+    rotary = a("rope.dimension_count")
+    if rotary is not None and rotary != head_dim:  # llama.cpp refuses it for llama; qkiln rotates whole heads
+        raise UnsupportedArchitectureError(f"{arch}.rope.dimension_count is {rotary}, not the head size {head_dim}: "
+                                           "qkiln applies RoPE to every channel of a head (no partial rotary)")
     return ModelConfig(
         architecture=_ARCHS[arch],
         vocab_size=a("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
@@ -97,18 +101,30 @@ def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[f
         num_hidden_layers=a("block_count"),
         num_attention_heads=num_heads,
         num_key_value_heads=a("attention.head_count_kv", num_heads),
-        head_dim=a("attention.key_length") or hidden // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon")),
         rope_theta=float(a("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(a, rope_freqs, a("rope.freq_base", 10000.0), a("attention.key_length") or
-                                   hidden // num_heads),
+        rope_scaling=_rope_scaling(a, rope_freqs, a("rope.freq_base", 10000.0), head_dim),
         max_position_embeddings=a("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(eos,) if eos is not None else (),
+        eos_token_ids=_end_of_generation_ids(meta),
     )
+
+
+# Tokens llama.cpp ends generation at by their text, whatever the file's ids say (llama-vocab.cpp)
+_END_TOKEN_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                              "<EOT>", "<|end_of_text|>"))
+
+
+def _end_of_generation_ids(meta: dict) -> tuple[int, ...]:
+    """What llama.cpp stops at: EOS, EOT and EOM ids, and the end-of-turn tokens named by text (a
+    Llama 3 Instruct file's <|eom_id|>, a Qwen one's <|endoftext|> beside its EOS <|im_end|>)."""
+    ids = [meta.get(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    named = [i for i, text in enumerate(meta["tokenizer.ggml.tokens"]) if text in _END_TOKEN_TEXTS]
+    return tuple(dict.fromkeys(int(i) for i in [*ids, *named] if i is not None))
 
 
 def _rope_scaling(a, rope_freqs: list[float] | None, theta: float, head_dim: int) -> dict | None:

@@ -39,6 +39,10 @@ def _llama3_style_split(digits: str) -> str:
 # rule with digits one at a time.
 _SPLITS = {**dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "smaug-bpe"), _llama3_style_split(r"\p{N}{1,3}")),
            "qwen2": _llama3_style_split(r"\p{N}")}  # Qwen2 / 2.5 / 3
+# llama.cpp's LLAMA3 pre-tokenizer type: a pre-token that is a whole vocabulary entry is that token
+# before any merge (Llama 3's tokenizer.json sets ignore_merges; 588 of its tokens no merge path
+# reaches), and BOS is added unless the file says otherwise
+_LLAMA3_PRE = ("llama3", "llama-bpe", "llama-v3")
 
 
 class Tokenizer:
@@ -217,8 +221,9 @@ class Tokenizer:
         config = {
             "bos_token": name("bos_token_id"),
             "eos_token": name("eos_token_id"),
-            # llama.cpp's defaults when the key is absent: SentencePiece vocabularies start with BOS
-            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            # llama.cpp's defaults when the key is absent: SentencePiece and Llama 3 vocabularies add BOS
+            "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token",
+                                           kind == "llama" or meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE)),
             "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
             "chat_template": meta.get("tokenizer.chat_template"),
             "unk_token": name("unknown_token_id"),
@@ -259,7 +264,7 @@ def _byte_level_bpe(meta: dict, tokens: list[str]) -> HFTokenizer:
         raise SourceModelError("GGUF metadata lacks tokenizer.ggml.merges (a BPE vocabulary needs them): the file "
                                "is incomplete; convert the model again")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    backend = _bpe(tokens, merges, fuse_unk=False)
+    backend = _bpe(tokens, merges, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE)
     backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
     if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
         backend.normalizer = normalizers.NFC()

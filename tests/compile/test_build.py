@@ -288,3 +288,17 @@ def test_ignore_entries_must_name_a_linear(tiny, tmp_path):
     kept = dataclasses.replace(rtn, scheme=dataclasses.replace(rtn.scheme, ignore=("lm_head", "down_proj")))
     result = build(str(model), kept, tmp_path / "ok", progress=False, log=lambda m: None)
     assert not any(n.endswith("down_proj") for n in result.manifest.quantization["linears"])
+
+
+def test_the_evaluation_window_is_checked_only_when_there_is_evaluation_data():
+    """A 512-token model that adds BOS had been refused for the 512-token evaluation window of a
+    build without evaluation data."""
+    import dataclasses
+
+    from qkiln.compile.build import _check_lengths
+
+    recipe = preset("w4a16-rtn")
+    _check_lengths(dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data=None)), 512, True)
+    with pytest.raises(RecipeError, match="a window of 513 tokens"):
+        _check_lengths(dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data="x.txt")),
+                       512, True)

@@ -101,3 +101,48 @@ def test_damaged_metadata_is_a_one_line_error(hf_dir, tmp_path, metadata, messag
     path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata=metadata)
     with pytest.raises(SourceModelError, match=message):
         load_source(path).build_model()
+
+
+def test_generation_ends_where_llama_cpp_ends_it(hf_dir, tmp_path):
+    """EOS, EOT and EOM ids, and end-of-turn tokens by their text (llama-vocab.cpp): a Llama 3
+    Instruct file's <|eom_id|>, a Qwen one's <|endoftext|> beside its EOS <|im_end|>."""
+    from qkiln.runtime import LLM, SamplingParams
+    from qkiln.runtime.gguf_reader import _end_of_generation_ids
+
+    meta = {"tokenizer.ggml.tokens": ["<|endoftext|>", "a", "<|im_end|>", "b", "<|eom_id|>"],
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.eot_token_id": 3}
+    assert _end_of_generation_ids(meta) == (2, 3, 0, 4)
+    free = LLM(str(hf_dir), dtype="fp32", num_kv_blocks=16).generate(
+        {"prompt_token_ids": [256, 72, 105]}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    eot = next(t for t in free[2:] if t != 257)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"tokenizer.ggml.eot_token_id": ("uint32", eot)})
+    out = LLM(str(path), dtype="fp32", num_kv_blocks=16).generate(
+        {"prompt_token_ids": [256, 72, 105]}, SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.token_ids == free[:free.index(eot) + 1] and out.finish_reason == "stop"
+
+
+def test_a_llama3_vocabulary_takes_whole_tokens_before_merging_and_adds_bos():
+    """llama.cpp's LLAMA3 pre-tokenizer type (llama-bpe): a pre-token that is a vocabulary entry is
+    that token even when no merge reaches it (Llama 3's tokenizer.json: ignore_merges), and BOS is
+    added when the file does not say."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from qkiln.runtime.tokenizer import Tokenizer
+
+    tokens = sorted(ByteLevel.alphabet()) + ["Ġw", "Ġworld", "<|begin_of_text|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["Ġ w"],
+            "tokenizer.ggml.bos_token_id": len(tokens) - 1}
+    llama3 = Tokenizer.from_gguf_metadata(meta | {"tokenizer.ggml.pre": "llama-bpe"})
+    assert llama3.encode(" world") == [len(tokens) - 1, tokens.index("Ġworld")]
+    gpt2 = Tokenizer.from_gguf_metadata(meta | {"tokenizer.ggml.pre": "gpt-2"})
+    assert gpt2.encode(" world") == [tokens.index(t) for t in ("Ġw", "o", "r", "l", "d")]
+    no_bos = Tokenizer.from_gguf_metadata(meta | {"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False})
+    assert no_bos.encode(" world") == [tokens.index("Ġworld")]
+
+
+def test_partial_rotary_is_refused(hf_dir, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.dimension_count": ("uint32", 16)})
+    with pytest.raises(UnsupportedArchitectureError, match="rope.dimension_count is 16, not the head size 32"):
+        load_source(path)
+    assert load_source(write_tiny_gguf(tmp_path / "ok.gguf", hf_dir,
+                                       metadata={"llama.rope.dimension_count": ("uint32", 32)})).config.head_dim == 32
