@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from qkiln.errors import SourceModelError
 from qkiln.plugins import ops
 
 from .attention import DenseAttention
@@ -195,5 +196,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions=None, backend=None) -> torch.Tensor:
         """Dense convenience path: ids [B, T] -> logits [B, T, vocab]."""
         if positions is None:
+            if input_ids.shape[-1] > self.config.max_position_embeddings:  # RoPE's table ends there: an IndexError
+                raise SourceModelError(f"{input_ids.shape[-1]} tokens exceed the model's context of "
+                                       f"{self.config.max_position_embeddings}; score shorter windows")
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         return self.compute_logits(self.hidden_states(input_ids, positions, backend or DenseAttention()))

@@ -125,3 +125,14 @@ def test_qwen_sliding_window_applies_only_to_the_layers_transformers_slides():
         assert ModelConfig.from_hf(hf | {"max_window_layers": 2, "layer_types": None}).max_position_embeddings == 8
     assert ModelConfig.from_hf(hf | {"use_sliding_window": False, "max_window_layers": 0,
                                      "layer_types": None}).sliding_window is None
+
+
+def test_the_dense_model_refuses_more_tokens_than_its_context(tmp_path):
+    """A sliding window caps the context; a longer window through the Python API had been an
+    IndexError from the RoPE table."""
+    from qkiln.errors import SourceModelError
+
+    model = load_source(str(write_tiny_hf_model(tmp_path, "llama", max_position_embeddings=16))).build_model()
+    assert model(torch.zeros(1, 16, dtype=torch.long)).shape[1] == 16
+    with pytest.raises(SourceModelError, match="17 tokens exceed the model's context of 16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
