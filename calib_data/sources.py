@@ -72,12 +72,18 @@ EVAL_DOCUMENT_SEPARATOR = "\n\n"
 
 def eval_data_file(spec: str | Path) -> tuple[Path, str | None]:
     """An evaluation data spec -> (its file, the JSONL field to read, or None for a text file as
-    stored): `PATH` (`*.jsonl`: field "text"), or `jsonl:PATH[#FIELD]`."""
+    stored): `PATH` or `file:PATH` (`*.jsonl`: field "text"), or `jsonl:PATH[#FIELD]` (a path may
+    hold '#': only a trailing `#identifier` names the field)."""
     spec = str(spec)
     if spec.startswith("jsonl:"):
-        path, _, field = spec.removeprefix("jsonl:").partition("#")
+        path, hash_, field = spec.removeprefix("jsonl:").rpartition("#")
+        if not hash_ or not field.isidentifier():
+            path, field = spec.removeprefix("jsonl:"), ""
+        if not path:
+            raise CalibrationDataError("jsonl: names no file; write jsonl:PATH or jsonl:PATH#FIELD")
         return Path(path), field or "text"
-    return Path(spec), ("text" if spec.endswith(".jsonl") else None)
+    spec = spec.removeprefix("file:")
+    return Path(spec), ("text" if spec.lower().endswith(".jsonl") else None)
 
 
 def read_eval_text(spec: str | Path) -> tuple[str, str]:
@@ -94,7 +100,10 @@ def read_eval_text(spec: str | Path) -> tuple[str, str]:
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
     docs = []
-    for i, line in enumerate(read_text_exact(path).splitlines(), 1):
+    # JSON Lines ends lines with \n only: str.splitlines also splits at U+2028 / U+2029 / NEL, which
+    # JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them so)
+    for i, line in enumerate(read_text_exact(path).removeprefix("\ufeff").split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:

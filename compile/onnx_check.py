@@ -36,7 +36,7 @@ from qkiln.plugins.reference import reference_cache_write, reference_paged_atten
 
 from .artifact import load_tensors, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_contract import kv_cache_shape, read_engine_model
+from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model
 from .onnx_graph import CONTRACT_FILE, step_inputs
 
 BLOCK_SIZE = 4
@@ -216,7 +216,12 @@ def read_engine_contract(engine_dir: Path) -> dict:
 def check_contract(engine_dir: Path, kv_cache: dict) -> None:
     """The engine's engine.json must describe this artifact's cache (an engine of other weights
     would otherwise fail deep inside the evaluator, or worse, run)."""
-    theirs = {key: read_engine_contract(engine_dir).get("kv_cache", {}).get(key) for key in kv_cache}
+    contract = read_engine_contract(engine_dir)
+    if contract.get("contract_version") != CONTRACT_VERSION:
+        raise ArtifactError(f"the ONNX engine in {engine_dir} was written by another qkiln version (engine.json "
+                            f"contract_version {contract.get('contract_version')}, this qkiln's {CONTRACT_VERSION}); "
+                            "re-export it from this artifact (qkiln export --format onnx)")
+    theirs = {key: contract.get("kv_cache", {}).get(key) for key in kv_cache}
     if theirs != kv_cache:
         raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache (engine.json "
                             f"kv_cache {theirs}, this artifact {kv_cache}); re-export it from this artifact")

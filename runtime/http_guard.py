@@ -41,10 +41,11 @@ class GuardedH11Protocol(H11Protocol):
             self._cancel_deadline()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # the start of a pipelined request came with the previous one: its clock runs already
-        if self._deadline is None and self._reading() and self.conn.trailing_data[0] \
-                and not self.transport.is_closing():
+        answered = self.cycle
+        super().on_response_complete()  # parses what was pipelined behind the answered request
+        # a pipelined request, whole headers or not, came with the previous one: its clock runs already
+        pipelined = self.cycle is not answered or self.conn.trailing_data[0]
+        if self._deadline is None and pipelined and self._reading() and not self.transport.is_closing():
             self._deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
 
     def connection_lost(self, exc) -> None:

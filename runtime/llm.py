@@ -171,11 +171,12 @@ class _LogprobConverter:
         return None if entries is None else [None if e is None else self.one(e) for e in entries]
 
     def one(self, entry: dict) -> TokenLogprobs:
+        """As vLLM builds it: the scored token first; a top token's rank is its place in the top,
+        also when it is the scored token (whose own rank counts ties against it)."""
         token = entry["token_id"]
         out = {token: Logprob(entry["logprob"], entry["rank"], self.text(token))}
         for rank, (top_id, logprob) in enumerate(entry["top"].items(), 1):
-            if top_id != token:
-                out[top_id] = Logprob(logprob, rank, self.text(top_id))
+            out[top_id] = Logprob(logprob, rank, self.text(top_id))
         return out
 
     def text(self, token_id: int) -> str:

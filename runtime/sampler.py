@@ -128,7 +128,7 @@ def score_tokens(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) ->
     evaluations compare to call a continuation greedy)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab_size]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)  # [rows]
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(1) + 1  # ties share the better rank, as in vLLM
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(1)  # vLLM's: tied tokens share the worse rank
     if num_top == 0:
         return TokenScores(chosen, ranks, None, None)
     top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [rows, num_top]

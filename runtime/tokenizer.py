@@ -56,7 +56,7 @@ class Tokenizer:
             self.add_bos = bool(config["add_bos_token"]) and self.bos_token_id is not None
         else:  # Llama 3's layout: no flag, tokenizer.json's post-processor puts BOS first (transformers follows it)
             self.add_bos = len(before) == 1
-            self.bos_token_id = before[0] if before else self.bos_token_id
+            self.bos_token_id = before[0] if self.add_bos else self.bos_token_id
         if "add_eos_token" in config:
             self.add_eos = bool(config["add_eos_token"]) and self.eos_token_id is not None
         else:
@@ -153,12 +153,13 @@ class Tokenizer:
             if not isinstance(final, str) or not final:
                 raise SourceModelError("continue_final_message needs text in the last message to continue")
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+        # as transformers: the caller's variables may replace the special tokens, not the conversation
+        variables = {"bos_token": _token_text(self.config.get("bos_token")),
+                     "eos_token": _token_text(self.config.get("eos_token")),
+                     **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            text = template.render(**(template_kwargs or {}), messages=messages,
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=_token_text(self.config.get("bos_token")),
-                                   eos_token=_token_text(self.config.get("eos_token")))
-        except jinja2.TemplateError as e:  # raise_exception(), a sandbox refusal, an undefined call
+            text = template.render(**variables)
+        except Exception as e:  # the template is the model's code: raise_exception(), a sandbox refusal, a TypeError
             raise SourceModelError(f"chat template error: {e}") from None
         return _cut_at_continue_tag(text, final) if continue_final_message else text
 

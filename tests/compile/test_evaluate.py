@@ -60,6 +60,12 @@ def test_a_jsonl_file_scores_its_documents_joined_by_a_blank_line(tmp_path):
         assert report["protocol"]["data_sha256"] == hashlib.sha256("\n\n".join(text).encode()).hexdigest()
     assert evaluate(m, m.tokenizer, str(tmp_path / "d.jsonl"), 16, 200, progress=False)["perplexity"] == \
         pytest.approx(plain["perplexity"], rel=1e-6)
+    # a line separator inside a string is text, not a line end; a BOM and CRLF are read through
+    odd = ["one\u2028two\u2029three\x85four", "five"]
+    (tmp_path / "odd#1.JSONL").write_text("\ufeff" + "\r\n".join(json.dumps({"text": d}, ensure_ascii=False) for d in odd))
+    report = evaluate(m, m.tokenizer, f"jsonl:{tmp_path / 'odd#1.JSONL'}", 16, 200, progress=False)
+    assert report["protocol"]["data"] == "odd#1.JSONL#text"
+    assert report["protocol"]["data_sha256"] == hashlib.sha256("\n\n".join(odd).encode()).hexdigest()
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"title": "no text"}\n')
     with pytest.raises(CalibrationDataError, match="bad.jsonl:2: expected a JSON object with a 'text' string"):
         evaluate(m, m.tokenizer, str(tmp_path / "bad.jsonl"), 16, 200, progress=False)

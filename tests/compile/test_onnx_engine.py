@@ -397,6 +397,11 @@ def test_a_cache_without_groups_records_none_and_a_damaged_graph_is_a_typed_erro
     export_onnx(_artifact(root, "awq-kv-fp8"), tmp_path / "fp8", verify=False)
     contract = json.loads((tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).read_text())
     assert contract["kv_cache"]["group_size"] is None
+    from qkiln.compile.onnx_check import check_contract
+
+    (tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).write_text(json.dumps(contract | {"contract_version": 2}))
+    with pytest.raises(ArtifactError, match="written by another qkiln version .* re-export"):  # not "another model"
+        check_contract(tmp_path / "fp8", contract["kv_cache"])
     writes = [n for n in onnx.load(str(tmp_path / "fp8" / onnx_graph.MODEL_FILE)).graph.node if n.op_type == "CacheWrite"]
     assert writes and all(a.i == 0 for n in writes for a in n.attribute if a.name == "group_size")
     (tmp_path / "fp8" / onnx_graph.MODEL_FILE).write_bytes(b"\x08\x01garbage")

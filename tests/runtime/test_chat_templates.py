@@ -62,6 +62,24 @@ def test_templates_render_as_transformers_renders_them(model_dir, template):
     assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == rendered_by_transformers(model_dir)
 
 
+@pytest.mark.parametrize("template, kwargs", [
+    ("{{ 1 / 0 }}", {}),  # a Python error inside the template
+    ("{{ range(10**9) | list }}", {}),  # the sandbox's own limit
+    ("{{ raise_exception('x') }}", {"raise_exception": "not callable"}),  # a variable shadowing a global
+])
+def test_any_error_the_template_raises_is_the_models_error(model_dir, template, kwargs):
+    with_template(model_dir, template)
+    with pytest.raises(SourceModelError, match="chat template error"):
+        Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES, template_kwargs=kwargs)
+
+
+def test_template_kwargs_may_replace_the_special_tokens_as_in_transformers(model_dir):
+    with_template(model_dir, "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    tokenizer = Tokenizer.from_dir(model_dir)
+    assert tokenizer.apply_chat_template(MESSAGES, template_kwargs={"bos_token": "<s>"}).startswith("<s>Be brief.")
+    assert tokenizer.apply_chat_template(MESSAGES, template_kwargs={"messages": []}) == "<|bos|>Be brief.Héllo ✓"
+
+
 def test_raise_exception_and_syntax_errors_are_the_models_errors(model_dir):
     with_template(model_dir, "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}"
                              "{% endif %}")

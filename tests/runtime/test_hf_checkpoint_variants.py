@@ -53,6 +53,13 @@ def test_a_bos_declared_only_by_the_post_processor_is_added_as_transformers_adds
     # an explicit flag still wins, as before
     edit_json(model_dir / "tokenizer_config.json", add_bos_token=False)
     assert Tokenizer.from_dir(model_dir).encode(text) == expected[1:]
+    # two tokens in front are no BOS policy qkiln knows: neither is added, and BOS stays the config's
+    backend.post_processor = processors.TemplateProcessing(single="<|eos|> <|bos|> $A", special_tokens=[
+        ("<|bos|>", 256), ("<|eos|>", 257)])
+    backend.save(str(model_dir / "tokenizer.json"))
+    edit_json(model_dir / "tokenizer_config.json", add_bos_token=None)
+    two = Tokenizer.from_dir(model_dir)
+    assert not two.add_bos and two.bos_token_id == 256 and two.encode(text) == expected[1:]
 
 
 def test_eos_ids_in_generation_config_stop_generation_as_in_transformers(tmp_path):

@@ -138,3 +138,9 @@ def test_pipelined_slow_second_request_is_held_to_the_deadline(server):
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\n")
         reply = read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in reply
+    with raw_connection(server) as sock:  # its headers whole, its body cut short: parsed with the first
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nPOST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"model\": ")
+        start = time.monotonic()
+        reply = read_until_closed(sock)
+        assert reply.startswith(b"HTTP/1.1 200 ") and time.monotonic() - start < READ_TIMEOUT + 5
