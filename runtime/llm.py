@@ -94,6 +94,10 @@ class LLM:
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
                                "all or one per prompt")
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if not all(p is None or isinstance(p, SamplingParams) for p in params_list):
+            raise RequestError("sampling_params must be a SamplingParams (or one per prompt), not "
+                               f"{type(next(p for p in params_list if not isinstance(p, SamplingParams))).__name__}",
+                               "sampling_params")
         with self._lock:
             request_ids: list[list[str]] = []  # each prompt's choices' engine requests
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
@@ -119,6 +123,7 @@ class LLM:
         chat template (or `chat_template`) and tokenized as `/v1/chat/completions` does
         (Tokenizer.chat_prompt_ids); the options are vLLM's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [[_template_message(m) for m in c] for c in conversations]
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message continues the last message, so it needs "
                                "add_generation_prompt=False", "continue_final_message")
@@ -185,6 +190,18 @@ class _LogprobConverter:
         return self._text[token_id]
 
 
+def _template_message(message: dict) -> dict:
+    """A chat message as templates read it: OpenAI's content parts joined as the server joins them
+    (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"})
+    if kinds:
+        raise RequestError(f"only text content parts are supported, not {', '.join(kinds)}", "messages")
+    return {**message, "content": "\n".join(p["text"] for p in content)}
+
+
 def _prompt_list(prompts) -> list[str | list[int]]:
     """The engine's prompt forms (text, or token ids as a list of ints) from what vLLM users pass."""
     if isinstance(prompts, (str, dict)) or _token_ids(prompts) is not None:
@@ -199,11 +216,14 @@ def _prompt_list(prompts) -> list[str | list[int]]:
 
 def _one_prompt(prompt, index: int) -> str | list[int]:
     if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+        if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+            raise RequestError(f"prompt {index}: multi_modal_data needs a multimodal model; qkiln serves text models",
+                               "prompt")
         keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
             return prompt["prompt"]
-        if keys == {"prompt_token_ids"} and (ids := _token_ids(prompt["prompt_token_ids"])) is not None:
-            return ids
+        if keys == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], (str, dict)):
+            return _one_prompt(prompt["prompt_token_ids"], index)  # its own checks: empty, not ints
         raise RequestError(f"prompt {index}: a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' "
                            f"(a list of ints), got keys {sorted(prompt)}", "prompt")
     if isinstance(prompt, str):

@@ -26,7 +26,7 @@ from .source import build_model, load_source
 from .tokenizer import Tokenizer
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-           "fp32": torch.float32, "float32": torch.float32}
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
 
 @dataclass
@@ -48,7 +48,9 @@ class ServingModel:
         return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales)
 
 
-def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():  # vLLM takes torch dtypes too
+        return dtype
     if dtype == "auto":
         return torch.bfloat16  # quantized CPU kernels want bf16 activations; GPUs too
     if dtype not in _DTYPES:

@@ -8,6 +8,7 @@ sampler and the scheduler never re-check.
 """
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 from qkiln.errors import RequestError
@@ -85,6 +86,13 @@ class SamplingParams:
             self.seed = None
         self.validate()  # a bad value is refused where it is written (RequestError is a ValueError)
 
+    def __setattr__(self, name: str, value) -> None:
+        # vLLM's options qkiln lacks (skip_special_tokens, include_stop_str_in_output, ...) had been
+        # set as plain attributes and ignored, silently
+        if name not in _FIELDS:
+            raise AttributeError(f"SamplingParams has no option {name!r} (qkiln's are {', '.join(sorted(_FIELDS))})")
+        super().__setattr__(name, value)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -158,6 +166,9 @@ class SamplingParams:
         _check(not bad_values, "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                              f"{MAX_LOGIT_BIAS:g}], got {bad_values[0] if bad_values else None!r}")
         return self
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:

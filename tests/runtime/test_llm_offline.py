@@ -294,3 +294,31 @@ def test_a_prompt_may_fill_the_context(llm):
     with pytest.raises(RequestError, match="129 tokens"):
         llm.generate({"prompt_token_ids": ids + [5]}, GREEDY)
     assert not llm.engine.has_unfinished() and llm.engine.kv_manager.usage == 0.0
+
+
+def test_scripts_ported_from_vllm_are_refused_where_they_would_run_differently(llm):
+    """From a probe porting vLLM scripts: each of these had run, silently otherwise than asked."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    plain = [{"role": "user", "content": "hi\nthere"}]
+    # content parts are joined as the server joins them (the template had printed their Python repr)
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == llm.chat(plain, GREEDY)[0].prompt_token_ids
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(RequestError, match="only text content parts"):
+        llm.chat(image, GREEDY)
+    with pytest.raises(RequestError, match="multi_modal_data needs a multimodal model"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": object()}}, GREEDY)
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(AttributeError, match="no option 'skip_special_tokens'"):
+        params.skip_special_tokens = False  # had been set and ignored
+    with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
+        llm.generate("hi", {"max_tokens": 2})
+    with pytest.raises(RequestError, match="prompt 0 is empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY)
+
+
+def test_vllm_dtype_names_load(tmp_path):
+    import torch
+
+    model = write_tiny_hf_model(tmp_path, "llama")
+    for dtype, expected in (("half", torch.float16), ("float", torch.float32), (torch.float32, torch.float32)):
+        assert next(LLM(str(model), dtype=dtype, num_kv_blocks=8).engine.model.parameters()).dtype == expected
