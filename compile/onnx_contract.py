@@ -148,12 +148,12 @@ def _kv_encoding(kv: dict, manifest: Manifest) -> str:
     return text
 
 
-def read_engine_model(engine_dir: Path, load_external_data: bool = True):
+def read_engine_model(engine_dir: Path):
     """An engine's model.onnx as an onnx ModelProto; a damaged file is an ArtifactError."""
     import onnx
 
     try:
-        return onnx.load(str(Path(engine_dir) / MODEL_FILE), load_external_data=load_external_data)
+        return onnx.load(str(Path(engine_dir) / MODEL_FILE))
     except Exception as e:  # onnx and protobuf raise their own types (DecodeError, ...)
         raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
                             "re-export it from its artifact (qkiln export --format onnx)") from None

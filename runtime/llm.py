@@ -94,10 +94,10 @@ class LLM:
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
                                "all or one per prompt")
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if not all(p is None or isinstance(p, SamplingParams) for p in params_list):
-            raise RequestError("sampling_params must be a SamplingParams (or one per prompt), not "
-                               f"{type(next(p for p in params_list if not isinstance(p, SamplingParams))).__name__}",
-                               "sampling_params")
+        wrong = next((p for p in params_list if p is not None and not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise RequestError(f"sampling_params must be a SamplingParams (or one per prompt), not "
+                               f"{type(wrong).__name__}", "sampling_params")
         with self._lock:
             request_ids: list[list[str]] = []  # each prompt's choices' engine requests
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None

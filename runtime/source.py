@@ -19,7 +19,7 @@ from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
 from .model import CausalLM
-from .tokenizer import TOKENIZER_FILES, Tokenizer
+from .tokenizer import TOKENIZER_FILES, Tokenizer, read_json_config
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
@@ -129,16 +129,7 @@ def _load_hf_dir(path: Path) -> SourceModel:
 
 def read_generation_config(path: Path) -> dict | None:
     """An HF directory's generation_config.json (its extra EOS ids), or None without one."""
-    file = path / GENERATION_CONFIG
-    if not file.is_file():
-        return None
-    try:
-        loaded = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SourceModelError(f"{file} is malformed ({e}); re-download it or remove it") from None
-    if not isinstance(loaded, dict):
-        raise SourceModelError(f"{file} holds a {type(loaded).__name__}, not a JSON object; re-download it or remove it")
-    return loaded
+    return read_json_config(path / GENERATION_CONFIG)
 
 
 def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor]:

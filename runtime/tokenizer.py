@@ -73,9 +73,8 @@ class Tokenizer:
         return [], []
 
     def _token_id(self, token) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
-        return None if token is None else self.backend.token_to_id(token)
+        text = _token_text(token)
+        return self.backend.token_to_id(text) if text else None
 
     @property
     def vocab_size(self) -> int:
@@ -190,13 +189,7 @@ class Tokenizer:
             backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise SourceModelError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from e
-        config_path = Path(directory) / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from None
-        if not isinstance(config, dict):
-            raise SourceModelError(f"{config_path} holds a {type(config).__name__}, not a JSON object; re-download it")
+        config = read_json_config(Path(directory) / "tokenizer_config.json") or {}
         config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
         template_path = Path(directory) / CHAT_TEMPLATE_FILE
         if template_path.is_file():  # transformers reads it in preference to the config's
@@ -339,6 +332,20 @@ def _bpe(tokens: list[str], merges: list[tuple[str, str]], **options) -> HFToken
         return HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, **options))
     except Exception as e:  # tokenizers raises a bare Exception: a merge of tokens not in the vocabulary
         raise SourceModelError(f"GGUF tokenizer metadata is inconsistent ({e}); convert the model again") from None
+
+
+def read_json_config(path: Path) -> dict | None:
+    """A model folder's JSON object file (tokenizer_config.json, generation_config.json), or None
+    when it has none; a damaged one is a SourceModelError."""
+    if not path.is_file():
+        return None
+    try:
+        loaded = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SourceModelError(f"{path} is malformed ({e}); re-download it") from None
+    if not isinstance(loaded, dict):
+        raise SourceModelError(f"{path} holds a {type(loaded).__name__}, not a JSON object; re-download it")
+    return loaded
 
 
 def _token_at(tokens: list[str], token_id, key: str) -> str | None:
