@@ -87,9 +87,13 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:truncate_to]
         return stop_str
 
-    def finish_on_stop_token(self) -> None:
-        """The sequence ended on EOS or one of its stop_token_ids, whose text is not output (vLLM's
-        semantics, as for stop strings): only flush a character left unfinished before it."""
+    def finish_on_stop_token(self, token_id: int) -> None:
+        """The sequence ended on EOS or one of its stop_token_ids, whose text is not output unless
+        include_stop_str (vLLM's semantics, as for stop strings; a special token's text is then still
+        skipped with skip_special_tokens): flush a character left unfinished before it."""
+        if self.include_stop_str:
+            self._token_ids.append(int(token_id))
+            self.num_output_tokens += 1
         if self.read_offset < len(self._token_ids):
             self.output_text += self._decode_next(flush=True)
 
@@ -128,3 +132,18 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class NoText:
+    """A sequence's text with SamplingParams.detokenize off: none (token ids only, no stop strings,
+    which detokenize=False refuses)."""
+    output_text = ""
+
+    def update(self, new_token_ids: Sequence[int], is_final: bool = False) -> None:
+        return None
+
+    def finish_on_stop_token(self, token_id: int) -> None:
+        pass
+
+    def get_next_output_text(self, finished: bool) -> str:
+        return ""

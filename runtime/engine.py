@@ -5,6 +5,7 @@ Owns requests (ids, detokenizers, per-request generators) and turns sampled toke
 runner.py, sampling in sampler.py. Not thread-safe: the async engine drives it from one thread.
 """
 
+import dataclasses
 import itertools
 import numbers
 import time
@@ -17,7 +18,8 @@ from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
 
 from .block_manager import KVCacheManager
 from .cuda_graphs import GraphRunner
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, NoText
+from .bad_words import bad_words_token_ids
 from .model import CausalLM
 from .runner import ModelRunner
 from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
@@ -78,6 +80,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
     # None for the first (nothing scores it), else {"token_id", "logprob", "rank", "top"} as in `logprobs`
     prompt_logprobs: list[dict | None] | None = None
+    num_cached_tokens: int = 0  # the prompt's tokens a prefix-cache hit spared computing (vLLM's field)
 
 
 def is_token_ids(x) -> bool:
@@ -88,7 +91,7 @@ def is_token_ids(x) -> bool:
 @dataclass
 class _Request:
     seq: Sequence
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | NoText
     generator: torch.Generator | None
     arrival: float
     first_token_time: float | None = None
@@ -151,34 +154,54 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
         elif is_token_ids(prompt):
-            ids = [int(t) for t in prompt]
+            ids = self.truncate_prompt([int(t) for t in prompt], params.truncate_prompt_tokens)
         else:  # int() of whatever it iterated failed with a message about int()
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
                                "prompt")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
         vocab = self.model.config.vocab_size
         # a stop token id or a biased one indexes the logits (a ban, a bias): one outside them
         # failed the whole step, every request in it
         for what, param, token_ids in (("prompt token id", "prompt", ids),
                                        ("stop_token_ids entry", "stop_token_ids", params.stop_token_ids),
-                                       ("logit_bias token", "logit_bias", params.logit_bias or ())):
+                                       ("logit_bias token", "logit_bias", params.logit_bias or ()),
+                                       ("allowed_token_ids entry", "allowed_token_ids", params.allowed_token_ids or ()),
+                                       ("bad_words token", "bad_words", itertools.chain.from_iterable(bad_words))):
             bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
             if bad is not None:
                 raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab})", param)
         if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (as in vLLM)
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
-        seq = Sequence(request_id, ids, params)
+        if params.max_tokens is None:  # the rest of the context (or of what the KV cache holds)
+            params = dataclasses.replace(params, max_tokens=max(self.max_request_len - len(ids), 1))
+        seq = Sequence(request_id, ids, params, bad_words_token_ids=bad_words)
         # everything that can fail comes before the scheduler holds the sequence: a sequence it
         # holds without a record here would break every later step
         generator = make_generator(params.seed, self.config.device) if params.seed is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                       params.include_stop_str_in_output, params.min_tokens) \
+            if params.detokenize else NoText()
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
         scored = None if params.prompt_logprobs is None else [None] * len(ids)  # filled as the prompt is computed
         self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(), prompt_logprobs=scored)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
+
+    def encode_prompt(self, text: str, truncate_prompt_tokens: int | None = None,
+                      add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids, cut to its last `truncate_prompt_tokens` (SamplingParams)."""
+        return self.tokenizer.encode(text, add_special_tokens, keep_last=self._truncation(truncate_prompt_tokens))
+
+    def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """Token ids cut to their last `truncate_prompt_tokens` (ids are taken as they are, BOS or not)."""
+        keep = self._truncation(truncate_prompt_tokens)
+        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+    def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
@@ -247,7 +270,7 @@ class LLMEngine:
         req.first_token_time = req.first_token_time or now
         is_done = s.seq_id in finished
         if is_done and s.seq.finish_reason == "stop":  # the scheduler stops on tokens: EOS, stop_token_ids
-            req.detok.finish_on_stop_token()
+            req.detok.finish_on_stop_token(token_id)
             stop_str, stop_reason = None, self.scheduler.stop_token(s.seq)
         else:
             stop_str = stop_reason = req.detok.update([token_id], is_final=is_done)
@@ -266,7 +289,8 @@ class LLMEngine:
         result = RequestOutput(
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,
-            s.seq.finish_reason if is_done else None, stop_reason, logprobs)
+            s.seq.finish_reason if is_done else None, stop_reason, logprobs,
+            num_cached_tokens=s.seq.num_cached_tokens)
         if req.prompt_logprobs is not None and s.seq.num_output_tokens == 1:
             assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt token went unscored"
             result.prompt_logprobs = req.prompt_logprobs

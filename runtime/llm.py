@@ -53,6 +53,7 @@ class PromptOutput:
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finished: bool = True
+    num_cached_tokens: int = 0  # of choice 0's prompt, taken from the prefix cache
 
     text = property(lambda self: self.outputs[0].text)
     token_ids = property(lambda self: self.outputs[0].token_ids)
@@ -98,6 +99,7 @@ class LLM:
         if wrong is not None:
             raise RequestError(f"sampling_params must be a SamplingParams (or one per prompt), not "
                                f"{type(wrong).__name__}", "sampling_params")
+        detokenizes = [(params or SamplingParams()).detokenize for params in params_list]
         with self._lock:
             request_ids: list[list[str]] = []  # each prompt's choices' engine requests
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
@@ -110,7 +112,7 @@ class LLM:
                     for choice in choices:  # appended one by one: a refused one aborts those before it
                         request_ids[-1].append(self.engine.add_request(prompt, choice))
                         logprobs[request_ids[-1][-1]] = None if choice.logprobs is None else []
-                return self._run(prompts, request_ids, logprobs, use_tqdm)
+                return self._run(prompts, request_ids, logprobs, detokenizes, use_tqdm)
             finally:
                 for request_id in itertools.chain.from_iterable(request_ids):  # those still running after an error
                     self.engine.abort_request(request_id)
@@ -136,7 +138,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, request_ids: list[list[str]], logprobs: dict[str, list | None],
-             use_tqdm: bool) -> list[PromptOutput]:
+             detokenizes: list[bool], use_tqdm: bool) -> list[PromptOutput]:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list | None] = {}  # from a request's first output
         prompt_of = {i: k for k, ids in enumerate(request_ids) for i in ids}
@@ -152,16 +154,17 @@ class LLM:
                         unfinished[prompt_of[out.request_id]] -= 1
                         bar.update(unfinished[prompt_of[out.request_id]] == 0)
         results, convert = [], _LogprobConverter(self.tokenizer)
-        for prompt, ids in zip(prompts, request_ids):
+        for prompt, ids, detokenize in zip(prompts, request_ids, detokenizes):
             outs = [finished[i] for i in ids]
             choices = []
             for j, o in enumerate(outs):
                 entries = logprobs[o.request_id]
                 cumulative = None if entries is None else sum(e["logprob"] for e in entries)
                 choices.append(CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason,
-                                                convert.all(entries), cumulative))
+                                                convert.all(entries, detokenize), cumulative))
             results.append(PromptOutput(ids[0], prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
-                                        choices, convert.all(prompt_logprobs[ids[0]])))
+                                        choices, convert.all(prompt_logprobs[ids[0]], detokenize),
+                                        num_cached_tokens=outs[0].num_cached_tokens))
         return results
 
 
@@ -172,19 +175,22 @@ class _LogprobConverter:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
 
-    def all(self, entries: list[dict | None] | None) -> list[TokenLogprobs | None] | None:
-        return None if entries is None else [None if e is None else self.one(e) for e in entries]
+    def all(self, entries: list[dict | None] | None, detokenize: bool = True) -> list[TokenLogprobs | None] | None:
+        return None if entries is None else [None if e is None else self.one(e, detokenize) for e in entries]
 
-    def one(self, entry: dict) -> TokenLogprobs:
+    def one(self, entry: dict, detokenize: bool = True) -> TokenLogprobs:
         """As vLLM builds it: the scored token first; a top token's rank is its place in the top,
-        also when it is the scored token (whose own rank counts ties against it)."""
+        also when it is the scored token (whose own rank counts ties against it). Without
+        detokenize, no decoded_token (as vLLM)."""
         token = entry["token_id"]
-        out = {token: Logprob(entry["logprob"], entry["rank"], self.text(token))}
+        out = {token: Logprob(entry["logprob"], entry["rank"], self.text(token, detokenize))}
         for rank, (top_id, logprob) in enumerate(entry["top"].items(), 1):
-            out[top_id] = Logprob(logprob, rank, self.text(top_id))
+            out[top_id] = Logprob(logprob, rank, self.text(top_id, detokenize))
         return out
 
-    def text(self, token_id: int) -> str:
+    def text(self, token_id: int, detokenize: bool = True) -> str | None:
+        if not detokenize:
+            return None
         if token_id not in self._text:
             self._text[token_id] = self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
         return self._text[token_id]

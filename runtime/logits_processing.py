@@ -1,6 +1,6 @@
-"""What a step does to the logits before a token is drawn: each request's logit bias, bans and
-penalties (`adjust_logits`), and the min-p, top-k and top-p filters (`apply_min_p`,
-`apply_top_k_top_p`), vectorized over the batch.
+"""What a step does to the logits before a token is drawn: each request's logit bias, allowed
+tokens, bans (min_tokens' stop tokens, bad words) and penalties (`adjust_logits`), and the min-p,
+top-k and top-p filters (`apply_min_p`, `apply_top_k_top_p`), vectorized over the batch.
 
 Owns the formulas (SamplingParams documents them); the sampler decides which run and draws.
 Must not know about sequences: the caller passes the token ids the penalties count.
@@ -37,8 +37,17 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], banned
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        if p.allowed_token_ids is not None:  # before the bans: a banned allowed token stays banned
+            ids = torch.tensor(p.allowed_token_ids, device=logits.device)
+            kept = logits[i, ids]
+            logits[i] = float("-inf")
+            logits[i, ids] = kept
         if has_ban and banned_token_ids[i]:
-            logits[i, list(banned_token_ids[i])] = float("-inf")
+            ids = list(banned_token_ids[i])
+            kept = logits[i, ids]
+            logits[i, ids] = float("-inf")
+            if not torch.isfinite(logits[i]).any():  # allowed_token_ids held only banned tokens: the ban yields
+                logits[i, ids] = kept
     if any(p.has_penalties for p in params):
         assert token_history is not None and len(token_history) == len(params), "penalties need token_history"
         _apply_penalties(logits, params, token_history)

@@ -85,10 +85,14 @@ class SamplingFields(BaseModel):
     function_call: str | dict | None = None
     response_format: dict | None = None
     best_of: int | None = None
-    # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
-    # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
+    # vLLM's extensions (SamplingParams documents them)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
+    # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
     use_beam_search: bool = False
     guided_json: object = None
     guided_regex: str | None = None
@@ -103,12 +107,13 @@ class SamplingFields(BaseModel):
         if self.best_of not in (None, 1):
             raise InvalidRequestError("best_of > 1 is not supported; leave it out (n returns n samples)",
                                       param="best_of")
-        for name, no_op in (("include_stop_str_in_output", False),
-                            ("skip_special_tokens", True), ("use_beam_search", False), ("guided_json", None),
-                            ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None)):
+        for name, no_op in (("use_beam_search", False), ("guided_json", None), ("guided_regex", None),
+                            ("guided_choice", None), ("guided_grammar", None)):
             if getattr(self, name) != no_op:
                 raise InvalidRequestError(f"{name} is not supported; leave it out (or send {json.dumps(no_op)})",
                                           param=name)
+        # checked before the server cuts the prompt with it (SamplingParams names the range)
+        SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options applies to streamed responses: set stream true or leave "
                                       "stream_options out", param="stream_options")
@@ -132,7 +137,11 @@ class SamplingFields(BaseModel):
                               logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias=self.logit_bias, n=self.n).choices()
+                              min_p=self.min_p, logit_bias=self.logit_bias, n=self.n,
+                              allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                              skip_special_tokens=self.skip_special_tokens,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              truncate_prompt_tokens=self.truncate_prompt_tokens).choices()
 
 
 class CompletionRequest(SamplingFields):
@@ -316,7 +325,9 @@ class ResponseBuilder:
         return self._usage(final, len(final.token_ids))
 
     def _usage(self, final: RequestOutput, num_completion: int) -> dict:
-        return usage(len(final.prompt_token_ids) if self.counts_prompt else 0, num_completion)
+        if not self.counts_prompt:
+            return usage(0, num_completion)
+        return usage(len(final.prompt_token_ids), num_completion, final.num_cached_tokens)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         final = outputs[-1]
@@ -326,7 +337,7 @@ class ResponseBuilder:
 
 def batch_response(bodies: list[dict]) -> dict:
     """One body from each prompt's `response`: their choices in order, their usage summed."""
-    total = {key: sum(b["usage"][key] for b in bodies) for key in bodies[0]["usage"]}
+    total = usage(*(sum(values) for values in zip(*(_usage_counts(b["usage"]) for b in bodies))))
     return bodies[0] | {"choices": [c for b in bodies for c in b["choices"]], "usage": total}
 
 
@@ -471,6 +482,12 @@ class ChatResponse(ResponseBuilder):
                 "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
-def usage(num_prompt: int, num_completion: int) -> dict:
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens counts the prompt tokens the prefix cache
+    held (as OpenAI's prompt caching reports them)."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+            "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def _usage_counts(body: dict) -> tuple[int, int, int]:
+    return body["prompt_tokens"], body["completion_tokens"], body["prompt_tokens_details"]["cached_tokens"]

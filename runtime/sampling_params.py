@@ -26,6 +26,8 @@ MIN_TEMPERATURE = 0.01
 # OpenAI's ranges: presence/frequency penalties in [-2, 2], a logit bias in [-100, 100]. Each biased
 # token is written on every step of the request: a bound, well above the few that ban or force one.
 MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 2.0, 100.0, 1024
+# bad_words are matched against every request's output on each step; vLLM caps them at 128 too.
+MAX_BAD_WORDS = 128
 # OpenAI's cap on n. Each choice is an engine request of its own; admitted in one step, they
 # compute the prompt's full KV blocks once and share them (block_manager.py).
 MAX_N = 128
@@ -49,12 +51,22 @@ class SamplingParams:
     top n), `prompt_logprobs` for the prompt's (vLLM's semantics: every prompt token after the
     first, scored by the model given the ones before it; what loglikelihood evaluations read).
 
+    `allowed_token_ids` keeps only those tokens (every other logit -inf); `bad_words` bans each
+    word's last token wherever the output ends with the word's other tokens (vLLM's rule: each word
+    is tokenized as it is and with a leading space, `logits_processing.bad_words_token_ids`).
+
+    Text (vLLM's options): `detokenize=False` returns token ids only (no text, no stop strings);
+    `skip_special_tokens=False` keeps special tokens' text; `include_stop_str_in_output` keeps the
+    stop string, or the stop token's text, that ended the output. `truncate_prompt_tokens` k keeps
+    a prompt's last k tokens (-1: the context's length; a text prompt keeps its BOS in front, as
+    left truncation in transformers does). `max_tokens=None` generates up to the end of the context.
+
     `n` asks for that many choices per prompt. The engine runs one sequence per request, so the
     callers (`LLM`, the server) fan a request out into `choices()`: with a seed, choice j samples
     with seed + j, as vLLM's n does, so the choices differ and each reproduces.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -71,6 +83,12 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
     n: int = 1
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
@@ -78,6 +96,11 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
         self.stop_token_ids = tuple(self.stop_token_ids or ())
+        if isinstance(self.bad_words, str):
+            self.bad_words = (self.bad_words,)
+        self.bad_words = tuple(self.bad_words or ())
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, dict)):
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
                f"logit_bias maps token ids to biases, got {type(self.logit_bias).__name__}")
         if self.logit_bias:  # JSON's keys are strings: "50256" means token 50256, as in OpenAI's API
@@ -105,7 +128,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the logits are changed before the choice, so a greedy row is not their argmax."""
-        return self.has_penalties or bool(self.logit_bias)
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def choices(self) -> list["SamplingParams"]:
         """The n choices' own SamplingParams (n 1 each): choice j's seed is seed + j."""
@@ -116,8 +139,8 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self (with a
         tiny positive temperature raised to MIN_TEMPERATURE)."""
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               "max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"max_tokens must be an integer >= 1, or None for the rest of the context, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature < float("inf"),
                "temperature", f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -144,7 +167,7 @@ class SamplingParams:
         _check(n is None or (_is_int(n) and 0 <= n <= MAX_LOGPROBS),
                "prompt_logprobs",
                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.prompt_logprobs!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
                "min_tokens",
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -165,6 +188,23 @@ class SamplingParams:
         bad_values = [v for v in bias.values() if not (_is_number(v) and abs(v) <= MAX_LOGIT_BIAS)]
         _check(not bad_values, "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                              f"{MAX_LOGIT_BIAS:g}], got {bad_values[0] if bad_values else None!r}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (isinstance(allowed, tuple) and allowed
+                                   and all(_is_int(t) and t >= 0 for t in allowed)),
+               "allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), or "
+                                    f"None, got {allowed!r:.200}")
+        words = self.bad_words
+        _check(all(isinstance(w, str) and w.strip() for w in words) and len(words) <= MAX_BAD_WORDS, "bad_words",
+               f"bad_words must be at most {MAX_BAD_WORDS} strings that are not blank, got {list(words)!r:.200}")
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"{name} must be true or false, got {value!r}")
+        _check(self.detokenize or not self.stop, "stop",
+               "stop strings are matched on the text, so they need detokenize=True (or use stop_token_ids)")
+        k = self.truncate_prompt_tokens
+        _check(k is None or (_is_int(k) and (k >= 1 or k == -1)), "truncate_prompt_tokens",
+               f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens), -1 (the "
+               f"context's length) or None, got {k!r}")
         return self
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from qkiln.errors import RequestError
 from qkiln.runtime.block_manager import KVCacheManager
+from qkiln.runtime.bad_words import bad_words_banned
 from qkiln.runtime.sequence import Sequence, SequenceStatus
 
 
@@ -247,6 +248,10 @@ class Scheduler:
         if is_sampling and seq.num_output_tokens < params.min_tokens:
             eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
             banned = eos + tuple(params.stop_token_ids)
+        if is_sampling and seq.bad_words_token_ids:  # matched on the output's last tokens only
+            longest = max(map(len, seq.bad_words_token_ids))
+            recent = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - longest + 1):]
+            banned += bad_words_banned(seq.bad_words_token_ids, recent)
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.block_table(seq.seq_id),
                             is_sampling, banned)
 

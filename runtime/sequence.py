@@ -56,6 +56,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
     num_preemptions: int = 0
+    # SamplingParams.bad_words as token ids (logits_processing.bad_words_token_ids)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)

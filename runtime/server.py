@@ -110,15 +110,20 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         choices: list[_Choice] = []
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
-            ids = prompt if isinstance(prompt, list) else await _encode(engine, prompt, where)
+            keep = _keep_last(engine, body.truncate_prompt_tokens)
+            if isinstance(prompt, list):
+                ids = prompt if keep is None else prompt[max(len(prompt) - keep, 0):]
+            else:
+                ids = await _encode(engine, prompt, where, keep_last=keep)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned and
             # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
             max_tokens = _completion_budget(body.max_tokens, len(ids), engine, where) if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
             params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None)
             echo = None
-            if body.echo:  # the prompt's text as sent, or its ids' text
-                text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+            if body.echo:  # the prompt's text as sent, or its (truncated) ids' text
+                text = prompt if isinstance(prompt, str) and keep is None else \
+                    engine.tokenizer.decode(ids, skip_special_tokens=False)
                 echo = (text, ids)
             for j, sp in enumerate(params):  # prompt i's choice j is choice i * n + j, as OpenAI orders them
                 builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
@@ -139,7 +144,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                                            body.continue_final_message, body.chat_template_kwargs)
         except SourceModelError as e:  # no template, or the template refused these messages
             raise InvalidRequestError(str(e), param="messages") from e
-        prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False)  # the template places BOS
+        prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False,  # the template places BOS
+                                   keep_last=_keep_last(engine, body.truncate_prompt_tokens))
         max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
                                         "messages")
         request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
@@ -164,16 +170,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     return app
 
 
-async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True) -> list[int]:
+def _keep_last(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
+    """The prompt tokens a request keeps (SamplingParams.truncate_prompt_tokens; -1: the context)."""
+    return engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True,
+                  keep_last: int | None = None) -> list[int]:
     """Token ids, tokenized off the event loop (a long prompt took seconds there, and every other
-    client waited): a text too long for any context is refused before tokenizing."""
-    _check_length(engine, len(text), what)
+    client waited): a text too long for any context is refused before tokenizing, unless it is
+    truncated to its last `keep_last` tokens."""
+    if keep_last is None:
+        _check_length(engine, len(text), what)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate, which UTF-8 cannot hold
         raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate at character {e.start}, which is not "
                                   "text; send valid Unicode", param=what) from None
-    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens)
+    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens, keep_last)
 
 
 def _check_length(engine: AsyncLLMEngine, num_chars: int, what: str) -> None:

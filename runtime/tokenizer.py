@@ -85,17 +85,20 @@ class Tokenizer:
         """The most characters one token of the vocabulary spells (bounds a text's token count)."""
         return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Plain tokenization; BOS is prepended (EOS appended) only when the tokenizer's policy says so."""
+    def encode(self, text: str, add_special_tokens: bool = True, keep_last: int | None = None) -> list[int]:
+        """Plain tokenization; BOS is prepended (EOS appended) only when the tokenizer's policy says so.
+        keep_last: at most that many ids, the text's last ones with the BOS / EOS kept (transformers'
+        left truncation, which vLLM's truncate_prompt_tokens uses)."""
         if len(text) > LONG_TEXT:  # encode_batch releases the GIL; encode holds it throughout
             ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         else:
             ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos:
-            ids = [self.bos_token_id] + ids
-        if add_special_tokens and self.add_eos:
-            ids = ids + [self.eos_token_id]
-        return ids
+        head = [self.bos_token_id] if add_special_tokens and self.add_bos else []
+        tail = [self.eos_token_id] if add_special_tokens and self.add_eos else []
+        if keep_last is not None:
+            room = max(keep_last - len(head) - len(tail), 0)
+            ids = ids[len(ids) - room:] if room else []
+        return head + ids + tail
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -308,8 +308,8 @@ def test_scripts_ported_from_vllm_are_refused_where_they_would_run_differently(l
     with pytest.raises(RequestError, match="multi_modal_data needs a multimodal model"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": object()}}, GREEDY)
     params = SamplingParams(max_tokens=2)
-    with pytest.raises(AttributeError, match="no option 'skip_special_tokens'"):
-        params.skip_special_tokens = False  # had been set and ignored
+    with pytest.raises(AttributeError, match="no option 'logits_processors'"):
+        params.logits_processors = [print]  # had been set and ignored
     with pytest.raises(RequestError, match="sampling_params must be a SamplingParams"):
         llm.generate("hi", {"max_tokens": 2})
     with pytest.raises(RequestError, match="prompt 0 is empty"):

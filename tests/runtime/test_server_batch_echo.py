@@ -104,7 +104,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(client, engine, model):
                                    atol=2e-4, rtol=1e-4)
         assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
     total = sum(len(engine.tokenizer.encode(t)) for t in prompts)
-    assert body["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total}
+    assert body["usage"] == {"prompt_tokens": total, "completion_tokens": 0, "total_tokens": total,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def token_bytes(name: str) -> bytes:
