@@ -296,11 +296,25 @@ def hf_config_dict(config: ModelConfig) -> dict:
     }
 
 
+def hf_generation_config_dict(config: ModelConfig) -> dict | None:
+    """A generation_config.json carrying the model's recommended sampling values (which vLLM and
+    transformers read there), or None when it recommends none."""
+    if not config.sampling_defaults:
+        return None
+    values = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in config.sampling_defaults.items()}
+    eos = list(config.eos_token_ids)
+    return {"bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "do_sample": True, **values}
+
+
 def _write_checkpoint(directory: Path, config: ModelConfig, tensors: dict, quant_config, tokenizer_dir: Path):
     from compressed_tensors.compressors import ModelCompressor
     from safetensors.torch import save_file
 
     (directory / "config.json").write_text(json.dumps(hf_config_dict(config), indent=2, sort_keys=True) + "\n")
+    generation = hf_generation_config_dict(config)
+    if generation is not None:
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     ModelCompressor(quantization_config=quant_config).update_config(str(directory))  # CT writes its own block
     ordered = {k: tensors[k].detach().contiguous() for k in sorted(tensors)}
     save_file(ordered, str(directory / "model.safetensors"), metadata=dict(_SAFETENSORS_METADATA))

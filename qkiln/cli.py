@@ -249,6 +249,7 @@ def serve_cmd(
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
     allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
     max_concurrent_requests: Annotated[int, typer.Option(min=1, help="requests running or queued at once (a request with n choices counts n); past it new ones get 429 with Retry-After")] = 4096,
+    generation_config: Annotated[str, typer.Option(help="'auto': sampling fields a request leaves out take the model's generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM; 'vllm': the API's own defaults")] = "auto",
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
@@ -262,10 +263,13 @@ def serve_cmd(
                                                int8_activations=int8_activations, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                long_prefill_token_threshold=long_prefill_token_threshold,
-                                               kv_dtype=kv_dtype,
+                                               kv_dtype=kv_dtype, generation_config=generation_config,
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             _fail(e)
+        if engine.sampling_defaults:  # as vLLM says it: a request's defaults are not the API's
+            print(f"note: requests that leave them out take the model's generation_config.json sampling values "
+                  f"{engine.sampling_defaults}; --generation-config vllm turns them off", file=sys.stderr)
         if engine.max_request_len < engine.max_model_len:
             print(f"note: the KV cache holds {engine.max_request_len} tokens, fewer than the model's context of "
                   f"{engine.max_model_len}: a request (prompt and output) is limited to that; raise --kv-cache-mb "

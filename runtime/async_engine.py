@@ -127,6 +127,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_request_len = engine.max_request_len
+        self.sampling_defaults = engine.sampling_defaults
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

@@ -21,6 +21,10 @@ SUPPORTED_ARCHITECTURES = {
 HF_ARCHITECTURE_NAME = {family: hf for hf, family in SUPPORTED_ARCHITECTURES.items()}
 # The MLP computes SwiGLU: SiLU(gate) * up
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
+# generation_config.json's sampling values a request takes as defaults (vLLM's rule), each with
+# transformers' GenerationConfig default: a value equal to it is not a model's recommendation
+GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0,
+                       "max_new_tokens": None}
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # the sampling values the model's generation_config.json recommends (GENERATION_DEFAULTS' keys,
+    # max_new_tokens named max_tokens), which requests that leave them out take, as in vLLM
+    sampling_defaults: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -121,7 +128,18 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sampling_defaults=_sampling_defaults(generation_config or {}),
         )
+
+
+def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any] | None:
+    """What vLLM reads of generation_config.json (GenerationConfig.to_diff_dict): the sampling values
+    set to something other than transformers' defaults, numbers only. None when there are none."""
+    found = {("max_tokens" if key == "max_new_tokens" else key): generation_config[key]
+             for key, default in GENERATION_DEFAULTS.items()
+             if isinstance(generation_config.get(key), (int, float)) and not isinstance(generation_config[key], bool)
+             and generation_config[key] != default}
+    return found or None
 
 
 def _ids(value) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from .bad_words import bad_words_token_ids
 from .model import CausalLM
 from .runner import ModelRunner
 from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, valid_sampling_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
@@ -47,6 +47,9 @@ class EngineConfig:
     # > 0: one sequence's prefill chunk per step is at most this many tokens, so a long prompt
     # leaves budget for requests behind it (0: as vLLM's default, a prompt takes what is left)
     long_prefill_token_threshold: int = 0
+    # "auto": a request's unset sampling values default to the model's generation_config.json
+    # (vLLM's default); "vllm": to SamplingParams' own, whatever the model recommends
+    generation_config: str = "auto"
 
     def __post_init__(self):
         """Each bad value is refused here, with the option to change (the scheduler's asserts met
@@ -59,6 +62,9 @@ class EngineConfig:
                 continue  # sized from kv_cache_bytes / the model's context
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise QkilnError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
+                             f"(SamplingParams' own), got {self.generation_config!r}")
 
 
 @dataclass
@@ -139,11 +145,18 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(model, self.caches, config.block_size, config.device)
         self.sampler = Sampler()
+        # what a request's unset sampling fields take (EngineConfig.generation_config)
+        self.sampling_defaults = valid_sampling_defaults(mc.sampling_defaults) \
+            if config.generation_config == "auto" else {}
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_steps": 0, "num_finished": 0}
 
     # ---- requests -------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's recommended values (sampling_defaults) in place."""
+        return SamplingParams(**self.sampling_defaults)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = (params or SamplingParams()).validate()

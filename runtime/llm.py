@@ -84,6 +84,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without sampling_params: SamplingParams() with the values the model's
+        generation_config.json recommends (vLLM's; LLM(..., generation_config="vllm") turns them off)."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[PromptOutput]:
         """Outputs in prompt order, each with its SamplingParams.n choices. prompts: a string, token
@@ -99,13 +104,13 @@ class LLM:
         if wrong is not None:
             raise RequestError(f"sampling_params must be a SamplingParams (or one per prompt), not "
                                f"{type(wrong).__name__}", "sampling_params")
-        detokenizes = [(params or SamplingParams()).detokenize for params in params_list]
+        detokenizes = [params is None or params.detokenize for params in params_list]
         with self._lock:
             request_ids: list[list[str]] = []  # each prompt's choices' engine requests
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
             try:
                 for prompt, params in zip(prompts, params_list):
-                    choices = (params or SamplingParams()).choices()
+                    choices = (params or self.get_default_sampling_params()).choices()
                     for choice in choices[1:]:  # choice 0 scores the prompt; the others share its KV blocks
                         choice.prompt_logprobs = None
                     request_ids.append([])

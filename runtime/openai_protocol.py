@@ -128,16 +128,25 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
                                       param="response_format")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
-        """One SamplingParams per choice (SamplingParams.choices: choice j's seed is seed + j)."""
+    def requested_max_tokens(self, defaults: dict) -> int | None:
+        """The max_tokens asked for; when left out, the model's recommended one (None: the rest of
+        the context)."""
+        return self.max_tokens if "max_tokens" in self.model_fields_set else defaults.get("max_tokens", self.max_tokens)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice (SamplingParams.choices: choice j's seed is seed + j).
+        defaults: the model's recommended sampling values (LLMEngine.sampling_defaults), which the
+        fields this request left out take, as in vLLM."""
+        defaults = defaults or {}
+        given = {name: getattr(self, name) if name in self.model_fields_set else defaults.get(name, getattr(self, name))
+                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         # SamplingParams takes a string or a list of stops, and validates itself when made
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+        return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias=self.logit_bias, n=self.n,
+                              frequency_penalty=self.frequency_penalty, **given,
+                              logit_bias=self.logit_bias, n=self.n,
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
@@ -256,6 +265,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self, defaults: dict) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().requested_max_tokens(defaults)
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -9,6 +9,7 @@ sampler and the scheduler never re-check.
 
 import copy
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 from qkiln.errors import RequestError
@@ -209,6 +210,22 @@ class SamplingParams:
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def valid_sampling_defaults(defaults: dict | None) -> dict:
+    """A model's recommended sampling values (ModelConfig.sampling_defaults) that SamplingParams
+    takes; one out of range (say top_p 0) is left out with a warning rather than failing every
+    request that does not set it."""
+    kept = {}
+    for name, value in (defaults or {}).items():
+        try:
+            SamplingParams(**{name: value})
+        except (RequestError, TypeError) as e:
+            warnings.warn(f"the model's generation_config.json sets {name} {value!r}, which is not used: {e}",
+                          stacklevel=2)
+            continue
+        kept[name] = value
+    return kept
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:

@@ -80,6 +80,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                            allow_headers=["*"])
     v1 = APIRouter(prefix="/v1")
     started = int(time.time())
+    defaults = engine.sampling_defaults  # the model's recommended sampling values, for fields a request leaves out
 
     def check_model(body: SamplingFields) -> None:
         if body.model is not None and body.model != model_name:
@@ -117,9 +118,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                 ids = await _encode(engine, prompt, where, keep_last=keep)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned and
             # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
-            max_tokens = _completion_budget(body.max_tokens, len(ids), engine, where) if body.generates else 1
+            max_tokens = _completion_budget(body.requested_max_tokens(defaults), len(ids), engine, where) \
+                if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
-            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None)
+            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
             echo = None
             if body.echo:  # the prompt's text as sent, or its (truncated) ids' text
                 text = prompt if isinstance(prompt, str) and keep is None else \
@@ -146,10 +148,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             raise InvalidRequestError(str(e), param="messages") from e
         prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False,  # the template places BOS
                                    keep_last=_keep_last(engine, body.truncate_prompt_tokens))
-        max_tokens = _completion_budget(body.max_completion_tokens or body.max_tokens, len(prompt_ids), engine,
-                                        "messages")
+        max_tokens = _completion_budget(body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
-        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs)):
+        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
                                    counts_prompt=j == 0)
             choices.append(_Choice(prompt_ids, sp, builder))

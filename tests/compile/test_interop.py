@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from qkiln.compile.artifact import read_manifest, verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.export_compressed_tensors import (check_export, export_compressed_tensors, hf_config_dict,
-                                                     load_artifact_quantized)
+                                                     hf_generation_config_dict, load_artifact_quantized)
 from qkiln.compile.import_checkpoint import import_checkpoint, read_checkpoint
 from qkiln.compile.recipe import Recipe, preset
 from qkiln.errors import ArtifactError, SourceModelError
@@ -125,6 +125,12 @@ def test_hf_config_round_trips():
         hf = hf_config(arch)
         config = ModelConfig.from_hf(hf.to_dict() | {"architectures": [type(hf).__name__.replace("Config", "ForCausalLM")]})
         assert ModelConfig.from_hf(hf_config_dict(config)) == config, arch
+    # the model's recommended sampling values go to generation_config.json, where vLLM reads them
+    recommended = ModelConfig.from_hf(hf_config_dict(config),
+                                      {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "eos_token_id": [7, 9]})
+    assert recommended.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    assert ModelConfig.from_hf(hf_config_dict(recommended), hf_generation_config_dict(recommended)) == recommended
+    assert hf_generation_config_dict(config) is None
 
 
 def test_export_import_round_trip_serves_identical_logits(tiny, tmp_path):
