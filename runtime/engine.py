@@ -138,7 +138,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
                             max_model_len=self.max_model_len),
-            self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer))
+            self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer),
+            primary_eos_token_id=getattr(tokenizer, "eos_token_id", None))
         if str(config.device).startswith("cuda"):  # decode steps replay CUDA graphs there
             self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
                                       max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs)

@@ -107,12 +107,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids=()):
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, eos_token_ids=(),
+                 primary_eos_token_id: int | None = None):
+        """primary_eos_token_id: the tokenizer's EOS, whose stop reports no stop_reason; the model's
+        other EOS ids (generation_config.json's) report theirs, as vLLM's stop_token_ids do."""
         self.config = config
         self.kv = kv_manager
         if isinstance(eos_token_ids, int):
             eos_token_ids = (eos_token_ids,)
         self.eos_token_ids = frozenset(t for t in (eos_token_ids or ()) if t is not None)
+        self.primary_eos_token_id = primary_eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seqs: dict = {}  # seq_id -> unfinished Sequence
@@ -300,10 +304,11 @@ class Scheduler:
         return None
 
     def stop_token(self, seq: Sequence) -> int | None:
-        """The stop_token_ids entry that stopped a sequence, None when EOS did (vLLM checks EOS first)."""
+        """The token that stopped a sequence as vLLM reports it: a stop_token_ids entry or one of the
+        model's other EOS ids; None when the tokenizer's EOS did (vLLM checks it first)."""
         token_id, params = seq.last_token_id, seq.sampling_params
         if not params.ignore_eos and token_id in self.eos_token_ids:
-            return None
+            return None if self.primary_eos_token_id in (None, token_id) else token_id
         return token_id if token_id in params.stop_token_ids else None
 
     def check_integrity(self) -> None:

@@ -74,6 +74,7 @@ def test_eos_ids_in_generation_config_stop_generation_as_in_transformers(tmp_pat
     out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
                                                                        SamplingParams(max_tokens=6, temperature=0))[0]
     assert out.token_ids == expected and out.finish_reason == "stop"
+    assert out.stop_reason == stop_at  # not the tokenizer's EOS: vLLM reports it as a stop token
     assert load_source(str(model_dir)).config.eos_token_ids == (257, stop_at)
 
 
