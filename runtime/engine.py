@@ -50,6 +50,10 @@ class EngineConfig:
     # "auto": a request's unset sampling values default to the model's generation_config.json
     # (vLLM's default); "vllm": to SamplingParams' own, whatever the model recommends
     generation_config: str = "auto"
+    # vLLM's: the seed of the random draws of requests without their own seed (None: torch's global
+    # generator), and on a GPU, run decode steps without CUDA graphs
+    seed: int | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self):
         """Each bad value is refused here, with the option to change (the scheduler's asserts met
@@ -62,6 +66,8 @@ class EngineConfig:
                 continue  # sized from kv_cache_bytes / the model's context
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
+            raise QkilnError(f"seed must be an integer or None, got {self.seed!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise QkilnError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
                              f"(SamplingParams' own), got {self.generation_config!r}")
@@ -140,12 +146,12 @@ class LLMEngine:
                             max_model_len=self.max_model_len),
             self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer),
             primary_eos_token_id=getattr(tokenizer, "eos_token_id", None))
-        if str(config.device).startswith("cuda"):  # decode steps replay CUDA graphs there
+        if str(config.device).startswith("cuda") and not config.enforce_eager:  # decode steps replay CUDA graphs
             self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
                                       max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs)
         else:
             self.runner = ModelRunner(model, self.caches, config.block_size, config.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(None if config.seed is None else make_generator(config.seed, config.device))
         # what a request's unset sampling fields take (EngineConfig.generation_config)
         self.sampling_defaults = valid_sampling_defaults(mc.sampling_defaults) \
             if config.generation_config == "auto" else {}

@@ -65,15 +65,27 @@ class PromptOutput:
 
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, device: str = "cpu",
+                 *, trust_remote_code: bool = False, tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
                  **engine_kwargs):
         """model: an artifact directory or archive, or a source model (alias, HF directory, .gguf).
-        engine_kwargs: EngineConfig's fields (max_num_seqs, num_kv_blocks, kv_dtype, ...).
-        int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact)."""
+        engine_kwargs: EngineConfig's fields (max_num_seqs, num_kv_blocks, kv_dtype, seed, ...).
+        int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact).
+        vLLM's options, for scripts written for it: trust_remote_code changes nothing (qkiln runs no
+        code of a checkpoint's, only the architectures it implements), tensor_parallel_size must be
+        1 (one device), kv_cache_dtype is kv_dtype ("fp8" / "fp8_e4m3": fp8)."""
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:  # before the model loads; EngineConfig's own TypeError named an internal class
             raise TypeError(f"LLM() has no option {', '.join(unknown)}; it takes model, dtype, int8_activations, "
-                            f"device and the engine's {', '.join(sorted(known))}")
+                            f"device, vLLM's trust_remote_code, tensor_parallel_size and kv_cache_dtype, and the "
+                            f"engine's {', '.join(sorted(known))}")
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size {tensor_parallel_size!r}: qkiln runs a model on one device; "
+                             "leave it at 1")
+        if kv_cache_dtype is not None:
+            engine_kwargs["kv_dtype"] = _kv_dtype(kv_cache_dtype, engine_kwargs.get("kv_dtype"))
         loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
         self.engine = loaded.engine(device=device, **engine_kwargs)
         self.tokenizer = loaded.tokenizer
@@ -199,6 +211,16 @@ class _LogprobConverter:
         if token_id not in self._text:
             self._text[token_id] = self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
         return self._text[token_id]
+
+
+def _kv_dtype(kv_cache_dtype: str, kv_dtype: str | None) -> str:
+    """vLLM's kv_cache_dtype as qkiln's kv_dtype: "auto", fp8 (e4m3, what qkiln stores) or qkiln's names."""
+    if kv_dtype is not None:
+        raise TypeError("give kv_dtype or vLLM's kv_cache_dtype, not both")
+    named = {"fp8_e4m3": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
+    if named == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype fp8_e5m2: qkiln's fp8 KV cache is e4m3; use 'fp8' or 'fp8_e4m3'")
+    return named  # EngineConfig / the KV cache name what they do not take
 
 
 def _template_message(message: dict) -> dict:

@@ -52,6 +52,10 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        """generator: what rows without a generator of their own draw from (None: torch's global one)."""
+        self.generator = generator
+
     @staticmethod
     def is_plain_argmax(params: Sequence[SamplingParams],
                         banned_token_ids: Sequence[Sequence[int]] | None = None) -> bool:
@@ -92,7 +96,7 @@ class Sampler:
         # The running sum of unnormalized probabilities: the draw scales u by the total, so no
         # softmax. fp32 suffices: each token's share is off by one rounding of the total (~1e-7).
         cdf = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # [num_seqs, vocab]
-        u = 1.0 - torch.rand(len(params), 1, device=device)  # (0, 1]: never a 0-probability head
+        u = 1.0 - torch.rand(len(params), 1, device=device, generator=self.generator)  # (0, 1]: no 0-probability head
         for i, p in enumerate(params):
             generator = generators[i] if generators is not None else None
             if generator is not None and not p.is_greedy:

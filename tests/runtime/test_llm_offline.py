@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from qkiln.errors import RequestError
+from qkiln.errors import QkilnError, RequestError
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
 from tiny_models import write_tiny_hf_model
@@ -322,3 +322,24 @@ def test_vllm_dtype_names_load(tmp_path):
     model = write_tiny_hf_model(tmp_path, "llama")
     for dtype, expected in (("half", torch.float16), ("float", torch.float32), (torch.float32, torch.float32)):
         assert next(LLM(str(model), dtype=dtype, num_kv_blocks=8).engine.model.parameters()).dtype == expected
+
+
+def test_vllm_s_constructor_options(tmp_path):
+    """LLM(seed=) makes requests without a seed reproducible run to run; trust_remote_code,
+    tensor_parallel_size 1 and kv_cache_dtype are taken as vLLM scripts pass them."""
+    path = str(write_tiny_hf_model(tmp_path, "llama"))
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+
+    def draws(seed):
+        llm = LLM(path, dtype="fp32", num_kv_blocks=16, seed=seed, trust_remote_code=True, tensor_parallel_size=1)
+        return [o.token_ids for o in llm.generate(["abc", "xyz"], sampled)]
+
+    first = draws(5)
+    assert draws(5) == first and draws(6) != first
+    assert LLM(path, dtype="fp32", num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.kv_dtype == "fp8"
+    for options, error in [(dict(tensor_parallel_size=2), "one device"),
+                           (dict(kv_cache_dtype="fp8_e5m2"), "e4m3"),
+                           (dict(kv_cache_dtype="fp8", kv_dtype="int4"), "not both"),
+                           (dict(seed="1"), "seed must be an integer")]:
+        with pytest.raises((TypeError, ValueError, QkilnError), match=error):
+            LLM(path, dtype="fp32", num_kv_blocks=16, **options)
