@@ -84,9 +84,12 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST_NAME) -> "Manifest":
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ArtifactError(f"{where}: not valid JSON ({e}); the artifact is corrupt, rebuild it") from None
+        except _DuplicateKey as e:  # parsers disagree on which one counts: a registry may read the other
+            raise ArtifactError(f"{where}: the key {e.args[0]!r} appears twice in one object, which qkiln never "
+                                "writes: the manifest was edited; rebuild the artifact") from None
         if not isinstance(d, dict):
             raise ArtifactError(f"{where}: expected a JSON object; the artifact is corrupt, rebuild it")
         newer = _is_newer_minor(d, where)
@@ -95,6 +98,17 @@ class Manifest:
         known = {f.name for f in fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in d.items() if k in known},
                    extra={k: v for k, v in d.items() if k not in known})
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _DuplicateKey(next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])))
+    return d
 
 
 # field -> (allowed types, required when reading)

@@ -380,6 +380,17 @@ def check_archive_path(path, overwrite: bool = False) -> None:
     check_writable_dir(path.parent)
 
 
+def source_date_epoch() -> int | None:
+    """$SOURCE_DATE_EPOCH (reproducible builds' fixed time: an artifact's `created`, an archive's
+    mtimes), or None when unset."""
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    if epoch is None:
+        return None
+    if not epoch.isdigit():
+        raise ArtifactError(f"SOURCE_DATE_EPOCH={epoch!r} is not a whole number of seconds; fix or unset it")
+    return int(epoch)
+
+
 def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
     """Verify, then pack manifest.json first (a registry can read it without scanning) and the
     rest sorted, with fixed metadata. `mtime` defaults to $SOURCE_DATE_EPOCH, else 0."""
@@ -387,10 +398,7 @@ def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
     mode = _archive_mode(archive)
     rels = verify_artifact(root, check_target=False)
     if mtime is None:
-        epoch = os.environ.get("SOURCE_DATE_EPOCH", "0")
-        if not epoch.isdigit():
-            raise ArtifactError(f"SOURCE_DATE_EPOCH={epoch!r} is not a whole number of seconds; fix or unset it")
-        mtime = int(epoch)
+        mtime = source_date_epoch() or 0
     archive.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(archive)  # what killed writes of this archive left
     fd, name = tempfile.mkstemp(prefix=_unfinished_prefix(archive, "partial"), dir=archive.parent)

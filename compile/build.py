@@ -22,7 +22,7 @@ from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
-from .artifact_writer import check_destination, write_artifact
+from .artifact_writer import check_destination, source_date_epoch, write_artifact
 from .calibrate import linear_shapes, quantize_model
 from .evaluate import evaluate
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
@@ -52,6 +52,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     published (compile/export_onnx.py)."""
     start = time.perf_counter()
     check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
+    source_date_epoch()  # a malformed one, too
     _check_evaluation_data(recipe)
     _check_engines(engines, recipe)
     source = load_source(source_name)
@@ -89,6 +90,10 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
     tokenizer_files = _tokenizer_files(source)
     engine_files = onnx_engine_files(manifest, tensors) if "onnx" in engines else {}
+    if engine_files:  # the engine's bytes are onnx's serialization
+        import onnx
+
+        manifest.toolchain["onnx"] = onnx.__version__
 
     def check_engine(artifact: Path) -> None:  # on the complete artifact, before it is published
         check = check_artifact_engine(artifact, log)
@@ -204,4 +209,5 @@ def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: P
         accuracy=accuracy,
         num_parameters=num_params,
         source_bytes_bf16=2 * num_params,
+        created=source_date_epoch(),
     )

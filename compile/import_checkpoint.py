@@ -34,7 +34,7 @@ from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import to_tensors
-from .artifact_writer import write_artifact
+from .artifact_writer import source_date_epoch, write_artifact
 from .checkpoint_layouts import decode_awq, decode_compressed_tensors, decode_gptq, decode_kv
 from .quantized_model import QuantizedModel
 
@@ -70,7 +70,7 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
         source={"name": src.name, "kind": ckpt.format, "sha256": ckpt.sha256} | _export_provenance(src),
         toolchain=toolchain_versions(),
         accuracy={"skipped": "imported checkpoint: run `qkiln eval` on the artifact"},
-        num_parameters=num_params, source_bytes_bf16=2 * num_params)
+        num_parameters=num_params, source_bytes_bf16=2 * num_params, created=source_date_epoch())
     return write_artifact(out, manifest, tensors, _tokenizer_files(src), {}, overwrite=overwrite)
 
 

@@ -149,11 +149,43 @@ def _kv_encoding(kv: dict, manifest: Manifest) -> str:
 
 
 def read_engine_model(engine_dir: Path):
-    """An engine's model.onnx as an onnx ModelProto; a damaged file is an ArtifactError."""
+    """An engine's model.onnx as an onnx ModelProto, its weights read from model.onnx.data here; a
+    damaged file is an ArtifactError.
+
+    The weights are read by offset from DATA_FILE itself rather than by onnx.load, which refuses a
+    data file with more than one hard link: a backup made with `cp -al`, `rsync --link-dest` or a
+    deduplicating store had made every engine, the original too, unreadable. A tensor may name no
+    other file, so a model cannot point outside its folder either."""
     import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
     try:
-        return onnx.load(str(Path(engine_dir) / MODEL_FILE))
+        model = onnx.load(str(Path(engine_dir) / MODEL_FILE), load_external_data=False)
+        external = [t for t in _get_all_tensors(model) if uses_external_data(t)]
+        if external:
+            with open(Path(engine_dir) / DATA_FILE, "rb") as data:
+                for tensor in external:
+                    _read_external(tensor, ExternalDataInfo(tensor), data)
+        return model
+    except ArtifactError:
+        raise
     except Exception as e:  # onnx and protobuf raise their own types (DecodeError, ...)
         raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
                             "re-export it from its artifact (qkiln export --format onnx)") from None
+
+
+def _read_external(tensor, info, data) -> None:
+    """Move one tensor's bytes from the open data file into the tensor (as onnx.load would)."""
+    import onnx
+
+    if info.location != DATA_FILE:
+        raise ArtifactError(f"tensor {tensor.name!r} of the ONNX engine names data file {info.location!r}; an engine "
+                            f"keeps its weights in {DATA_FILE} beside model.onnx: re-export it")
+    data.seek(info.offset or 0)
+    raw = data.read() if info.length is None else data.read(info.length)
+    if info.length is not None and len(raw) != info.length:
+        raise ArtifactError(f"{DATA_FILE} ends before tensor {tensor.name!r} (offset {info.offset}, length "
+                            f"{info.length}): the file is truncated; re-export the engine")
+    tensor.raw_data = raw
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    del tensor.external_data[:]

@@ -20,7 +20,7 @@ from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import read_manifest, verify_artifact
 from .export_onnx import artifact_engine_dir, require_onnx
-from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract
+from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract, read_engine_contract
 
 BLOCK_SIZE = 16  # the runtime's default
 RUNNERS = ("onnx", "onnxruntime")
@@ -32,6 +32,7 @@ class EngineScorer:
     def __init__(self, artifact: Path, engine_dir: Path, config: ModelConfig, runner: str = "onnx",
                  accuracy_level: int = 0):
         self.engine_dir, self.config, self.tokenizer = engine_dir, config, None
+        self.description: dict = {}
         self.runner, self.accuracy_level = runner, accuracy_level
         self.caches = ArtifactCaches(artifact, config, BLOCK_SIZE)
         check_contract(engine_dir, self.caches.contract())
@@ -71,7 +72,25 @@ def open_engine(artifact: Path, runner: str = "onnx", accuracy_level: int = 0) -
         require_onnxruntime()
     verify_artifact(artifact, check_target=False)  # evaluation runs anywhere
     engine_dir = artifact_engine_dir(artifact, "score")
-    config = ModelConfig.from_dict(read_manifest(artifact).architecture)
+    manifest = read_manifest(artifact)
+    _check_engine_is_the_artifact_s(manifest, engine_dir)
+    config = ModelConfig.from_dict(manifest.architecture)
     scorer = EngineScorer(Path(artifact), engine_dir, config, runner, accuracy_level)
     scorer.tokenizer = Tokenizer.from_dir(Path(artifact) / "tokenizer")
+    scorer.description = {"digest": manifest.digest, "scoring": f"engine: engines/onnx/ run by {runner}"}
     return scorer
+
+
+def _check_engine_is_the_artifact_s(manifest, engine_dir: Path) -> None:
+    """engine.json names the artifact it was exported from (name, recipe, source): an engine copied in
+    from another artifact, with the manifest's hashes redone, had been scored as this one's.
+    (`qkiln verify --engines` compares the weights themselves.)"""
+    recorded = read_engine_contract(engine_dir).get("artifact") or {}
+    expected = {"name": manifest.name, "recipe": manifest.recipe.get("name"),
+                "source_sha256": manifest.source.get("sha256")}
+    differing = [k for k, v in expected.items() if recorded.get(k) != v]
+    if differing:
+        theirs = ", ".join(f"{k} {recorded.get(k)!r}" for k in differing)
+        ours = ", ".join(f"{k} {expected[k]!r}" for k in differing)
+        raise ArtifactError(f"{engine_dir} was exported from another artifact ({theirs}; this one's: {ours}): "
+                            "re-export it from this artifact (qkiln export --format onnx) or score the one it came from")

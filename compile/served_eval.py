@@ -16,6 +16,8 @@ from qkiln.runtime.loader import resolve_dtype
 from qkiln.runtime.quantized_linear import QuantizedLinear
 from qkiln.runtime.sampling_params import SamplingParams
 
+from .artifact import is_artifact_dir, read_manifest
+
 
 class ServedScorer:
     def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False):
@@ -30,6 +32,8 @@ class ServedScorer:
         self.description = {"scoring": f"served: qkiln's runtime engine in {dtype_name}{caveat}"
                                        f"{' with int8 activations' if int8_activations else ''}, paged KV cache "
                                        f"{self.llm.engine.kv_dtype}, prompt logprobs"}
+        if is_artifact_dir(model):  # the score's key in a registry, as the simulation's report has it
+            self.description["digest"] = read_manifest(model).digest
 
     def score_targets(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> the logprob of ids[:, 1:] given what precedes them [B, T - 1] (fp32)."""

@@ -121,9 +121,12 @@ class _Add:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, name: str = "model"):
+    def __init__(self, engine: LLMEngine, name: str = "model", artifact: dict | None = None):
+        """artifact: what identifies the artifact served ({"name", "digest"} of its manifest), which
+        the server reports so a deploy can tell which build answers."""
         self.engine = engine
         self.name = name
+        self.artifact = artifact
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_request_len = engine.max_request_len
@@ -149,7 +152,9 @@ class AsyncLLMEngine:
         from .loader import load_for_serving
 
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
-        return cls(loaded.engine(**engine_kwargs), name or loaded.name)
+        manifest = loaded.manifest
+        artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest}
+        return cls(loaded.engine(**engine_kwargs), name or loaded.name, artifact)
 
     @property
     def is_running(self) -> bool:

@@ -4,6 +4,7 @@ source model (unquantized, so the runtime is useful before a build).
 The artifact path imports only `compile.artifact` (the schema leaf), never `transformers`.
 """
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,12 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
 
 def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,
                   int8_activations: bool = False) -> ServingModel:
+    # served as its folder's name (an archive's, unpacked), which a registry may have renamed, and a
+    # symlink's own (a `current -> releases/<id>` layout keeps its name); the manifest's name is the
+    # one it was built under
+    name = Path(os.path.normpath(Path(path).absolute())).name or read_manifest(path).name
+    path = Path(os.path.realpath(path))  # read from one folder, whatever the link points to meanwhile
+    folder = os.stat(path)
     verify_artifact(path)  # hashes, version, target: refuse before loading anything
     manifest = read_manifest(path)
     config = ModelConfig.from_dict(manifest.architecture)
@@ -124,9 +131,10 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
     kv = manifest.kv_cache
     kv_scales = _kv_scales(tensors, config, kv) if kv else None
     tokenizer = Tokenizer.from_dir(path / "tokenizer")
-    # served as its folder's name (an archive's, unpacked), which a registry may have renamed; the
-    # manifest's name is the one it was built under
-    name = Path(path).resolve().name or manifest.name
+    now = os.stat(path)
+    if (now.st_dev, now.st_ino) != (folder.st_dev, folder.st_ino):  # build --force renames a new one in
+        raise ArtifactError(f"the artifact at {path} was replaced while it loaded (a rebuild?): what was read may "
+                            "mix the two; load it again")
     return ServingModel(name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
                         kv_group_size=kv.get("group_size", 32) if kv else 32, kv_scales=kv_scales,
                         manifest=manifest)

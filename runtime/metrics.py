@@ -12,7 +12,7 @@ what vLLM exports: queue sizes, KV usage, prefix hit rate, token counters, TTFT 
 import threading
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .async_engine import AsyncLLMEngine
@@ -40,6 +40,9 @@ class ServerMetrics:
         self.refused_busy = Counter("qkiln_request_refused_busy", "Requests answered 429: the server was at its "
                                     "limit of requests in flight.", **labels).labels(model_name)
         self._model_name = model_name
+        if engine.artifact:  # qkiln_artifact_info{model_name, name, digest} 1: the build being served
+            Info("qkiln_artifact", "The artifact served: its manifest's name and digest.", **labels) \
+                .labels(model_name).info(dict(engine.artifact))
         self.registry.register(_EngineCollector(engine, model_name))
 
     def observe_finished(self, output: RequestOutput) -> None:

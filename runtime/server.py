@@ -92,6 +92,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     # the context bounds (clients size requests from it)
     card = {"id": model_name, "object": "model", "created": started, "owned_by": "qkiln",
             "max_model_len": engine.max_request_len}
+    if engine.artifact:  # which build answers: a deploy checks its rollout by the manifest's digest
+        card["artifact"] = engine.artifact
 
     @v1.get("/models")
     async def models():

@@ -163,6 +163,16 @@ def test_an_edited_manifest_is_refused(tmp_path):
     assert read_manifest(out).architecture["rms_norm_eps"] == 0.5
 
 
+def test_a_key_twice_in_the_manifest_is_refused(tmp_path):
+    """Python keeps the last of two equal keys, a strict or first-wins parser the other: a registry
+    indexing the file could read another name than qkiln serves under."""
+    out = build(tmp_path / "a")
+    text = (out / "manifest.json").read_text()
+    (out / "manifest.json").write_text(text.replace('"name": "tiny-w4a16"', '"name": "evil", "name": "tiny-w4a16"', 1))
+    with pytest.raises(ArtifactError, match="the key 'name' appears twice"):
+        verify_artifact(out)
+
+
 def test_unknown_major_refused_newer_minor_accepted(tmp_path):
     out = build(tmp_path / "a")
     edit_manifest(out, format_version="2.0")

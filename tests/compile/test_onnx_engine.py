@@ -410,3 +410,56 @@ def test_a_cache_without_groups_records_none_and_a_damaged_graph_is_a_typed_erro
     artifact = _artifact(root, "awq-kv-fp8")  # an intact artifact is not an engine to replace (nor "damaged")
     with pytest.raises(ArtifactError, match="is a qkiln artifact, not an ONNX engine"):
         export_onnx(artifact, artifact, overwrite=True, verify=False)
+
+
+def test_a_hard_linked_engine_reads_and_its_tensors_name_only_its_data_file(root, tmp_path):
+    """onnx.load refuses a data file with more than one hard link; `cp -al` backups, `rsync
+    --link-dest` and deduplicating stores make them, and had made the engine (the original too)
+    unreadable. The engine's own reader takes the bytes by offset from model.onnx.data only."""
+    import os
+    import shutil
+
+    from qkiln.compile.onnx_contract import read_engine_model
+
+    engine = tmp_path / "engine"
+    shutil.copytree(_artifact(root, "w4a16-rtn", engines=("onnx",)) / "engines/onnx", engine)
+    before = onnx.load(str(engine / onnx_graph.MODEL_FILE))
+    os.link(engine / onnx_graph.DATA_FILE, tmp_path / "backup.data")
+    with pytest.raises(Exception, match="hard link"):  # what onnx itself says
+        onnx.load(str(engine / onnx_graph.MODEL_FILE))
+    read = read_engine_model(engine)
+    assert [t.SerializeToString() for t in read.graph.initializer] == \
+        [t.SerializeToString() for t in before.graph.initializer]
+    # a tensor naming another file (outside the folder, say) is refused, as is a short data file
+    model = onnx.load(str(engine / onnx_graph.MODEL_FILE), load_external_data=False)
+    tensor = next(t for t in model.graph.initializer if t.external_data)
+    next(e for e in tensor.external_data if e.key == "location").value = "../backup.data"
+    onnx.save(model, str(engine / onnx_graph.MODEL_FILE))
+    with pytest.raises(ArtifactError, match="names data file '../backup.data'"):
+        read_engine_model(engine)
+
+
+def test_eval_refuses_an_engine_exported_from_another_artifact(root, tmp_path):
+    """An engine copied in from another artifact with the manifest's hashes redone passes `verify`;
+    `eval --engine` had scored it as this artifact's. Its report carries the artifact's digest."""
+    import shutil
+
+    from qkiln.compile.onnx_eval import open_engine
+
+    artifact = _artifact(root, "gptq-symmetric-kv-int4", engines=("onnx",))
+    scorer = open_engine(artifact)
+    assert scorer.description["digest"] == read_manifest(artifact).digest
+    swapped = tmp_path / "swapped"
+    shutil.copytree(artifact, swapped)
+    other = _artifact(root, "w4a16-rtn", engines=("onnx",)) / "engines/onnx"
+    manifest = json.loads((swapped / "manifest.json").read_text())
+    for path in other.iterdir():
+        data = path.read_bytes()
+        (swapped / "engines/onnx" / path.name).write_bytes(data)
+        manifest["files"][f"engines/onnx/{path.name}"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    manifest["digest"] = manifest_digest(manifest)
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    verify_artifact(swapped)  # the hashes agree
+    with pytest.raises(ArtifactError, match=r"exported from another artifact \(name 'w4a16-rtn-engine', recipe "
+                                            r"'w4a16-rtn'; this one's: name 'gptq-symmetric-kv-int4-engine'"):
+        open_engine(swapped)
