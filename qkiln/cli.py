@@ -5,6 +5,7 @@ exit code; anything else is a bug and keeps its traceback.
 """
 
 import json
+import os
 import signal
 import socket
 import sys
@@ -122,9 +123,25 @@ def eval_cmd(
     if reference:
         report["reference"] = reference
     text = json.dumps(report, indent=2)
-    print(text)  # first: a failing write must not lose the evaluation
-    if json_out:
-        json_out.write_text(text + "\n")
+    try:
+        if json_out:  # first, whole or not at all: stdout may be a pipe its reader closed (| head)
+            _write_atomically(json_out, text + "\n")
+    except OSError as e:
+        print(text)  # the evaluation is not lost
+        _fail(QkilnError(f"--json {json_out}: cannot write the report ({e.strerror or e}); it is printed above"))
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # the reader left; the file, if asked for, is written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _warn_if_swapped(model: dict, reference: dict) -> None:

@@ -131,6 +131,7 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.max_request_len = engine.max_request_len
         self.sampling_defaults = engine.sampling_defaults
+        self.vocab_size = engine.model.config.vocab_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only

@@ -245,22 +245,41 @@ class ChatMessage(BaseModel):
 MAX_MESSAGES = 4096
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPrompt(BaseModel):
+    """The fields a chat prompt is rendered from: chat completions' and /tokenize's."""
+    model_config = ConfigDict(strict=True, extra="ignore")
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: open an assistant turn after the messages (default), or continue the last message,
     # an assistant's (prefill: "The answer is") in place
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # vLLM's: more variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
-    # vLLM's, refused: a template sent with the request (vLLM too refuses it unless trusted),
-    # documents for RAG templates, and echo (each would change the prompt or the answer)
+    # vLLM's, refused: a template sent with the request (vLLM too refuses it unless trusted) and
+    # documents for RAG templates (each would change the prompt)
     chat_template: str | None = None
     documents: list | None = None
-    echo: bool = False
+
+    def check_chat_prompt(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message continues the last message, so it needs "
+                                      "add_generation_prompt false", param="continue_final_message")
+        for name in ("chat_template", "documents"):
+            if getattr(self, name):
+                raise InvalidRequestError(f"{name} is not supported; leave it out", param=name)
+        if self.chat_template_kwargs and {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs):
+            raise InvalidRequestError("chat_template_kwargs may not set messages or add_generation_prompt; send "
+                                      "them as the request's own fields", param="chat_template_kwargs")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
+                                      param="continue_final_message")
+
+
+class ChatCompletionRequest(SamplingFields, ChatPrompt):
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's, refused: it would change the answer
 
     @property
     def num_logprobs(self) -> int | None:
@@ -273,20 +292,33 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.check_chat_prompt()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs true", param="top_logprobs")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidRequestError("continue_final_message continues the last message, so it needs "
-                                      "add_generation_prompt false", param="continue_final_message")
-        for name in ("chat_template", "documents", "echo"):
-            if getattr(self, name):
-                raise InvalidRequestError(f"{name} is not supported on chat completions; leave it out", param=name)
-        if self.chat_template_kwargs and {"messages", "add_generation_prompt"} & set(self.chat_template_kwargs):
-            raise InvalidRequestError("chat_template_kwargs may not set messages or add_generation_prompt; send "
-                                      "them as the request's own fields", param="chat_template_kwargs")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise InvalidRequestError("continue_final_message needs the last message to be the assistant's",
-                                      param="continue_final_message")
+        if self.echo:
+            raise InvalidRequestError("echo is not supported on chat completions; leave it out", param="echo")
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's POST /tokenize with a prompt."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPrompt):
+    """vLLM's POST /tokenize with messages: the prompt chat completions would run."""
+    model: str | None = None
+    add_special_tokens: bool = False  # the template places BOS
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 @functools.cache

@@ -14,7 +14,7 @@ Invariants:
 - A request whose client goes away is aborted: a streaming response is cancelled by Starlette
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
   the connection while it waits.
-- `/v1/*` needs `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are
+- `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are
   open (probes and scrapers), as in vLLM.
 - Browsers may call it cross-origin only from `allowed_origins` (none by default, unlike vLLM's
   `*`: a page the user visits must not reach a server on their loopback). The CORS layer is
@@ -42,9 +42,9 @@ from qkiln.errors import QkilnError, RequestError, SourceModelError
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
-from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
-                              InvalidRequestError, ResponseBuilder, SamplingFields, batch_response, error_body,
-                              usage_chunk)
+from .openai_protocol import (ChatCompletionRequest, ChatPrompt, ChatResponse, CompletionRequest, CompletionResponse,
+                              DetokenizeRequest, InvalidRequestError, ResponseBuilder, SamplingFields,
+                              TokenizeChatRequest, TokenizeCompletionRequest, batch_response, error_body, usage_chunk)
 from .sampling_params import SamplingParams
 
 
@@ -82,10 +82,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     started = int(time.time())
     defaults = engine.sampling_defaults  # the model's recommended sampling values, for fields a request leaves out
 
-    def check_model(body: SamplingFields) -> None:
-        if body.model is not None and body.model != model_name:
-            raise InvalidRequestError(f"model {body.model!r} is not served here; use {model_name!r} "
+    def check_model_name(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise InvalidRequestError(f"model {model!r} is not served here; use {model_name!r} "
                                       "(see GET /v1/models)", param="model", code="model_not_found")
+
+    def check_model(body: SamplingFields) -> None:
+        check_model_name(body.model)
         body.check_supported()
 
     # max_model_len: what one request (prompt and output) can reach, which a KV pool smaller than
@@ -115,6 +118,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
             keep = _keep_last(engine, body.truncate_prompt_tokens)
             if isinstance(prompt, list):
+                _check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
                 ids = prompt if keep is None else prompt[max(len(prompt) - keep, 0):]
             else:
                 ids = await _encode(engine, prompt, where, keep_last=keep)
@@ -139,17 +143,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        tokenizer = engine.tokenizer
-        try:
-            knows_developer = "developer" in (tokenizer.chat_template or "")
-            messages = [m.as_template_dict(knows_developer) for m in body.messages]
-            _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
-            text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
-                                           body.continue_final_message, body.chat_template_kwargs)
-        except SourceModelError as e:  # no template, or the template refused these messages
-            raise InvalidRequestError(str(e), param="messages") from e
-        prompt_ids = await _encode(engine, text, "messages", add_special_tokens=False,  # the template places BOS
-                                   keep_last=_keep_last(engine, body.truncate_prompt_tokens))
+        prompt_ids = await _chat_prompt_ids(engine, body, keep_last=_keep_last(engine, body.truncate_prompt_tokens))
         max_tokens = _completion_budget(body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
@@ -159,6 +153,24 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         return await _respond(engine, metrics, request, choices, body.stream)
 
     app.include_router(v1)
+
+    # vLLM's tokenizer endpoints (lm-evaluation-harness asks them for token counts)
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest):
+        check_model_name(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            body.check_chat_prompt()
+            ids = await _chat_prompt_ids(engine, body, body.add_special_tokens)
+        else:
+            ids = await _encode(engine, body.prompt, "prompt", body.add_special_tokens)
+        strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model_name(body.model)
+        _check_token_ids(engine, body.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
     async def health():
@@ -171,6 +183,29 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+async def _chat_prompt_ids(engine: AsyncLLMEngine, body: ChatPrompt, add_special_tokens: bool = False,
+                           keep_last: int | None = None) -> list[int]:
+    """The token ids of a chat prompt as the model's template renders it (off the event loop); the
+    template places BOS, so no special tokens are added by default."""
+    tokenizer = engine.tokenizer
+    try:
+        knows_developer = "developer" in (tokenizer.chat_template or "")
+        messages = [m.as_template_dict(knows_developer) for m in body.messages]
+        _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
+                                       body.continue_final_message, body.chat_template_kwargs)
+    except SourceModelError as e:  # no template, or the template refused these messages
+        raise InvalidRequestError(str(e), param="messages") from e
+    return await _encode(engine, text, "messages", add_special_tokens, keep_last)
+
+
+def _check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+    if bad is not None:  # the engine's own words for it
+        raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in "
+                                  f"[0, {engine.vocab_size})", param=what)
 
 
 def _keep_last(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
@@ -370,7 +405,8 @@ async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams
 
 
 class _ApiKeyMiddleware:
-    """`/v1/*` needs `Authorization: Bearer KEY`. A plain ASGI middleware, so a request without the
+    """`/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` (vLLM leaves the last
+    two open; they run the tokenizer on a caller's text). A plain ASGI middleware, so a request without the
     key is answered 401 before its body is read (a route dependency ran after body parsing, so a
     malformed body got a 400 that told a caller without the key about the API)."""
 
@@ -378,7 +414,9 @@ class _ApiKeyMiddleware:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._authorized(scope):
+        path = scope.get("path", "")
+        guarded = scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
+        if guarded and not self._authorized(scope):
             body = error_body("missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
             return await JSONResponse(body, status_code=401)(scope, receive, send)

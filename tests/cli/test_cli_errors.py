@@ -1,6 +1,7 @@
 """Bad input gives a one-line `error:` naming the problem and what to do, never a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -124,6 +125,15 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     report = tmp_path / "new" / "dir" / "r.json"  # a folder that is not there yet is made, not a lost report
     done = run_cli(*base, "--data", str(tmp_path / "t.txt"), "--eval-tokens", "64", "--json", str(report))
     assert done.returncode == 0 and json.loads(report.read_text())["num_tokens"] > 0, done.stderr
+    # stdout a pipe its reader closed (`| head`), unbuffered as in CI images: the file had been lost
+    piped = tmp_path / "piped.json"
+    reader, writer = os.pipe()
+    os.close(reader)
+    done = subprocess.run([sys.executable, "-m", "qkiln", *base, "--data", str(tmp_path / "t.txt"), "--eval-tokens",
+                           "64", "--json", str(piped)], stdout=writer, stderr=subprocess.PIPE, text=True, timeout=300,
+                          env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    os.close(writer)
+    assert json.loads(piped.read_text()) == json.loads(report.read_text()) and "Traceback" not in done.stderr
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--json", str(tmp_path / "t.txt" / "r.json")),
                           "cannot write there")
 

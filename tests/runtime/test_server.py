@@ -296,6 +296,29 @@ def test_api_key(engine):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 401  # it runs the tokenizer
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
+    """The ids a completion or a chat completion would run, and their text back."""
+    tok = engine.tokenizer
+    r = client.post("/tokenize", json={"model": "tiny", "prompt": "hello there", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.max_request_len
+    assert body["token_strs"] == [tok.backend.id_to_token(i) for i in body["tokens"]]
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    completion = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == completion["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    assert chat["tokens"] == tok.chat_prompt_ids([{"role": "user", "content": "hi"}], True)
+    assert client.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "hello there"}
+    for path, payload, param in [("/detokenize", {"tokens": [1, -3]}, "tokens"),
+                                 ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                                 ("/tokenize", {"messages": messages, "continue_final_message": True}, None)]:
+        r = client.post(path, json=payload)
+        assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), r.text
 
 
 
@@ -405,6 +428,11 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "stop token outside the vocabulary": ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5,
                                                               "min_tokens": 2, "stop_token_ids": [10**6]},
                                           "stop_token_ids"),
+    # echo decoded them before the engine's check: a 500 (lm-eval retries, then aborts the run)
+    "a negative token id with echo": ("/v1/completions", {"model": "tiny", "prompt": [[1, -1]], "echo": True,
+                                                          "max_tokens": 1, "logprobs": 1}, "prompt"),
+    "a huge token id with echo": ("/v1/completions", {"model": "tiny", "prompt": [1, 10**20], "echo": True,
+                                                      "stream": True}, "prompt"),
     "too many stop strings": ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [f"s{i}" for i in range(33)]},
                               "stop"),
     "a lone surrogate": ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt"),
