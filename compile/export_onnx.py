@@ -110,8 +110,8 @@ def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
     actual = read_engine_model(engine_dir)
     want, have = expected.model.graph, actual.graph
     differs = [what for what, a, b in (
-        ("engine.json content", json.loads(json.dumps(expected.contract)), {k: v for k, v in contract.items()
-                                                                    if k != "files"}),
+        ("engine.json content", json.loads(json.dumps(expected.contract)),
+         {k: v for k, v in contract.items() if k not in ("files", "digest")}),
         ("nodes", _serialized(want.node), _serialized(have.node)),
         ("graph inputs", _serialized(want.input), _serialized(have.input)),
         ("graph outputs", _serialized(want.output), _serialized(have.output)),
@@ -151,6 +151,10 @@ def verify_engine_files(engine_dir: Path) -> dict:
     if not isinstance(files, dict) or set(files) != {MODEL_FILE, DATA_FILE}:
         raise ArtifactError(f"{engine_dir / CONTRACT_FILE} lists no sha256 for {MODEL_FILE} and {DATA_FILE} "
                             "(written before qkiln recorded them); re-export the engine")
+    foreign = sorted(p.name for p in Path(engine_dir).iterdir() if p.name not in {MODEL_FILE, DATA_FILE, CONTRACT_FILE})
+    if foreign:  # as an artifact's verify refuses files its manifest does not list
+        raise ArtifactError(f"{engine_dir} holds files an engine does not: {', '.join(foreign[:5])}; remove them, "
+                            "or re-export the engine into an empty folder")
     for name, digest in sorted(files.items()):
         if not (engine_dir / name).is_file():
             raise ArtifactError(f"{engine_dir}: {name} is missing; re-export the engine")

@@ -34,7 +34,7 @@ from qkiln.plugins import KVCache, allocate_kv_cache, onnx_nodes
 from qkiln.plugins.kv_cache import offset_key
 from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
 
-from .artifact import load_tensors, read_manifest
+from .artifact import load_tensors, manifest_digest, read_manifest
 from .artifact_model import load_artifact_model
 from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model
 from .onnx_graph import CONTRACT_FILE, step_inputs
@@ -210,6 +210,13 @@ def read_engine_contract(engine_dir: Path) -> dict:
         raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
     if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
         raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract; re-export it")
+    version = contract.get("contract_version")
+    if "digest" not in contract and isinstance(version, int) and version >= 4:  # written with one since 4
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: missing field 'digest'; it was edited after "
+                            "export: re-export the engine from its artifact")
+    if "digest" in contract and contract["digest"] != manifest_digest(contract):
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: its contents do not match its digest: it was "
+                            "edited after export; re-export the engine from its artifact")
     return contract
 
 

@@ -18,8 +18,9 @@ from qkiln.runtime.config import ModelConfig
 from .artifact import Manifest
 
 # 2: logits_indices, plugin signatures, encodings, limits, tokens, file hashes; 3: no KV group size
-# but an int4 cache's, key_offset and BOS / EOS semantics
-CONTRACT_VERSION = 3
+# but an int4 cache's, key_offset and BOS / EOS semantics; 4: `digest`, the sha256 of engine.json's
+# own content (as the manifest's), so an edited contract is refused in an engine folder on its own
+CONTRACT_VERSION = 4
 OPSET = 21  # block-wise DequantizeLinear with INT4 / UINT4
 # IR 10 came with opset 21 and the 4-bit types: the oldest that holds this graph, so the widest
 # range of runtimes reads it (onnx 1.23 writes IR 14 by default, which ONNX Runtime 1.31 refuses)

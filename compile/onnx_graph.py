@@ -40,7 +40,7 @@ from qkiln.quant.pack import unpack_int4
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.rope import RotaryEmbedding
 
-from .artifact import Manifest, sha256_file
+from .artifact import Manifest, manifest_digest, sha256_file
 from .onnx_contract import CONTRACT_FILE, DATA_FILE, INPUTS, IR_VERSION, MODEL_FILE, OPSET, engine_contract, kv_group_size
 
 _FP8_MIN_SCALE = 1e-12  # the runtime's per-token fp8 scale floor (plugins/reference.py)
@@ -137,8 +137,9 @@ def write_onnx_engine(engine: OnnxEngine, out_dir: Path) -> list[Path]:
     # checkers and shape inference that read the file by path (the only way past 2 GB) see them
     (out_dir / DATA_FILE).chmod(0o644)  # onnx creates it owner-only; an engine is meant to be shared
     files = {name: sha256_file(out_dir / name) for name in (MODEL_FILE, DATA_FILE)}
-    (out_dir / CONTRACT_FILE).write_text(json.dumps(engine.contract | {"files": files}, indent=2, sort_keys=True)
-                                         + "\n")
+    contract = engine.contract | {"files": files}
+    contract["digest"] = manifest_digest(contract)  # the manifest's rule: canonical JSON without the digest
+    (out_dir / CONTRACT_FILE).write_text(json.dumps(contract, indent=2, sort_keys=True) + "\n")
     return [out_dir / MODEL_FILE, out_dir / DATA_FILE, out_dir / CONTRACT_FILE]
 
 

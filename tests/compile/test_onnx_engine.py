@@ -298,8 +298,8 @@ def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
     table.CopyFrom(numpy_helper.from_array(rows, table.name))
     onnx.save_model(model, tmp_path / onnx_graph.MODEL_FILE, save_as_external_data=True,
                     location=onnx_graph.DATA_FILE, size_threshold=1024)
-    contract = json.loads((engine / onnx_graph.CONTRACT_FILE).read_text())
-    (tmp_path / onnx_graph.CONTRACT_FILE).write_text(json.dumps(contract | {"int4_zero_points": True}))
+    contract = json.loads((engine / onnx_graph.CONTRACT_FILE).read_text()) | {"int4_zero_points": True}
+    (tmp_path / onnx_graph.CONTRACT_FILE).write_text(json.dumps(contract | {"digest": manifest_digest(contract)}))
     cases = {"other": [tmp_path / "other" / n for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE,
                                                          onnx_graph.CONTRACT_FILE)],
              "graph": [tmp_path / "other" / n for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE)],
@@ -324,6 +324,28 @@ def test_verify_engines_catches_an_engine_of_other_weights(root, tmp_path):
         errors[label] = done.stderr
     assert re.search(r"\(differing: 1 of \d+ initializers \(model.embed_tokens.weight\)\)", errors["one-row"])
     assert "(differing: engine.json content)" in errors["contract"], errors["contract"]
+
+
+def test_an_edited_engine_json_or_a_foreign_file_fails_verify_on_its_own(root, tmp_path):
+    """A registry storing engines alone: engine.json's digest covers the contract a runtime drives
+    the engine by (max_positions and the EOS ids had been editable), and the folder holds the
+    engine's files only."""
+    from qkiln.compile.export_onnx import verify_engine_files
+
+    export_onnx(_artifact(root, "w4a16-rtn"), tmp_path / "engine", verify=False)
+    path = tmp_path / "engine" / onnx_graph.CONTRACT_FILE
+    contract = json.loads(path.read_text())
+    assert contract["contract_version"] == 4 and verify_engine_files(tmp_path / "engine") == contract
+    (tmp_path / "engine" / "notes.txt").write_text("x")
+    with pytest.raises(ArtifactError, match="holds files an engine does not: notes.txt"):
+        verify_engine_files(tmp_path / "engine")
+    (tmp_path / "engine" / "notes.txt").unlink()
+    path.write_text(json.dumps(contract | {"max_positions": 999999}))
+    with pytest.raises(ArtifactError, match="do not match its digest"):
+        verify_engine_files(tmp_path / "engine")
+    path.write_text(json.dumps({k: v for k, v in contract.items() if k != "digest"} | {"max_positions": 999999}))
+    with pytest.raises(ArtifactError, match="missing field 'digest'"):
+        verify_engine_files(tmp_path / "engine")
 
 
 def test_an_exported_engine_folder_is_verified_on_its_own_and_against_its_artifact(root, tmp_path):
@@ -399,7 +421,8 @@ def test_a_cache_without_groups_records_none_and_a_damaged_graph_is_a_typed_erro
     assert contract["kv_cache"]["group_size"] is None
     from qkiln.compile.onnx_check import check_contract
 
-    (tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).write_text(json.dumps(contract | {"contract_version": 2}))
+    older = {k: v for k, v in contract.items() if k != "digest"} | {"contract_version": 2}  # before digests
+    (tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).write_text(json.dumps(older))
     with pytest.raises(ArtifactError, match="written by another qkiln version .* re-export"):  # not "another model"
         check_contract(tmp_path / "fp8", contract["kv_cache"])
     writes = [n for n in onnx.load(str(tmp_path / "fp8" / onnx_graph.MODEL_FILE)).graph.node if n.op_type == "CacheWrite"]
