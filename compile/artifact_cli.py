@@ -72,24 +72,44 @@ def verify_cmd(
                                           help="also check engines/onnx/ against the artifact's weights")] = False,
     artifact: Annotated[Optional[Path],
                         typer.Option(help="for an engine folder: also check it is this artifact's engine")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as one JSON object on stdout "
+                                                         "(ok, kind, name, digest, files; or ok false and error)")] = False,
 ):
     """Check the manifest version, target and every file's size and sha256 (no weights loaded);
     with --engines, also that engines/onnx/ is the engine this qkiln builds from the weights and
     computes what they compute (two paged steps). An engine folder on its own: its files against
-    engine.json's sha256, and with --artifact, as --engines checks an artifact's."""
-    if _is_engine_folder(path):
-        _verify_engine_folder(path, artifact)
-        return
-    if artifact is not None:
-        _fail(QkilnError(f"--artifact is for an ONNX engine folder; {path} is not one (use --engines for an "
-                         "artifact's own engine)"))
+    engine.json's sha256 and digest, and with --artifact, as --engines checks an artifact's."""
     try:
-        with ExitStack() as stack:
-            artifact, num_files = _verified(stack, path, check_target)
-            checked = _check_onnx_engine(artifact) if engines else ""
+        if _is_engine_folder(path):
+            result = _verify_engine_folder(path, artifact)
+        elif artifact is not None:
+            raise QkilnError(f"--artifact is for an ONNX engine folder; {path} is not one (use --engines for an "
+                             "artifact's own engine)")
+        else:
+            with ExitStack() as stack:
+                verified, num_files = _verified(stack, path, check_target)
+                m = read_manifest(verified)
+                result = {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest, "files": num_files,
+                          "engines": _check_onnx_engine(verified) if engines else None}
     except QkilnError as e:
+        if as_json:  # the one object a pipeline parses, then the usual error line and exit status
+            print(json.dumps({"ok": False, "error": str(e)}))
         _fail(e)
-    print(f"ok: {num_files} files verified{checked}")
+    if as_json:
+        print(json.dumps(result, sort_keys=True))
+        return
+    engines = result["engines"]
+    checked = "" if engines is None else f"; onnx engine {'checked: ' + engines if engines != _NOT_CHECKED else engines}"
+    if result["kind"] == "artifact":
+        print(f"ok: {result['files']} files verified (artifact {result['name']!r}, digest {result['digest']}){checked}")
+    else:
+        made_from = result["exported_from"]
+        print(f"ok: ONNX engine, {result['files']} files match engine.json's sha256 (exported from artifact "
+              f"{made_from.get('name')!r}, recipe {made_from.get('recipe')})"
+              + (checked or "; --artifact ARTIFACT also checks it is that artifact's engine"))
+
+
+_NOT_CHECKED = "not checked"  # the two-step check did not fit this machine's memory (it said why)
 
 
 def _verified(stack: ExitStack, path: Path, check_target: bool) -> tuple[Path, int]:
@@ -107,29 +127,25 @@ def _is_engine_folder(path: Path) -> bool:
     return path.is_dir() and (path / CONTRACT_FILE).is_file() and not (path / MANIFEST_NAME).exists()
 
 
-def _verify_engine_folder(path: Path, artifact: Path | None) -> None:
+def _verify_engine_folder(path: Path, artifact: Path | None) -> dict:
     from .export_onnx import verify_engine_files
 
-    try:
-        contract = verify_engine_files(path)
-        checked = ""
-        if artifact is not None:
-            with ExitStack() as stack:
-                verified, _ = _verified(stack, artifact, check_target=False)  # an engine may be checked anywhere
-                checked = _check_onnx_engine(verified, path)
-    except QkilnError as e:
-        _fail(e)
-    made_from = contract.get("artifact", {})
-    print(f"ok: ONNX engine, {len(contract['files'])} files match engine.json's sha256 (exported from artifact "
-          f"{made_from.get('name')!r}, recipe {made_from.get('recipe')}){checked}"
-          + ("" if artifact else "; --artifact ARTIFACT also checks it is that artifact's engine"))
+    contract = verify_engine_files(path)
+    checked = None
+    if artifact is not None:
+        with ExitStack() as stack:
+            verified, _ = _verified(stack, artifact, check_target=False)  # an engine may be checked anywhere
+            checked = _check_onnx_engine(verified, path)
+    return {"ok": True, "kind": "onnx_engine", "files": len(contract["files"]), "digest": contract.get("digest"),
+            "exported_from": contract.get("artifact", {}), "engines": checked}
 
 
 def _check_onnx_engine(artifact: Path, engine_dir: Path | None = None) -> str:
+    """The two-step check's summary, or _NOT_CHECKED."""
     from .export_onnx import check_artifact_engine
 
     check = check_artifact_engine(artifact, log=lambda msg: print(msg, file=sys.stderr), engine_dir=engine_dir)
-    return f"; onnx engine checked: {check.summary()}" if check else "; onnx engine not checked"
+    return check.summary() if check else _NOT_CHECKED
 
 
 def inspect_cmd(

@@ -459,9 +459,21 @@ def test_cli_verify_and_inspect(tmp_path):
     out = build(tmp_path / "a")
     runner = CliRunner()
     ok = runner.invoke(cli(), ["verify", str(out)])
-    assert ok.exit_code == 0 and ok.stdout.strip() == f"ok: {len(read_manifest(out).files)} files verified"
+    m = read_manifest(out)
+    assert ok.exit_code == 0 and ok.stdout.strip() == f"ok: {len(m.files)} files verified (artifact {m.name!r}, " \
+                                                      f"digest {m.digest})"
+    # one JSON object for a pipeline: what it verified, or why not, with the exit status as ever
+    result = json.loads(runner.invoke(cli(), ["verify", str(out), "--json"]).stdout)
+    assert result == {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest, "files": len(m.files),
+                      "engines": None}
     archive = write_archive(out, tmp_path / "a.tar.gz")
     assert runner.invoke(cli(), ["verify", str(archive)]).stdout.startswith("ok: ")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    (damaged / "reports" / "accuracy.json").write_text("{}")
+    failed = runner.invoke(cli(), ["verify", str(damaged), "--json"])
+    assert failed.exit_code != 0 and json.loads(failed.stdout.splitlines()[0])["ok"] is False
+    assert "accuracy.json" in json.loads(failed.stdout.splitlines()[0])["error"]
     summary = json.loads(runner.invoke(cli(), ["inspect", str(out), "--json"]).stdout)
     weights = sum(p.stat().st_size for p in (out / "weights").iterdir())
     assert summary["sizes"]["weights_bytes"] == weights
