@@ -303,8 +303,11 @@ def hf_generation_config_dict(config: ModelConfig) -> dict | None:
         return None
     values = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in config.sampling_defaults.items()}
     eos = list(config.eos_token_ids)
+    # transformers samples only with do_sample (vLLM reads the values alone): on when a sampling value
+    # is recommended and the temperature is not 0 (greedy), off for max_new_tokens alone
+    samples = bool(set(values) - {"max_new_tokens"}) and values.get("temperature", 1.0) != 0
     return {"bos_token_id": config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-            "do_sample": True, **values}
+            "do_sample": samples, **values}
 
 
 def _write_checkpoint(directory: Path, config: ModelConfig, tensors: dict, quant_config, tokenizer_dir: Path):

@@ -95,6 +95,14 @@ class RequestOutput:
     num_cached_tokens: int = 0  # the prompt's tokens a prefix-cache hit spared computing (vLLM's field)
 
 
+def truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The prompt tokens a request keeps (SamplingParams.truncate_prompt_tokens; -1: the context)."""
+    if truncate_prompt_tokens is not None and truncate_prompt_tokens > max_model_len:  # as vLLM refuses it
+        raise RequestError(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than the model's context of "
+                           f"{max_model_len}; lower it, or send -1 for the context", "truncate_prompt_tokens")
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
 def is_token_ids(x) -> bool:
     """A prompt given as token ids: a list or tuple of integers (numpy's too, not bools)."""
     return isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x)
@@ -196,7 +204,11 @@ class LLMEngine:
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
         if params.max_tokens is None:  # the rest of the context (or of what the KV cache holds)
-            params = dataclasses.replace(params, max_tokens=max(self.max_request_len - len(ids), 1))
+            room = max(self.max_request_len - len(ids), 1)
+            if params.min_tokens > room:
+                raise RequestError(f"min_tokens {params.min_tokens} does not fit: the prompt takes {len(ids)} of the "
+                                   f"{self.max_request_len} tokens a request may reach; lower it", "min_tokens")
+            params = dataclasses.replace(params, max_tokens=room)
         seq = Sequence(request_id, ids, params, bad_words_token_ids=bad_words)
         # everything that can fail comes before the scheduler holds the sequence: a sequence it
         # holds without a record here would break every later step
@@ -221,7 +233,7 @@ class LLMEngine:
         return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
     def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
-        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return truncation(truncate_prompt_tokens, self.max_model_len)
 
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:

@@ -81,7 +81,7 @@ class LLM:
                             f"engine's {', '.join(sorted(known))}")
         if not isinstance(trust_remote_code, bool):
             raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-        if tensor_parallel_size != 1:
+        if type(tensor_parallel_size) is not int or tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size {tensor_parallel_size!r}: qkiln runs a model on one device; "
                              "leave it at 1")
         if kv_cache_dtype is not None:
@@ -214,10 +214,12 @@ class _LogprobConverter:
 
 
 def _kv_dtype(kv_cache_dtype: str, kv_dtype: str | None) -> str:
-    """vLLM's kv_cache_dtype as qkiln's kv_dtype: "auto", fp8 (e4m3, what qkiln stores) or qkiln's names."""
+    """vLLM's kv_cache_dtype as qkiln's kv_dtype: "auto", fp8 (e4m3, what qkiln stores), bfloat16 /
+    float16, or qkiln's names."""
     if kv_dtype is not None:
         raise TypeError("give kv_dtype or vLLM's kv_cache_dtype, not both")
-    named = {"fp8_e4m3": "fp8"}.get(kv_cache_dtype, kv_cache_dtype)
+    named = {"fp8_e4m3": "fp8", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(kv_cache_dtype,
+                                                                                           kv_cache_dtype)
     if named == "fp8_e5m2":
         raise ValueError("kv_cache_dtype fp8_e5m2: qkiln's fp8 KV cache is e4m3; use 'fp8' or 'fp8_e4m3'")
     return named  # EngineConfig / the KV cache name what they do not take

@@ -128,10 +128,15 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
                                       param="response_format")
 
-    def requested_max_tokens(self, defaults: dict) -> int | None:
-        """The max_tokens asked for; when left out, the model's recommended one (None: the rest of
-        the context)."""
-        return self.max_tokens if "max_tokens" in self.model_fields_set else defaults.get("max_tokens", self.max_tokens)
+    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, bool]:
+        """(max_tokens, whether the request set it). Left out (or null), it is the smaller of the API's
+        default (16 for completions, none for chat) and the model's recommended one, None for the
+        rest of the context; the server then cuts it to the room left, as vLLM does, where one the
+        request set is refused when it does not fit."""
+        if self.max_tokens is not None and "max_tokens" in self.model_fields_set:
+            return self.max_tokens, True
+        candidates = [v for v in (self.max_tokens, defaults.get("max_tokens")) if v is not None]
+        return (min(candidates) if candidates else None), False
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict | None = None) -> list[SamplingParams]:
@@ -285,9 +290,9 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def requested_max_tokens(self, defaults: dict) -> int | None:
+    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, bool]:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
+            return self.max_completion_tokens, True
         return super().requested_max_tokens(defaults)
 
     def check_supported(self) -> None:

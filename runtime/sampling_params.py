@@ -54,7 +54,7 @@ class SamplingParams:
 
     `allowed_token_ids` keeps only those tokens (every other logit -inf); `bad_words` bans each
     word's last token wherever the output ends with the word's other tokens (vLLM's rule: each word
-    is tokenized as it is and with a leading space, `logits_processing.bad_words_token_ids`).
+    is tokenized as it is and with a leading space, `bad_words.bad_words_token_ids`).
 
     Text (vLLM's options): `detokenize=False` returns token ids only (no text, no stop strings);
     `skip_special_tokens=False` keeps special tokens' text; `include_stop_str_in_output` keeps the
@@ -195,8 +195,10 @@ class SamplingParams:
                "allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), or "
                                     f"None, got {allowed!r:.200}")
         words = self.bad_words
-        _check(all(isinstance(w, str) and w.strip() for w in words) and len(words) <= MAX_BAD_WORDS, "bad_words",
-               f"bad_words must be at most {MAX_BAD_WORDS} strings that are not blank, got {list(words)!r:.200}")
+        _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS and _is_text(w) for w in words)
+               and len(words) <= MAX_BAD_WORDS, "bad_words",
+               f"bad_words must be at most {MAX_BAD_WORDS} strings of valid Unicode that are not blank, each at most "
+               f"{MAX_STOP_CHARS} characters, got {list(words)!r:.200}")
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"{name} must be true or false, got {value!r}")
@@ -241,6 +243,15 @@ def _token_id_key(key):
     if isinstance(key, str) and key.isascii() and key.isdigit():
         return int(key)
     return key  # validate() names it
+
+
+def _is_text(s: str) -> bool:
+    """Encodable as UTF-8: JSON's "\ud800" decodes to a lone surrogate, which the tokenizer cannot take."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_int(x) -> bool:

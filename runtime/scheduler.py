@@ -238,7 +238,9 @@ class Scheduler:
                 break  # FCFS: later arrivals do not overtake the head of the queue
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
+            if seq.num_preemptions == 0:  # vLLM's: the prompt's hit when first scheduled (a preempted
+                # sequence finds its own output blocks again, which are no prompt tokens)
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             self.kv.cache_full_blocks(seq, num_cached + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

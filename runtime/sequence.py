@@ -54,7 +54,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
+    num_cached_tokens: int = 0  # the prompt's prefix-cache hit when first admitted
     num_preemptions: int = 0
     # SamplingParams.bad_words as token ids (logits_processing.bad_words_token_ids)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()

@@ -14,8 +14,8 @@ Invariants:
 - A request whose client goes away is aborted: a streaming response is cancelled by Starlette
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
   the connection while it waits.
-- `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are
-  open (probes and scrapers), as in vLLM.
+- `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set;
+  `/health` and `/metrics` are open (probes and scrapers), as in vLLM.
 - Browsers may call it cross-origin only from `allowed_origins` (none by default, unlike vLLM's
   `*`: a page the user visits must not reach a server on their loopback). The CORS layer is
   outside the key check, so a preflight, which carries no key, is answered.
@@ -29,17 +29,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qkiln.errors import QkilnError, RequestError, SourceModelError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
+from .engine import truncation
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatPrompt, ChatResponse, CompletionRequest, CompletionResponse,
@@ -124,13 +127,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
                 ids = await _encode(engine, prompt, where, keep_last=keep)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned and
             # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
-            max_tokens = _completion_budget(body.requested_max_tokens(defaults), len(ids), engine, where) \
+            max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
                 if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
             params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
             echo = None
-            if body.echo:  # the prompt's text as sent, or its (truncated) ids' text
-                text = prompt if isinstance(prompt, str) and keep is None else \
+            if body.echo:  # the prompt's text as sent, or its ids' text (also when truncation may have cut it)
+                text = prompt if isinstance(prompt, str) and (keep is None or len(ids) < keep) else \
                     engine.tokenizer.decode(ids, skip_special_tokens=False)
                 echo = (text, ids)
             for j, sp in enumerate(params):  # prompt i's choice j is choice i * n + j, as OpenAI orders them
@@ -144,7 +147,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
         prompt_ids = await _chat_prompt_ids(engine, body, keep_last=_keep_last(engine, body.truncate_prompt_tokens))
-        max_tokens = _completion_budget(body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
+        max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
@@ -154,15 +157,17 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
 
     app.include_router(v1)
 
-    # vLLM's tokenizer endpoints (lm-evaluation-harness asks them for token counts)
+    # vLLM's tokenizer endpoints: token counts for clients without the model's tokenizer; a text
+    # longer than the context is counted too (the response's max_model_len is the limit)
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest):
+    async def tokenize(payload: dict[str, Any]):
+        body = _parse(TokenizeChatRequest if "messages" in payload else TokenizeCompletionRequest, payload)
         check_model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
             body.check_chat_prompt()
-            ids = await _chat_prompt_ids(engine, body, body.add_special_tokens)
+            ids = await _chat_prompt_ids(engine, body, body.add_special_tokens, check_length=False)
         else:
-            ids = await _encode(engine, body.prompt, "prompt", body.add_special_tokens)
+            ids = await _encode(engine, body.prompt, "prompt", body.add_special_tokens, check_length=False)
         strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids, "token_strs": strs}
 
@@ -186,19 +191,29 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
 
 
 async def _chat_prompt_ids(engine: AsyncLLMEngine, body: ChatPrompt, add_special_tokens: bool = False,
-                           keep_last: int | None = None) -> list[int]:
+                           keep_last: int | None = None, check_length: bool = True) -> list[int]:
     """The token ids of a chat prompt as the model's template renders it (off the event loop); the
     template places BOS, so no special tokens are added by default."""
     tokenizer = engine.tokenizer
+    check_length = check_length and keep_last is None  # a truncated prompt may be longer than the context
     try:
         knows_developer = "developer" in (tokenizer.chat_template or "")
         messages = [m.as_template_dict(knows_developer) for m in body.messages]
-        _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
+        if check_length:
+            _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
         text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
                                        body.continue_final_message, body.chat_template_kwargs)
     except SourceModelError as e:  # no template, or the template refused these messages
         raise InvalidRequestError(str(e), param="messages") from e
-    return await _encode(engine, text, "messages", add_special_tokens, keep_last)
+    return await _encode(engine, text, "messages", add_special_tokens, keep_last, check_length)
+
+
+def _parse(model: type[BaseModel], payload: dict):
+    """`payload` as `model`, or the 400 FastAPI gives a body that does not fit its declared model."""
+    try:
+        return model.model_validate(payload)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
 def _check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
@@ -209,16 +224,16 @@ def _check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
 
 
 def _keep_last(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
-    """The prompt tokens a request keeps (SamplingParams.truncate_prompt_tokens; -1: the context)."""
-    return engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return truncation(truncate_prompt_tokens, engine.max_model_len)
 
 
 async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True,
-                  keep_last: int | None = None) -> list[int]:
+                  keep_last: int | None = None, check_length: bool = True) -> list[int]:
     """Token ids, tokenized off the event loop (a long prompt took seconds there, and every other
     client waited): a text too long for any context is refused before tokenizing, unless it is
-    truncated to its last `keep_last` tokens."""
-    if keep_last is None:
+    truncated to its last `keep_last` tokens or only counted (check_length False; the body limit
+    bounds it)."""
+    if check_length and keep_last is None:
         _check_length(engine, len(text), what)
     try:
         text.encode("utf-8")
@@ -238,10 +253,10 @@ def _check_length(engine: AsyncLLMEngine, num_chars: int, what: str) -> None:
                                   f"{engine.max_request_len}-token limit can hold; shorten it", param=what)
 
 
-def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLMEngine, what: str) -> int:
+def _completion_budget(requested: int | None, given: bool, prompt_len: int, engine: AsyncLLMEngine, what: str) -> int:
     """The tokens a completion may generate: what was asked, or (null) the rest of the context, or
-    of what the KV cache holds when that is less. A request that cannot fit is refused, as
-    OpenAI's and vLLM's servers do, rather than cut short."""
+    of what the KV cache holds when that is less. A max_tokens the request set that cannot fit is
+    refused, as OpenAI's and vLLM's servers do, rather than cut short; a default one is cut to fit."""
     limit = engine.max_request_len
     holder = (f"model's {limit}-token context" if limit == engine.max_model_len
               else f"{limit}-token limit the KV cache sets (serve --kv-cache-mb)")
@@ -249,7 +264,7 @@ def _completion_budget(requested: int | None, prompt_len: int, engine: AsyncLLME
     if room < 1 and prompt_len:
         raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
                                   "shorten it", param=what)
-    if requested is None:
+    if requested is None or (not given and requested > room):
         return max(room, 1)  # an empty prompt is refused by the engine, with its own message
     if requested > room:
         raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "

@@ -97,7 +97,7 @@ class Tokenizer:
         tail = [self.eos_token_id] if add_special_tokens and self.add_eos else []
         if keep_last is not None:
             room = max(keep_last - len(head) - len(tail), 0)
-            ids = ids[len(ids) - room:] if room else []
+            ids = ids[max(len(ids) - room, 0):] if room else []
         return head + ids + tail
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

@@ -130,6 +130,10 @@ def test_hf_config_round_trips():
                                       {"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64, "eos_token_id": [7, 9]})
     assert recommended.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
     assert ModelConfig.from_hf(hf_config_dict(recommended), hf_generation_config_dict(recommended)) == recommended
+    assert hf_generation_config_dict(recommended)["do_sample"] is True
+    # transformers runs greedy without do_sample: max_new_tokens alone, or temperature 0, stays greedy
+    for greedy in ({"max_new_tokens": 64}, {"temperature": 0.0, "top_p": 0.9}):
+        assert hf_generation_config_dict(ModelConfig.from_hf(hf_config_dict(config), greedy))["do_sample"] is False
     assert hf_generation_config_dict(config) is None
 
 

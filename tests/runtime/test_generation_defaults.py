@@ -91,3 +91,24 @@ def test_the_server_fills_the_fields_a_request_leaves_out(model_dir):
 def _hf():
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 260, "hidden_size": 128, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_a_default_max_tokens_is_cut_to_fit_and_one_the_request_sets_is_not(tmp_path):
+    """vLLM's rule: a left-out max_tokens is the smaller of the API's default (16 for completions)
+    and the model's max_new_tokens, cut to the room the prompt leaves; a set one that does not fit
+    is refused (the model's 1000 had made every request that left it out a 400)."""
+    path = write_tiny_hf_model(tmp_path, "llama")
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 1000}))
+    messages = [{"role": "user", "content": "hi"}]
+    with serving_model(path, dtype="fp32", num_kv_blocks=8, max_model_len=64) as (engine, server), \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        chat = client.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True}).json()
+        prompt_tokens = chat["usage"]["prompt_tokens"]
+        assert chat["usage"]["completion_tokens"] == 64 - prompt_tokens
+        short = client.post("/v1/completions", json={"prompt": "hi", "ignore_eos": True}).json()
+        assert short["usage"]["completion_tokens"] == 16
+        long_prompt = list(range(3, 3 + 60))
+        cut = client.post("/v1/completions", json={"prompt": long_prompt, "ignore_eos": True}).json()
+        assert cut["usage"]["completion_tokens"] == 4
+        refused = client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 16})
+        assert refused.status_code == 400 and "does not fit" in refused.json()["error"]["message"]

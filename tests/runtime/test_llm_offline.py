@@ -337,7 +337,8 @@ def test_vllm_s_constructor_options(tmp_path):
     first = draws(5)
     assert draws(5) == first and draws(6) != first
     assert LLM(path, dtype="fp32", num_kv_blocks=16, kv_cache_dtype="fp8_e4m3").engine.kv_dtype == "fp8"
-    for options, error in [(dict(tensor_parallel_size=2), "one device"),
+    assert LLM(path, dtype="fp32", num_kv_blocks=16, kv_cache_dtype="bfloat16").engine.kv_dtype == "bf16"
+    for options, error in [(dict(tensor_parallel_size=2), "one device"), (dict(tensor_parallel_size=True), "one"),
                            (dict(kv_cache_dtype="fp8_e5m2"), "e4m3"),
                            (dict(kv_cache_dtype="fp8", kv_dtype="int4"), "not both"),
                            (dict(seed="1"), "seed must be an integer")]:

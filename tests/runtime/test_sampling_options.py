@@ -2,6 +2,8 @@
 bad_words, skip_special_tokens, include_stop_str_in_output, detokenize, truncate_prompt_tokens,
 max_tokens=None, and the prefix-cache hit a request reports (num_cached_tokens / usage)."""
 
+import json
+
 import httpx
 import pytest
 
@@ -108,9 +110,13 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm, model_dir):
     text = "the quick brown fox jumps over the lazy dog"
     assert one(llm, text, max_tokens=1, truncate_prompt_tokens=5).prompt_token_ids == \
         llm.tokenizer.encode(text)[-5:]  # this tokenizer adds no BOS
+    assert one(llm, text, max_tokens=1, truncate_prompt_tokens=len(text) + 3).prompt_token_ids == \
+        llm.tokenizer.encode(text)
     with pytest.raises(RequestError, match="truncate_prompt_tokens must be") as e:
         SamplingParams(truncate_prompt_tokens=0)
     assert e.value.param == "truncate_prompt_tokens"
+    with pytest.raises(RequestError, match="more than the model's context of 128"):  # as vLLM refuses it
+        one(llm, text, max_tokens=1, truncate_prompt_tokens=129)
 
 
 def test_truncation_keeps_the_bos_in_front(tmp_path):
@@ -122,11 +128,23 @@ def test_truncation_keeps_the_bos_in_front(tmp_path):
     assert tok.encode("the cat sat on the mat", keep_last=3) == [tok.bos_token_id] + full[-2:]
     assert tok.encode("the cat sat on the mat", keep_last=1) == [tok.bos_token_id]
     assert tok.encode("the cat sat on the mat", keep_last=100) == full
+    for keep in range(len(full), 2 * len(full) + 1):  # more than the prompt holds: all of it
+        assert tok.encode("the cat sat on the mat", keep_last=keep) == full, keep
 
 
 def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
     out = one(llm, {"prompt_token_ids": list(range(3, 103))}, max_tokens=None, **GREEDY)
     assert len(out.token_ids) == 28 and out.finish_reason == "length"
+    with pytest.raises(RequestError, match="min_tokens 40 does not fit: the prompt takes 100 of the 128") as e:
+        one(llm, {"prompt_token_ids": list(range(3, 103))}, max_tokens=None, min_tokens=40)
+    assert e.value.param == "min_tokens"
+
+
+def test_bad_words_must_be_text():
+    for words in (["\ud800"], ["x" * 513]):
+        with pytest.raises(RequestError, match="bad_words must be") as e:
+            SamplingParams(bad_words=words)
+        assert e.value.param == "bad_words"
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(llm):
@@ -169,10 +187,13 @@ def test_the_server_takes_vllm_s_options(client, llm):
 
 def test_the_server_refuses_bad_options_with_their_names(client):
     for options, param in [(dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+                           (dict(truncate_prompt_tokens=500), "truncate_prompt_tokens"),
+                           (dict(bad_words=["\ud800"]), "bad_words"),
                            (dict(allowed_token_ids=[]), "allowed_token_ids"),
                            (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
                            (dict(bad_words=[" "]), "bad_words")]:
-        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2} | options)
+        body = json.dumps({"prompt": "hi", "max_tokens": 2} | options)  # ASCII: a lone surrogate as \\ud800
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (options, r.text)
     assert client.get("/health").status_code == 200
 

@@ -193,6 +193,9 @@ def test_preemption_of_newest_then_identical_completion(num_blocks, budget, prom
             scheduled_ids = {e.seq_id for e in plan.scheduled}
             assert scheduled_ids <= set(running_before) - set(preempted)  # no admissions, no re-admission
     assert num_preempted_steps > 0 and sched.num_preemptions > 0
+    # a preempted sequence re-admitted finds its own blocks, output included: its reported prompt hit
+    # stays the one of its first admission (it had read 12 cached tokens of a 6-token prompt)
+    assert all(s.num_cached_tokens <= s.num_prompt_tokens for s in seqs)
     assert sorted(finished) == [s.seq_id for s in seqs]
     assert sched.kv.usage == 0.0
     assert_matches_reference(seqs)

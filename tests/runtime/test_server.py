@@ -314,6 +314,11 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
     assert chat["count"] == completion["usage"]["prompt_tokens"] and chat["token_strs"] is None
     assert chat["tokens"] == tok.chat_prompt_ids([{"role": "user", "content": "hi"}], True)
     assert client.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "hello there"}
+    long = client.post("/tokenize", json={"prompt": "ab " * 4000}).json()  # counted, though past the context
+    assert long["count"] == len(tok.encode("ab " * 4000)) > long["max_model_len"]
+    r = client.post("/tokenize", json={"prompt": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # not "messages", no class name
+    assert "Tokenize" not in r.json()["error"]["message"]
     for path, payload, param in [("/detokenize", {"tokens": [1, -3]}, "tokens"),
                                  ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
                                  ("/tokenize", {"messages": messages, "continue_final_message": True}, None)]:
