@@ -14,8 +14,9 @@ Invariants:
 - A request whose client goes away is aborted: a streaming response is cancelled by Starlette
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
   the connection while it waits.
-- `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` when a key is set;
-  `/health` and `/metrics` are open (probes and scrapers), as in vLLM.
+- `/v1/*` and the tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`) need
+  `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are open (probes and
+  scrapers), as in vLLM.
 - Browsers may call it cross-origin only from `allowed_origins` (none by default, unlike vLLM's
   `*`: a page the user visits must not reach a server on their loopback). The CORS layer is
   outside the key check, so a preflight, which carries no key, is answered.
@@ -170,6 +171,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             ids = await _encode(engine, body.prompt, "prompt", body.add_special_tokens, check_length=False)
         strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids, "token_strs": strs}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return engine.tokenizer.info() | {"model_max_length": engine.max_request_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
@@ -419,9 +424,12 @@ async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams
     _abort_unfinished(engine, streams)
 
 
+_TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
 class _ApiKeyMiddleware:
-    """`/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer KEY` (vLLM leaves the last
-    two open; they run the tokenizer on a caller's text). A plain ASGI middleware, so a request without the
+    """`/v1/*` and the tokenizer endpoints need `Authorization: Bearer KEY` (vLLM leaves the latter
+    open; they run the tokenizer on a caller's text). A plain ASGI middleware, so a request without the
     key is answered 401 before its body is read (a route dependency ran after body parsing, so a
     malformed body got a 400 that told a caller without the key about the API)."""
 
@@ -430,7 +438,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        guarded = scope["type"] == "http" and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize"))
+        guarded = scope["type"] == "http" and (path.startswith("/v1/") or path in _TOKENIZER_PATHS)
         if guarded and not self._authorized(scope):
             body = error_body("missing or wrong API key; send the header 'Authorization: Bearer <key>'",
                               code="invalid_api_key")

@@ -136,6 +136,13 @@ class Tokenizer:
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self.backend.get_added_tokens_decoder())
 
+    def info(self) -> dict:
+        """The special tokens' text, the BOS / EOS policy and the chat template, as vLLM's
+        GET /tokenizer_info gives them (a remote tokenizer, lm-evaluation-harness's, reads them)."""
+        return {**{key: _token_text(self.config.get(key)) for key in ("bos_token", "eos_token", "pad_token",
+                                                                      "unk_token")},
+                "add_bos_token": self.add_bos, "add_eos_token": self.add_eos, "chat_template": self.chat_template}
+
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
         """The tokens `decode(skip_special_tokens=True)` leaves out."""

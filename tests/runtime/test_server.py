@@ -314,6 +314,11 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
     assert chat["count"] == completion["usage"]["prompt_tokens"] and chat["token_strs"] is None
     assert chat["tokens"] == tok.chat_prompt_ids([{"role": "user", "content": "hi"}], True)
     assert client.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "hello there"}
+    # what lm-evaluation-harness's remote tokenizer reads: the special tokens' text and the template
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|eos|>" and info["chat_template"] == tok.chat_template
+    assert client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"] \
+        == [tok.eos_token_id]
     long = client.post("/tokenize", json={"prompt": "ab " * 4000}).json()  # counted, though past the context
     assert long["count"] == len(tok.encode("ab " * 4000)) > long["max_model_len"]
     r = client.post("/tokenize", json={"prompt": 5})
