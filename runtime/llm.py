@@ -13,6 +13,7 @@ from tqdm import tqdm
 from qkiln.errors import RequestError, SourceModelError
 
 from .engine import EngineConfig, RequestOutput, is_token_ids
+from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import load_for_serving
 from .sampling_params import SamplingParams
 
@@ -93,8 +94,10 @@ class LLM:
         # One call steps the engine at a time: two threads stepping it took each other's outputs.
         self._lock = threading.Lock()
 
-    def get_tokenizer(self):
-        return self.tokenizer
+    def get_tokenizer(self) -> TransformersStyleTokenizer:
+        """The tokenizer with transformers' calls and defaults (apply_chat_template(..., tokenize=False),
+        tok(text), decode), as vLLM's get_tokenizer gives; `llm.tokenizer` is qkiln's own."""
+        return TransformersStyleTokenizer(self.tokenizer, self.name)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` uses without sampling_params: SamplingParams() with the values the model's
