@@ -140,19 +140,22 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[PromptOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[PromptOutput]:
         """One conversation ([{"role", "content"}, ...]) or a list of them, rendered with the model's
         chat template (or `chat_template`) and tokenized as `/v1/chat/completions` does
-        (Tokenizer.chat_prompt_ids); the options are vLLM's."""
+        (Tokenizer.chat_prompt_ids); the options are vLLM's. `tools` go to the template, which
+        describes them to the model; its calls come back as text (offline vLLM parses none either)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         conversations = [[_template_message(m) for m in c] for c in conversations]
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message continues the last message, so it needs "
                                "add_generation_prompt=False", "continue_final_message")
+        template_kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools is not None else {}))
         try:
             prompts = [self.tokenizer.chat_prompt_ids(c, add_generation_prompt, chat_template=chat_template,
                                                       continue_final_message=continue_final_message,
-                                                      template_kwargs=chat_template_kwargs) for c in conversations]
+                                                      template_kwargs=template_kwargs) for c in conversations]
         except SourceModelError as e:  # no template, or the template refused these messages
             raise RequestError(str(e), "messages") from e
         return self.generate(prompts, sampling_params, use_tqdm)

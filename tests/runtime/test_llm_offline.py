@@ -106,6 +106,10 @@ def test_chat_renders_the_template_without_a_second_bos(tmp_path):
     text = llm.tokenizer.apply_chat_template(conversation)
     assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
     assert [o.prompt_token_ids for o in llm.chat([conversation, conversation], GREEDY)] == [out.prompt_token_ids] * 2
+    # vLLM's tools: variables of the template, which describes them to the model
+    tooled = "{% for t in tools or [] %}[tool {{ t['name'] }}]{% endfor %}" + template
+    (out,) = llm.chat(conversation, GREEDY, chat_template=tooled, tools=[{"name": "weather"}])
+    assert llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False).startswith("[tool weather]")
 
 
 def test_a_kv_fp8_artifact_serves_with_another_kv_dtype(tmp_path, monkeypatch):
