@@ -26,3 +26,12 @@ def serving_model(model_dir, **engine_kw):
             yield engine, server
     finally:
         engine.shutdown()
+
+
+@contextmanager
+def serving_client(model_dir, **engine_kw):
+    """An httpx client of a model directory served as "tiny" (serving_model's options)."""
+    import httpx
+
+    with serving_model(model_dir, **engine_kw) as (_, server), httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client

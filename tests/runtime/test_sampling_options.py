@@ -4,7 +4,6 @@ max_tokens=None, and the prefix-cache hit a request reports (num_cached_tokens /
 
 import json
 
-import httpx
 import pytest
 
 from qkiln.errors import RequestError
@@ -12,7 +11,7 @@ from qkiln.runtime.bad_words import bad_words_banned, bad_words_token_ids
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
 from qkiln.runtime.tokenizer import Tokenizer
-from loopback import serving_model
+from loopback import serving_client
 from tiny_models import trained_byte_level_bpe, write_tiny_hf_model
 
 ENGINE_KW = dict(num_kv_blocks=32, max_model_len=128)
@@ -156,9 +155,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens(llm):
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    with serving_model(model_dir, dtype="fp32", **ENGINE_KW) as (_, server):
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            yield c
+    with serving_client(model_dir, dtype="fp32", **ENGINE_KW) as c:
+        yield c
 
 
 def post(client, path, **body):

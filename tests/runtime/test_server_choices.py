@@ -3,12 +3,11 @@ each choice is the request it stands for sent alone, OpenAI's order and usage ho
 
 import json
 
-import httpx
 import pytest
 
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
-from loopback import serving_model
+from loopback import serving_client
 from tiny_models import write_tiny_hf_model
 
 ENGINE_KW = dict(num_kv_blocks=96, max_model_len=128, max_num_seqs=8)
@@ -21,9 +20,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(model_dir):
-    with serving_model(model_dir, dtype="fp32", **ENGINE_KW) as (_, server):
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            yield c
+    with serving_client(model_dir, dtype="fp32", **ENGINE_KW) as c:
+        yield c
 
 
 def post(client, path, **body):
