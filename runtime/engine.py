@@ -16,10 +16,10 @@ import torch
 from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
 
+from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
 from .cuda_graphs import GraphRunner
 from .detokenizer import IncrementalDetokenizer, NoText
-from .bad_words import bad_words_token_ids
 from .model import CausalLM
 from .runner import ModelRunner
 from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
@@ -182,9 +182,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
-            ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
+            ids = self.tokenizer.encode(prompt, keep_last=self._truncation(params.truncate_prompt_tokens))
         elif is_token_ids(prompt):
-            ids = self.truncate_prompt([int(t) for t in prompt], params.truncate_prompt_tokens)
+            ids = self._truncated([int(t) for t in prompt], params.truncate_prompt_tokens)
         else:  # int() of whatever it iterated failed with a message about int()
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
                                "prompt")
@@ -222,13 +222,8 @@ class LLMEngine:
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
 
-    def encode_prompt(self, text: str, truncate_prompt_tokens: int | None = None,
-                      add_special_tokens: bool = True) -> list[int]:
-        """A text prompt's ids, cut to its last `truncate_prompt_tokens` (SamplingParams)."""
-        return self.tokenizer.encode(text, add_special_tokens, keep_last=self._truncation(truncate_prompt_tokens))
-
-    def truncate_prompt(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """Token ids cut to their last `truncate_prompt_tokens` (ids are taken as they are, BOS or not)."""
+    def _truncated(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """Token ids cut to their last `truncate_prompt_tokens` (taken as they are, BOS or not)."""
         keep = self._truncation(truncate_prompt_tokens)
         return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
 
