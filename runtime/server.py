@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key, allowed_origins)` and `serve()`.
 
 Owns routes, authentication, the HTTP error mapping and the server-sent-event framing. Wire
-shapes live in openai_protocol.py, the engine thread in async_engine.py, Prometheus in
-metrics.py. Must not touch the `LLMEngine` directly.
+shapes live in openai_protocol.py, prompts as token ids in request_prompts.py, the engine thread
+in async_engine.py, Prometheus in metrics.py. Must not touch the `LLMEngine` directly.
 
 Invariants:
 - A bad request never reaches the engine's step loop and never takes the server down: every
@@ -40,15 +40,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qkiln.errors import QkilnError, RequestError, SourceModelError
+from qkiln.errors import QkilnError, RequestError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
-from .engine import truncation
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
-from .openai_protocol import (ChatCompletionRequest, ChatPrompt, ChatResponse, CompletionRequest, CompletionResponse,
+from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, InvalidRequestError, ResponseBuilder, SamplingFields,
                               TokenizeChatRequest, TokenizeCompletionRequest, batch_response, error_body, usage_chunk)
+from .request_prompts import chat_prompt_ids, check_token_ids, encode_text, kept_prompt_tokens
 from .sampling_params import SamplingParams
 
 
@@ -120,12 +120,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         choices: list[_Choice] = []
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
-            keep = _keep_last(engine, body.truncate_prompt_tokens)
+            keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
             if isinstance(prompt, list):
-                _check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
+                check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
                 ids = prompt if keep is None else prompt[max(len(prompt) - keep, 0):]
             else:
-                ids = await _encode(engine, prompt, where, keep_last=keep)
+                ids = await encode_text(engine, prompt, where, keep_last=keep)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned and
             # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
             max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
@@ -147,7 +147,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        prompt_ids = await _chat_prompt_ids(engine, body, keep_last=_keep_last(engine, body.truncate_prompt_tokens))
+        keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
+        prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
         max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
         for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
@@ -166,9 +167,9 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         check_model_name(body.model)
         if isinstance(body, TokenizeChatRequest):
             body.check_chat_prompt()
-            ids = await _chat_prompt_ids(engine, body, body.add_special_tokens, check_length=False)
+            ids = await chat_prompt_ids(engine, body, body.add_special_tokens, check_length=False)
         else:
-            ids = await _encode(engine, body.prompt, "prompt", body.add_special_tokens, check_length=False)
+            ids = await encode_text(engine, body.prompt, "prompt", body.add_special_tokens, check_length=False)
         strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids, "token_strs": strs}
 
@@ -179,7 +180,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         check_model_name(body.model)
-        _check_token_ids(engine, body.tokens, "tokens")
+        check_token_ids(engine, body.tokens, "tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/health")
@@ -195,67 +196,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     return app
 
 
-async def _chat_prompt_ids(engine: AsyncLLMEngine, body: ChatPrompt, add_special_tokens: bool = False,
-                           keep_last: int | None = None, check_length: bool = True) -> list[int]:
-    """The token ids of a chat prompt as the model's template renders it (off the event loop); the
-    template places BOS, so no special tokens are added by default."""
-    tokenizer = engine.tokenizer
-    check_length = check_length and keep_last is None  # a truncated prompt may be longer than the context
-    try:
-        knows_developer = "developer" in (tokenizer.chat_template or "")
-        messages = [m.as_template_dict(knows_developer) for m in body.messages]
-        if check_length:
-            _check_length(engine, sum(len(m["content"]) for m in messages), "messages")
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt,
-                                       body.continue_final_message, body.chat_template_kwargs)
-    except SourceModelError as e:  # no template, or the template refused these messages
-        raise InvalidRequestError(str(e), param="messages") from e
-    return await _encode(engine, text, "messages", add_special_tokens, keep_last, check_length)
-
-
 def _parse(model: type[BaseModel], payload: dict):
     """`payload` as `model`, or the 400 FastAPI gives a body that does not fit its declared model."""
     try:
         return model.model_validate(payload)
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
-
-
-def _check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-    if bad is not None:  # the engine's own words for it
-        raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in "
-                                  f"[0, {engine.vocab_size})", param=what)
-
-
-def _keep_last(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
-    return truncation(truncate_prompt_tokens, engine.max_model_len)
-
-
-async def _encode(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True,
-                  keep_last: int | None = None, check_length: bool = True) -> list[int]:
-    """Token ids, tokenized off the event loop (a long prompt took seconds there, and every other
-    client waited): a text too long for any context is refused before tokenizing, unless it is
-    truncated to its last `keep_last` tokens or only counted (check_length False; the body limit
-    bounds it)."""
-    if check_length and keep_last is None:
-        _check_length(engine, len(text), what)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate, which UTF-8 cannot hold
-        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate at character {e.start}, which is not "
-                                  "text; send valid Unicode", param=what) from None
-    return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens, keep_last)
-
-
-def _check_length(engine: AsyncLLMEngine, num_chars: int, what: str) -> None:
-    """No token of the vocabulary stands for more than max_token_chars characters (x4: normalizers
-    may fold several characters into one), so a longer text cannot fit the context: refuse it
-    without tokenizing (a 16 MB prompt took 10 s and 2 GB to refuse)."""
-    limit = engine.max_request_len * engine.tokenizer.max_token_chars * 4
-    if num_chars > limit:
-        raise InvalidRequestError(f"the {what} is {num_chars} characters long, more than the model's "
-                                  f"{engine.max_request_len}-token limit can hold; shorten it", param=what)
 
 
 def _completion_budget(requested: int | None, given: bool, prompt_len: int, engine: AsyncLLMEngine, what: str) -> int:
