@@ -5,7 +5,9 @@ Owns the shapes of `/v1/completions` and `/v1/chat/completions` in both directio
 translation of a request into `SamplingParams`. Must not know about the engine thread or HTTP:
 it reads `RequestOutput`s and returns plain dicts. Validation is
 strict (a string "5" is not an integer, `true` is not a number): a wrong type is the client's
-bug and gets a 400 naming the field rather than a silent coercion. Unknown fields are ignored,
+bug and gets a 400 naming the field rather than a silent coercion. A whole number sent as a float
+(`"max_tokens": 4.0`, what a client computing it by division sends) counts as that integer, as
+OpenAI's and vLLM's servers take it. Unknown fields are ignored,
 as OpenAI clients send many optional ones (user, ...); known ones that would change the answer
 and are not implemented (best_of, tools, JSON mode, guided decoding) are refused unless at their
 no-op values.
@@ -18,9 +20,9 @@ import time
 import types
 import typing
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from qkiln.errors import RequestError
 
@@ -28,6 +30,13 @@ from .detokenizer import IncrementalDetokenizer
 from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
+
+def _whole_float_as_int(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# an integer field (a count, a seed): 4.0 is 4, 4.5 and "4" are refused
+Whole = Annotated[int, BeforeValidator(_whole_float_as_int)]
 
 # Every choice of a completion batch (prompts x n) is an engine request: without a bound one HTTP
 # request could queue 2048 x 128 of them ahead of every other client's.
@@ -60,17 +69,17 @@ class SamplingFields(BaseModel):
         return data
 
     model: str | None = None  # absent: the served model (as vLLM does; OpenAI requires it)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Whole | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    top_k: Whole = Field(default=-1, ge=-1)  # extension (vLLM): -1 or 0 disables it
+    seed: Whole | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt, each its own engine request
+    n: Whole = Field(default=1, ge=1, le=MAX_N)  # choices per prompt, each its own engine request
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension, for benchmarks
-    min_tokens: int = Field(default=0, ge=0)  # extension
+    min_tokens: Whole = Field(default=0, ge=0)  # extension
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,13 +93,13 @@ class SamplingFields(BaseModel):
     functions: list | None = None  # legacy function calling, which `tools` replaced
     function_call: str | dict | None = None
     response_format: dict | None = None
-    best_of: int | None = None
+    best_of: Whole | None = None
     # vLLM's extensions (SamplingParams documents them)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Whole | None = None
     # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
     # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
     use_beam_search: bool = False
@@ -162,8 +171,8 @@ class CompletionRequest(SamplingFields):
     # one prompt (text or token ids) or a batch of them (one choice each, `index` in order)
     prompt: str | list[int] | list[str] | list[list[int]]
     # OpenAI's default for completions; 0 only with echo (score the prompt, generate nothing)
-    max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Whole | None = Field(default=16, ge=0)
+    logprobs: Whole | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None  # insertion (fill in the middle): refused unless empty
 
@@ -281,9 +290,9 @@ class ChatPrompt(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields, ChatPrompt):
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Whole | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Whole | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's, refused: it would change the answer
 
     @property

@@ -299,6 +299,18 @@ def test_api_key(engine):
         assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 401  # it runs the tokenizer
 
 
+def test_a_whole_number_sent_as_a_float_is_that_integer(client):
+    """What a client computing max_tokens by division sends: OpenAI's and vLLM's servers take it."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4.0, "n": 2.0, "seed": 3.0, "logprobs": 1.0,
+            "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8 and len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4
+    for field, value in (("max_tokens", 4.5), ("max_tokens", "4"), ("n", True)):
+        r = client.post("/v1/completions", json=body | {field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
     """The ids a completion or a chat completion would run, and their text back."""
     tok = engine.tokenizer
