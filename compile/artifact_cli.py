@@ -72,8 +72,8 @@ def verify_cmd(
                                           help="also check engines/onnx/ against the artifact's weights")] = False,
     artifact: Annotated[Optional[Path],
                         typer.Option(help="for an engine folder: also check it is this artifact's engine")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print the result as one JSON object on stdout "
-                                                         "(ok, kind, name, digest, files; or ok false and error)")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as one JSON object on stdout (ok, "
+                                                         "kind, name, digest, files; or ok false and error)")] = False,
 ):
     """Check the manifest version, target and every file's size and sha256 (no weights loaded);
     with --engines, also that engines/onnx/ is the engine this qkiln builds from the weights and
@@ -99,7 +99,8 @@ def verify_cmd(
         print(json.dumps(result, sort_keys=True))
         return
     engines = result["engines"]
-    checked = "" if engines is None else f"; onnx engine {'checked: ' + engines if engines != _NOT_CHECKED else engines}"
+    checked = "" if engines is None else \
+        f"; onnx engine {engines}" if engines == _NOT_CHECKED else f"; onnx engine checked: {engines}"
     if result["kind"] == "artifact":
         print(f"ok: {result['files']} files verified (artifact {result['name']!r}, digest {result['digest']}){checked}")
     else:
@@ -201,6 +202,7 @@ def summarize_artifact(path) -> dict:
     return {
         "name": m.name,
         "format_version": m.format_version,
+        "architecture": m.architecture,  # what a registry filters on: family, sizes, context, sampling defaults
         "target": m.target,
         "recipe": m.recipe,
         "quantization": {"num_entries": len(linears), "schemes": dict(sorted(schemes.items()))},
@@ -280,6 +282,16 @@ def _scheme_words(scheme: dict) -> str:
     return ", ".join([weights, numbers(scheme.get("lm_head"), "lm_head"), acts, kv])
 
 
+def _architecture_words(a: dict) -> str:
+    """The model in words: family, layers, sizes, context; the sampling values it recommends."""
+    get = lambda key: a.get(key, "?")  # noqa: E731  a manifest of a newer minor may lack a field
+    words = (f"{get('architecture')}, {get('num_hidden_layers')} layers, hidden {get('hidden_size')}, "
+             f"{get('num_attention_heads')} / {get('num_key_value_heads')} heads, vocabulary {get('vocab_size')}, "
+             f"context {get('max_position_embeddings')}")
+    defaults = a.get("sampling_defaults")
+    return words + (f"; recommends {json.dumps(defaults, sort_keys=True)}" if defaults else "")
+
+
 def _format_summary(s: dict) -> list[str]:
     sizes = s["sizes"]
     dtypes = ", ".join(f"{k} {_size(v)}" for k, v in sizes["tensor_bytes_by_dtype"].items()) or "none"
@@ -287,6 +299,7 @@ def _format_summary(s: dict) -> list[str]:
         if sizes["compression_ratio"] else "unknown (manifest records no source size)"
     lines = [
         f"name:         {s['name']} (format {s['format_version']})",
+        f"model:        {_architecture_words(s['architecture'])}",
         f"target:       {_target_words(s['target'])}",
         f"recipe:       {s['recipe'].get('name') or 'unnamed'}: {_scheme_words(s['recipe'].get('scheme') or {})} "
         f"(inspect --json: all of it)",

@@ -483,7 +483,7 @@ def test_cli_verify_and_inspect(tmp_path):
     # what a registry keys on, and the recipe whole (long fields were "<N entries>" strings)
     manifest = read_manifest(out)
     assert summary["digest"] == manifest.digest and summary["files"] == manifest.files
-    assert summary["recipe"] == manifest.recipe
+    assert summary["recipe"] == manifest.recipe and summary["architecture"] == manifest.architecture
     assert "compression:" in runner.invoke(cli(), ["inspect", str(out)]).stdout
     shard = sorted((out / "weights").iterdir())[1]
     moved = shard.rename(shard.with_name("renamed.safetensors"))
