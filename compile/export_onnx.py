@@ -18,7 +18,8 @@ from qkiln.plugins import onnx_nodes
 
 from .artifact import Manifest, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, read_json_field, staged_directory
-from .onnx_check import OnnxCheck, check_fits_in_memory, read_engine_contract, require_engine_matches
+from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
+                         require_engine_matches)
 from .onnx_contract import read_engine_model
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
@@ -107,6 +108,7 @@ def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
     manifest = read_manifest(artifact)
     expected = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
     contract = read_engine_contract(engine_dir)
+    check_contract_version(contract, engine_dir)  # an older engine differs in its contract: say why
     actual = read_engine_model(engine_dir)
     want, have = expected.model.graph, actual.graph
     differs = [what for what, a, b in (

@@ -220,14 +220,18 @@ def read_engine_contract(engine_dir: Path) -> dict:
     return contract
 
 
-def check_contract(engine_dir: Path, kv_cache: dict) -> None:
-    """The engine's engine.json must describe this artifact's cache (an engine of other weights
-    would otherwise fail deep inside the evaluator, or worse, run)."""
-    contract = read_engine_contract(engine_dir)
+def check_contract_version(contract: dict, engine_dir: Path) -> None:
     if contract.get("contract_version") != CONTRACT_VERSION:
         raise ArtifactError(f"the ONNX engine in {engine_dir} was written by another qkiln version (engine.json "
                             f"contract_version {contract.get('contract_version')}, this qkiln's {CONTRACT_VERSION}); "
                             "re-export it from this artifact (qkiln export --format onnx)")
+
+
+def check_contract(engine_dir: Path, kv_cache: dict) -> None:
+    """The engine's engine.json must describe this artifact's cache (an engine of other weights
+    would otherwise fail deep inside the evaluator, or worse, run)."""
+    contract = read_engine_contract(engine_dir)
+    check_contract_version(contract, engine_dir)
     theirs = {key: contract.get("kv_cache", {}).get(key) for key in kv_cache}
     if theirs != kv_cache:
         raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache (engine.json "
