@@ -54,6 +54,7 @@ class InvalidRequestError(RequestError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not supported
 
 
 class SamplingFields(BaseModel):
@@ -107,6 +108,16 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list | None = None
     guided_grammar: str | None = None
+    # ... and vLLM's newer ones, which clients of vLLM >= 0.12 send (its structured_outputs replaced
+    # guided_*): each changes the answer or what it holds, or isolates the prefix cache (cache_salt)
+    structured_outputs: object = None
+    structural_tag: object = None
+    prompt_logprobs: object = None
+    return_tokens_as_token_ids: object = False
+    logits_processors: object = None
+    priority: object = 0
+    cache_salt: object = None
+    modalities: object = None  # OpenAI's; ["text"] is its default
 
     @property
     def include_usage(self) -> bool:
@@ -117,8 +128,13 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("best_of > 1 is not supported; leave it out (n returns n samples)",
                                       param="best_of")
         for name, no_op in (("use_beam_search", False), ("guided_json", None), ("guided_regex", None),
-                            ("guided_choice", None), ("guided_grammar", None)):
-            if getattr(self, name) != no_op:
+                            ("guided_choice", None), ("guided_grammar", None), ("structured_outputs", None),
+                            ("structural_tag", None), ("prompt_logprobs", None), ("return_tokens_as_token_ids", False),
+                            ("logits_processors", None), ("priority", 0), ("cache_salt", None), ("modalities", None)):
+            value = getattr(self, name)
+            if name == "modalities" and value == ["text"]:
+                continue
+            if value != no_op or type(value) is not type(no_op):  # 0 is not false here
                 raise InvalidRequestError(f"{name} is not supported; leave it out (or send {json.dumps(no_op)})",
                                           param=name)
         # checked before the server cuts the prompt with it (SamplingParams names the range)
@@ -137,15 +153,15 @@ class SamplingFields(BaseModel):
             raise InvalidRequestError("only response_format {\"type\": \"text\"} is supported (no JSON mode)",
                                       param="response_format")
 
-    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, bool]:
-        """(max_tokens, whether the request set it). Left out (or null), it is the smaller of the API's
-        default (16 for completions, none for chat) and the model's recommended one, None for the
-        rest of the context; the server then cuts it to the room left, as vLLM does, where one the
-        request set is refused when it does not fit."""
+    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, str | None]:
+        """(max_tokens, the field that set it, or None). Left out, it is the smaller of the API's
+        default (16 for completions, none for chat) and the model's recommended one; null, the
+        model's or the rest of the context (None), as vLLM reads it. The server cuts such a default
+        to the room left, as vLLM does, and refuses one the request set that does not fit."""
         if self.max_tokens is not None and "max_tokens" in self.model_fields_set:
-            return self.max_tokens, True
+            return self.max_tokens, "max_tokens"
         candidates = [v for v in (self.max_tokens, defaults.get("max_tokens")) if v is not None]
-        return (min(candidates) if candidates else None), False
+        return (min(candidates) if candidates else None), None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict | None = None) -> list[SamplingParams]:
@@ -226,6 +242,14 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     # OpenAI's roles; "tool" / "function" turns are refused with `tools` (no function calling)
     role: Literal["system", "developer", "user", "assistant"]
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_turns(cls, value):
+        if value in ("tool", "function"):
+            raise ValueError(f"{value} messages answer function calls, which are not supported; send the "
+                             "conversation's text turns only")
+        return value
     content: str | list[TextPart] | None = None
     tool_calls: list | None = None  # an assistant's function calls: refused, not dropped from the prompt
 
@@ -299,9 +323,9 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, bool]:
+    def requested_max_tokens(self, defaults: dict) -> tuple[int | None, str | None]:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens, True
+            return self.max_completion_tokens, "max_completion_tokens"
         return super().requested_max_tokens(defaults)
 
     def check_supported(self) -> None:

@@ -204,7 +204,8 @@ def _parse(model: type[BaseModel], payload: dict):
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
-def _completion_budget(requested: int | None, given: bool, prompt_len: int, engine: AsyncLLMEngine, what: str) -> int:
+def _completion_budget(requested: int | None, field: str | None, prompt_len: int, engine: AsyncLLMEngine,
+                       what: str) -> int:
     """The tokens a completion may generate: what was asked, or (null) the rest of the context, or
     of what the KV cache holds when that is less. A max_tokens the request set that cannot fit is
     refused, as OpenAI's and vLLM's servers do, rather than cut short; a default one is cut to fit."""
@@ -215,11 +216,11 @@ def _completion_budget(requested: int | None, given: bool, prompt_len: int, engi
     if room < 1 and prompt_len:
         raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
                                   "shorten it", param=what)
-    if requested is None or (not given and requested > room):
+    if requested is None or (field is None and requested > room):
         return max(room, 1)  # an empty prompt is refused by the engine, with its own message
     if requested > room:
-        raise InvalidRequestError(f"max_tokens {requested} does not fit: the {what} {takes} {prompt_len} of the "
-                                  f"{holder}, leaving {room}; lower max_tokens", param="max_tokens")
+        raise InvalidRequestError(f"{field} {requested} does not fit: the {what} {takes} {prompt_len} of the "
+                                  f"{holder}, leaving {room}; lower {field}", param=field)
     return requested
 
 
@@ -468,12 +469,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
-        response = reply(exc.status_code, str(exc.detail))
+        detail = str(exc.detail)
+        if exc.status_code == 404:  # no such route (/v1/responses, /v1/embeddings, ...): say which there are
+            detail = f"{request.url.path} is not served here; qkiln serves {', '.join(_ROUTES)}"
+        response = reply(exc.status_code, detail)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
+_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
+           "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /metrics")
 
 
 def _param(loc) -> str | None:

@@ -299,6 +299,14 @@ def test_api_key(engine):
         assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 401  # it runs the tokenizer
 
 
+def test_an_unknown_route_names_the_ones_there_are(client):
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "hi"})  # the Agents SDK's default
+    assert r.status_code == 404 and "/v1/responses is not served here" in r.json()["error"]["message"]
+    assert "POST /v1/chat/completions" in r.json()["error"]["message"]
+    ok = client.post("/v1/chat/completions", json=chat_body(modalities=["text"], max_tokens=1))  # OpenAI's default
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_whole_number_sent_as_a_float_is_that_integer(client):
     """What a client computing max_tokens by division sends: OpenAI's and vLLM's servers take it."""
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 4.0, "n": 2.0, "seed": 3.0, "logprobs": 1.0,
@@ -431,6 +439,19 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     "min_p past 1": ("/v1/chat/completions", chat_body(min_p=1.5), "min_p"),
     # vLLM extensions lm-eval forwards from a task's generation_kwargs: never silently ignored
     "use_beam_search": ("/v1/completions", {"model": "tiny", "prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    # vLLM >= 0.12's names (structured_outputs replaced guided_*), and fields that change what the
+    # answer holds: they had been accepted and ignored
+    **{f"vLLM's {name}": ("/v1/chat/completions", chat_body(**{name: value}), name) for name, value in (
+        ("structured_outputs", {"choice": ["yes", "no"]}), ("structural_tag", "{}"), ("prompt_logprobs", 1),
+        ("return_tokens_as_token_ids", True), ("logits_processors", ["x"]), ("priority", 1), ("cache_salt", "a"),
+        ("modalities", ["text", "audio"]))},
+    "continuous usage stats": ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
+                                                   "stream_options": {"continuous_usage_stats": True}},
+                               "stream_options.continuous_usage_stats"),
+    "max_completion_tokens past the context": ("/v1/chat/completions", chat_body(max_completion_tokens=10**6),
+                                               "max_completion_tokens"),
+    "a tool message": ("/v1/chat/completions", chat_body() | {"messages": [{"role": "tool", "content": "42"}]},
+                       "messages.0.role"),
     "suffix": ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, "suffix"),
     "stream_options without stream": ("/v1/completions", {"model": "tiny", "prompt": "x",
                                                           "stream_options": {"include_usage": True}}, "stream_options"),
