@@ -93,4 +93,5 @@ def _check_engine_is_the_artifact_s(manifest, engine_dir: Path) -> None:
         theirs = ", ".join(f"{k} {recorded.get(k)!r}" for k in differing)
         ours = ", ".join(f"{k} {expected[k]!r}" for k in differing)
         raise ArtifactError(f"{engine_dir} was exported from another artifact ({theirs}; this one's: {ours}): "
-                            "re-export it from this artifact (qkiln export --format onnx) or score the one it came from")
+                            "re-export it from this artifact (qkiln export --format onnx) or score the one it "
+                            "came from")

@@ -31,6 +31,7 @@ from .engine import RequestOutput
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
 
+
 def _whole_float_as_int(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -169,7 +170,8 @@ class SamplingFields(BaseModel):
         defaults: the model's recommended sampling values (LLMEngine.sampling_defaults), which the
         fields this request left out take, as in vLLM."""
         defaults = defaults or {}
-        given = {name: getattr(self, name) if name in self.model_fields_set else defaults.get(name, getattr(self, name))
+        given = {name: getattr(self, name) if name in self.model_fields_set
+                 else defaults.get(name, getattr(self, name))
                  for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         # SamplingParams takes a string or a list of stops, and validates itself when made
         return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
@@ -242,6 +244,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     # OpenAI's roles; "tool" / "function" turns are refused with `tools` (no function calling)
     role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list | None = None  # an assistant's function calls: refused, not dropped from the prompt
 
     @field_validator("role", mode="before")
     @classmethod
@@ -250,8 +254,6 @@ class ChatMessage(BaseModel):
             raise ValueError(f"{value} messages answer function calls, which are not supported; send the "
                              "conversation's text turns only")
         return value
-    content: str | list[TextPart] | None = None
-    tool_calls: list | None = None  # an assistant's function calls: refused, not dropped from the prompt
 
     @field_validator("tool_calls")
     @classmethod
