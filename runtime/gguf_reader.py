@@ -111,7 +111,20 @@ def _config_from_metadata(meta: dict, tensor_names: set[str], rope_freqs: list[f
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_end_of_generation_ids(meta),
+        sampling_defaults=_sampling_defaults(meta),
     )
+
+
+# general.sampling.* (what convert_hf_to_gguf.py records of a model's recommended sampling, and
+# llama.cpp starts from) -> SamplingParams' fields. penalty_repeat is left out: llama.cpp applies it
+# over the last penalty_last_n tokens, not over the prompt and output as repetition_penalty does.
+_SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p"}
+
+
+def _sampling_defaults(meta: dict) -> dict | None:
+    found = {field: meta[f"general.sampling.{key}"] for key, field in _SAMPLING_KEYS.items()
+             if isinstance(meta.get(f"general.sampling.{key}"), (int, float))}
+    return {k: int(v) if k == "top_k" else float(v) for k, v in found.items()} or None
 
 
 # Tokens llama.cpp ends generation at by their text, whatever the file's ids say (llama-vocab.cpp)

@@ -140,6 +140,16 @@ def test_a_llama3_vocabulary_takes_whole_tokens_before_merging_and_adds_bos():
     assert no_bos.encode(" world") == [tokens.index("Ġworld")]
 
 
+def test_recommended_sampling_becomes_the_request_defaults(hf_dir, tmp_path):
+    """general.sampling.* (convert_hf_to_gguf.py writes the model's recommendations there) are the
+    defaults llama.cpp starts from; penalty_repeat, windowed there, is not repetition_penalty."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={
+        "general.sampling.temp": ("float32", 0.5), "general.sampling.top_k": ("int32", 20),
+        "general.sampling.top_p": ("float32", 0.75), "general.sampling.penalty_repeat": ("float32", 1.1)})
+    assert load_source(path).config.sampling_defaults == {"temperature": 0.5, "top_k": 20, "top_p": 0.75}
+    assert load_source(write_tiny_gguf(tmp_path / "plain.gguf", hf_dir)).config.sampling_defaults is None
+
+
 def test_partial_rotary_is_refused(hf_dir, tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.dimension_count": ("uint32", 16)})
     with pytest.raises(UnsupportedArchitectureError, match="rope.dimension_count is 16, not the head size 32"):
