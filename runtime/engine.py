@@ -103,6 +103,11 @@ def truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | 
     return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
+def last_tokens(ids: list[int], keep: int | None) -> list[int]:
+    """A token-id prompt cut to its last `keep` ids (taken as they are, BOS or not); None keeps all."""
+    return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
+
+
 def is_token_ids(x) -> bool:
     """A prompt given as token ids: a list or tuple of integers (numpy's too, not bools)."""
     return isinstance(x, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in x)
@@ -181,10 +186,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        keep = truncation(params.truncate_prompt_tokens, self.max_model_len)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, keep_last=self._truncation(params.truncate_prompt_tokens))
+            ids = self.tokenizer.encode(prompt, keep_last=keep)
         elif is_token_ids(prompt):
-            ids = self._truncated([int(t) for t in prompt], params.truncate_prompt_tokens)
+            ids = last_tokens([int(t) for t in prompt], keep)
         else:  # int() of whatever it iterated failed with a message about int()
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
                                "prompt")
@@ -221,14 +227,6 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(), prompt_logprobs=scored)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
-
-    def _truncated(self, ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-        """Token ids cut to their last `truncate_prompt_tokens` (taken as they are, BOS or not)."""
-        keep = self._truncation(truncate_prompt_tokens)
-        return ids if keep is None or len(ids) <= keep else ids[len(ids) - keep:]
-
-    def _truncation(self, truncate_prompt_tokens: int | None) -> int | None:
-        return truncation(truncate_prompt_tokens, self.max_model_len)
 
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:

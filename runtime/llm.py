@@ -119,13 +119,16 @@ class LLM:
         if wrong is not None:
             raise RequestError(f"sampling_params must be a SamplingParams (or one per prompt), not "
                                f"{type(wrong).__name__}", "sampling_params")
-        detokenizes = [params is None or params.detokenize for params in params_list]
+        if None in params_list:  # made once: the model's recommended values (generation_config.json)
+            default = self.get_default_sampling_params()
+            params_list = [default if params is None else params for params in params_list]
+        detokenizes = [params.detokenize for params in params_list]
         with self._lock:
             request_ids: list[list[str]] = []  # each prompt's choices' engine requests
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
             try:
                 for prompt, params in zip(prompts, params_list):
-                    choices = (params or self.get_default_sampling_params()).choices()
+                    choices = params.choices()
                     for choice in choices[1:]:  # choice 0 scores the prompt; the others share its KV blocks
                         choice.prompt_logprobs = None
                     request_ids.append([])

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qkiln.errors import QkilnError, RequestError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
+from .engine import last_tokens
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
@@ -118,12 +119,12 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         check_model(body)
         request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
         choices: list[_Choice] = []
+        keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
         for i, prompt in enumerate(batch):
             where = "prompt" if len(batch) == 1 else f"prompt.{i}"
-            keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
             if isinstance(prompt, list):
                 check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
-                ids = prompt if keep is None else prompt[max(len(prompt) - keep, 0):]
+                ids = last_tokens(prompt, keep)
             else:
                 ids = await encode_text(engine, prompt, where, keep_last=keep)
             # max_tokens 0 (echo only): the engine samples one token, which is not returned and

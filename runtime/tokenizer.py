@@ -51,7 +51,9 @@ class Tokenizer:
         self.config = config
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
-        before, after = self._post_processor_tokens()
+        # tokenizer.json's post-processor decides only what tokenizer_config.json leaves unsaid
+        says_both = "add_bos_token" in config and "add_eos_token" in config
+        before, after = ([], []) if says_both else self._post_processor_tokens()
         if "add_bos_token" in config:
             self.add_bos = bool(config["add_bos_token"]) and self.bos_token_id is not None
         else:  # Llama 3's layout: no flag, tokenizer.json's post-processor puts BOS first (transformers follows it)
