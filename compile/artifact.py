@@ -36,6 +36,9 @@ WEIGHTS_DIR = "weights"
 # what artifact_writer names a write in progress: .NAME.partial-HOST-PID-RANDOM (.NAME.partial-PID before)
 UNFINISHED_SUFFIX = r"(partial|trash)-(?:(?P<host>[0-9a-f]{8})-)?(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?"
 UNFINISHED_RE = re.compile(rf"\..+\.{UNFINISHED_SUFFIX}")
+# in a writer's folder while it checks what it wrote (the manifest is complete by then, as the check
+# loads the folder): a build killed mid-check leaves it, so a copy or rename of that folder never verifies
+UNCHECKED_MARKER = "UNCHECKED"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _DEVICES = ("cpu", "cuda")
 
@@ -277,12 +280,19 @@ def check_finished_name(root: Path) -> None:
         raise ArtifactError(f"{root}: leftover of an unfinished build, not an artifact; rerun qkiln build")
 
 
+def check_not_unchecked(root: Path, present) -> None:
+    if UNCHECKED_MARKER in present:
+        raise ArtifactError(f"{root}: its writer stopped while checking it ({UNCHECKED_MARKER} is still there), so "
+                            "it was never finished; rerun the qkiln command that wrote it")
+
+
 def verify_contents(root: Path, check_target: bool = True) -> list[str]:
     """verify_artifact without the directory-name check (the writer verifies its own temp dirs)."""
     manifest = read_manifest(root)
     if check_target:
         check_target_available(manifest, where=str(root))
     present = list_artifact_files(root)
+    check_not_unchecked(root, present)
     missing = sorted(set(manifest.files) - present)
     if missing:
         raise ArtifactError(f"{root / missing[0]}: listed in the manifest but missing"

@@ -7,7 +7,9 @@ Invariants:
 - Atomic: everything goes into a sibling `.{name}.partial-{host}-{pid}-{random}` directory,
   manifest.json last, fsynced, then renamed to its name. A build killed at any point leaves only a
   partial dir that `verify_artifact` refuses; the next write to the same name deletes partials of
-  dead processes on this host. The host hash and the random part keep builds in other PID
+  dead processes on this host. While a build checks its engine (which loads the finished folder),
+  an UNCHECKED file sits beside the manifest: a copy or rename of a partial killed then never
+  verifies either. The host hash and the random part keep builds in other PID
   namespaces (containers sharing a volume) or on other hosts (NFS) from taking or deleting each
   other's partials: a pid alone collided (each container's build is pid 1).
 - `--force` replaces only what qkiln wrote: an earlier output whose own record (the manifest's file
@@ -33,8 +35,8 @@ from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
 
-from .artifact import (MANIFEST_NAME, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest, list_artifact_files,
-                       sha256_file, verify_artifact, verify_contents)
+from .artifact import (MANIFEST_NAME, UNCHECKED_MARKER, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest,
+                       list_artifact_files, sha256_file, verify_artifact, verify_contents)
 
 GiB = 1 << 30
 # one key only: safetensors keeps metadata in a hash map, so more keys could be written in any order
@@ -62,11 +64,15 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
                 _write_file(tmp / rel, data)
             files = {rel: {"sha256": sha256_file(tmp / rel), "size": (tmp / rel).stat().st_size}
                      for rel in sorted(list_artifact_files(tmp))}  # hashed from disk: what verify will see
+            if check is not None:
+                mark_unchecked(tmp)
             _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
             _fsync_dirs(tmp)
         if check is not None:
             check(tmp)
         with writing(out):
+            if check is not None:
+                mark_checked(tmp)
             move_into_place(tmp, out, lambda: check_destination(out, overwrite))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it
@@ -192,6 +198,18 @@ def fresh_partial_dir(out: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=_unfinished_prefix(out, "partial"), dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
     return tmp
+
+
+def mark_unchecked(folder: Path) -> None:
+    """Put UNCHECKED_MARKER in `folder` before its last file is written: verify refuses the folder
+    until mark_checked, so a writer killed while checking leaves nothing that passes for finished."""
+    _write_file(folder / UNCHECKED_MARKER, b"qkiln was checking what it wrote here when it stopped; "
+                b"this folder is unfinished: rerun the command that wrote it\n")
+
+
+def mark_checked(folder: Path) -> None:
+    (folder / UNCHECKED_MARKER).unlink()
+    _fsync_dir(folder)
 
 
 @contextmanager

@@ -16,8 +16,8 @@ import numpy as np
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import onnx_nodes
 
-from .artifact import Manifest, load_tensors, read_manifest, sha256_file, verify_artifact
-from .artifact_writer import check_replaceable, read_json_field, staged_directory
+from .artifact import Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file, verify_artifact
+from .artifact_writer import check_replaceable, mark_checked, mark_unchecked, read_json_field, staged_directory
 from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
                          require_engine_matches)
 from .onnx_contract import read_engine_model
@@ -55,8 +55,12 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     verify = verify and _check_fits(manifest, log)
     engine = build_onnx_engine(manifest, load_tensors(artifact, manifest, verify=False))
     with staged_directory(out, recheck) as tmp:
+        if verify:
+            mark_unchecked(tmp)
         size = sum(f.stat().st_size for f in write_onnx_engine(engine, tmp))
         check = require_engine_matches(Path(artifact), tmp) if verify else None
+        if verify:
+            mark_checked(tmp)
     return OnnxExportResult(out, len(engine.model.graph.node), size, check)
 
 
@@ -153,7 +157,9 @@ def verify_engine_files(engine_dir: Path) -> dict:
     if not isinstance(files, dict) or set(files) != {MODEL_FILE, DATA_FILE}:
         raise ArtifactError(f"{engine_dir / CONTRACT_FILE} lists no sha256 for {MODEL_FILE} and {DATA_FILE} "
                             "(written before qkiln recorded them); re-export the engine")
-    foreign = sorted(p.name for p in Path(engine_dir).iterdir() if p.name not in {MODEL_FILE, DATA_FILE, CONTRACT_FILE})
+    present = {p.name for p in Path(engine_dir).iterdir()}
+    check_not_unchecked(Path(engine_dir), present)
+    foreign = sorted(present - {MODEL_FILE, DATA_FILE, CONTRACT_FILE})
     if foreign:  # as an artifact's verify refuses files its manifest does not list
         raise ArtifactError(f"{engine_dir} holds files an engine does not: {', '.join(foreign[:5])}; remove them, "
                             "or re-export the engine into an empty folder")

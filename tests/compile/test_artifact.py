@@ -262,6 +262,22 @@ def test_killed_build_leaves_only_a_partial_that_verify_refuses(tmp_path):
     assert siblings(out) == []  # the rerun removed the dead process's partial dir
 
 
+def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
+    """A build killed during its engine check left a partial whose manifest was complete: copied or
+    renamed, it verified, though its check never finished."""
+    def copy_then_die(partial):
+        shutil.copytree(partial, tmp_path / "copy")  # what a SIGKILL here would leave, under a new name
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(tmp_path / "a", check=copy_then_die)
+    with pytest.raises(ArtifactError, match="stopped while checking it"):
+        verify_artifact(tmp_path / "copy")
+    checked = []
+    out = build(tmp_path / "a", check=checked.append)
+    assert checked and verify_artifact(out)  # a check that passes leaves no marker
+
+
 def test_overwrite_semantics(tmp_path):
     out = build(tmp_path / "a")
     with pytest.raises(ArtifactError, match="already exists; pass --force"):

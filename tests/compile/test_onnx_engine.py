@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from qkiln.compile import onnx_graph  # noqa: E402
 from qkiln.compile.artifact import manifest_digest, read_manifest, verify_artifact  # noqa: E402
 from qkiln.compile.artifact_cli import summarize_artifact  # noqa: E402
 from qkiln.compile.build import build  # noqa: E402
-from qkiln.compile.export_onnx import export_onnx  # noqa: E402
+from qkiln.compile.export_onnx import export_onnx, verify_engine_files  # noqa: E402
 from qkiln.compile.onnx_check import check_onnx_engine  # noqa: E402
 from qkiln.compile.recipe import preset  # noqa: E402
 from qkiln.errors import ArtifactError, RecipeError  # noqa: E402
@@ -110,6 +111,24 @@ def test_a_wrong_graph_fails_the_check(root, monkeypatch):
     with pytest.raises(ArtifactError, match="does not compute what the artifact computes"):
         export_onnx(artifact, root / "wrong")
     assert not (root / "wrong").exists() and not list(root.glob(".wrong.partial-*"))
+
+
+def test_an_engine_copied_while_its_check_runs_never_verifies(root, monkeypatch):
+    from qkiln.compile import export_onnx as export_module
+
+    artifact = _artifact(root, "w4a16-rtn")
+    copy = root / "engine-copied-mid-check"
+    shutil.rmtree(copy, ignore_errors=True)
+
+    def copy_then_die(artifact, engine_dir):
+        shutil.copytree(engine_dir, copy)  # what a SIGKILL during the check leaves, renamed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "require_engine_matches", copy_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        export_onnx(artifact, root / "never")
+    with pytest.raises(ArtifactError, match="stopped while checking it"):
+        verify_engine_files(copy)
 
 
 def test_a_check_that_does_not_fit_in_memory_is_skipped_and_said(root, monkeypatch):
