@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from qkiln.errors import ArtifactError
+from qkiln.errors import ArtifactError, TargetUnavailableError
 
 # 1.1: manifest.json carries `digest`, the sha256 of its own canonical JSON (1.0 manifests have none)
 FORMAT_VERSION = "1.1"
@@ -252,14 +252,14 @@ def check_target_available(manifest: Manifest, where="artifact") -> None:
     except ImportError:
         is_available = False
     if not is_available:
-        raise ArtifactError(f"{where}: built for target cuda but CUDA is not available on this machine; "
+        raise TargetUnavailableError(f"{where}: built for target cuda but CUDA is not available on this machine; "
                             "run it on a CUDA machine or rebuild with --target cpu")
     need = manifest.target.get("min_compute_capability")
     if need is not None:
         need_cc = tuple(int(x) for x in (need if isinstance(need, list) else str(need).split(".")))
         have_cc = tuple(torch.cuda.get_device_capability())
         if have_cc < need_cc:
-            raise ArtifactError(f"{where}: needs compute capability {need}, this GPU has "
+            raise TargetUnavailableError(f"{where}: needs compute capability {need}, this GPU has "
                                 f"{'.'.join(map(str, have_cc))}; serve on a newer GPU or rebuild for this one")
 
 

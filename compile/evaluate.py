@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from qkiln.calib_data import read_eval_text
-from qkiln.errors import CalibrationDataError, SourceModelError
+from qkiln.errors import CalibrationDataError, QkilnError, SourceModelError
 
 # ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
 # of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
@@ -109,7 +109,7 @@ def evaluate_many(
         raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens, fewer than one window of "
                                    f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
     if batch_size < 1:
-        raise CalibrationDataError(f"--batch-size must be at least 1, got {batch_size}")
+        raise QkilnError(f"--batch-size must be at least 1, got {batch_size}")
     batch_size = min(batch_size, max(1, MAX_BATCH_TOKENS // seq_len))  # long windows: fewer at a time
     protocol = EvalProtocol(data_name, seq_len, max_tokens, tokenizer.add_bos,
                             hashlib.sha256(text.encode("utf-8")).hexdigest())

@@ -17,7 +17,7 @@ import typer
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
-from qkiln.errors import QkilnError
+from qkiln.errors import CalibrationDataError, QkilnError
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -72,7 +72,7 @@ def eval_cmd(
             check_writable_dir(json_out.absolute().parent)
         data_file = eval_data_file(data)[0]
         if not data_file.is_file():  # before the model loads (~20 s for SmolLM2), not after
-            raise QkilnError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}; "
+            raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}; "
                              "give the text file to score")
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "

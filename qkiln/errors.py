@@ -1,19 +1,23 @@
 """Typed errors raised at qkiln's edges (recipe, source model, artifact, request).
 
 Every message says what went wrong *and what to do about it*; the CLI prints
-`error: <message>` and exits non-zero instead of a traceback. Internal invariants
-use `assert`, not these.
+`error: <message>` and exits with the class's `exit_code` instead of a traceback, so a
+build-then-deploy script can tell a retry elsewhere (7) from a rebuild (6) or a fix to its own
+command (2). Exit 1 with a traceback is a bug. Internal invariants use `assert`, not these.
 """
 
 
 class QkilnError(Exception):
-    """Base class: a user-facing problem with a one-line explanation."""
+    """Base class: a user-facing problem with a one-line explanation. Raised as itself, it is a
+    usage error (an option, a combination of options, a missing optional package)."""
 
-    exit_code = 2
+    exit_code = 2  # what click gives a malformed command line
 
 
 class SourceModelError(QkilnError):
     """A source model (HF directory, GGUF file, alias) is missing, corrupt or unsupported."""
+
+    exit_code = 3
 
 
 class UnsupportedArchitectureError(SourceModelError):
@@ -23,13 +27,27 @@ class UnsupportedArchitectureError(SourceModelError):
 class RecipeError(QkilnError):
     """A quantization recipe or scheme is malformed or does not fit the model."""
 
+    exit_code = 4
+
 
 class CalibrationDataError(QkilnError):
     """Calibration or evaluation data cannot be read or is too short."""
 
+    exit_code = 5
+
 
 class ArtifactError(QkilnError):
-    """An artifact is incomplete, tampered, of an unknown version or for another target."""
+    """An artifact (or engine, or archive) is missing, incomplete, tampered or of an unknown
+    version, or an output path is taken."""
+
+    exit_code = 6
+
+
+class TargetUnavailableError(ArtifactError):
+    """A sound artifact built for a device this machine lacks (no CUDA, an older GPU): run it
+    elsewhere or rebuild it for this machine."""
+
+    exit_code = 7
 
 
 class RequestError(QkilnError, ValueError):

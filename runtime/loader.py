@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
-from qkiln.errors import ArtifactError
+from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.weight_arena import gather_gemv_weights
@@ -55,7 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16  # quantized CPU kernels want bf16 activations; GPUs too
     if dtype not in _DTYPES:
-        raise ArtifactError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+        raise QkilnError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -85,7 +85,7 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
     """Refuse the int8-activation option where it has nothing to act on (a source model, or a
     device other than the CPU) rather than ignore it; serving and evaluation share this rule."""
     if not is_artifact or str(device) != "cpu":
-        raise ArtifactError("int8 activations apply to an artifact's quantized linears on the CPU; "
+        raise QkilnError("int8 activations apply to an artifact's quantized linears on the CPU; "
                             f"{name} on {device} has none to apply them to: drop the option or "
                             "build an artifact (qkiln build) first")
     ext = cpu_native.native_extension()

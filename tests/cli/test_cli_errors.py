@@ -14,8 +14,10 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "qkiln", *args], capture_output=True, text=True, timeout=300)
 
 
-def assert_one_line_error(result, *needles):
-    assert result.returncode != 0
+def assert_one_line_error(result, *needles, code: int | None = None):
+    """code: the exit code README's table gives this kind of error (2 usage, 3 source model,
+    4 recipe, 5 data, 6 artifact or output path, 7 target unavailable)."""
+    assert result.returncode != 0 if code is None else result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1, result.stderr
@@ -43,7 +45,7 @@ def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path, host):
     with socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as taken:
         port = taken.getsockname()[1]
         result = run_cli("serve", str(tmp_path / "not-even-loaded"), "--host", host, "--port", str(port))
-    assert_one_line_error(result, f"cannot listen on {host}:{port}", "pick another --port")
+    assert_one_line_error(result, f"cannot listen on {host}:{port}", "pick another --port", code=2)
     assert "serving" not in result.stderr
     from qkiln.cli import _check_port_free
 
@@ -52,17 +54,17 @@ def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path, host):
 
 def test_a_folder_that_is_neither_artifact_nor_model(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
-    assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "neither a qkiln artifact")
+    assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "neither a qkiln artifact", code=3)
 
 
 def test_missing_model(tmp_path):
     (tmp_path / "t.txt").write_text("hello")
-    assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", str(tmp_path / "t.txt")), "not found")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "nope"), "--data", str(tmp_path / "t.txt")), "not found", code=3)
 
 
 def test_missing_data_file(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
-    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "x.txt")), "does not exist")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "x.txt")), "does not exist", code=5)
 
 
 def test_unsupported_architecture(tmp_path):
@@ -71,7 +73,7 @@ def test_unsupported_architecture(tmp_path):
     cfg["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "m/config.json").write_text(json.dumps(cfg))
     (tmp_path / "t.txt").write_text("hello")
-    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "not supported")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "not supported", code=3)
 
 
 def test_corrupt_safetensors(tmp_path):
@@ -79,7 +81,7 @@ def test_corrupt_safetensors(tmp_path):
     f = tmp_path / "m/model.safetensors"
     f.write_bytes(f.read_bytes()[:1000])
     (tmp_path / "t.txt").write_text("hello")
-    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "safetensors")
+    assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt")), "safetensors", code=3)
 
 
 @pytest.mark.parametrize("cut", [100, 5_000_000])
@@ -95,12 +97,12 @@ def test_int8_activations_on_a_source_model(tmp_path):
     (tmp_path / "t.txt").write_text("hello")
     for args in (("generate", str(tmp_path / "m"), "--prompt", "hi"),
                  ("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"))):
-        assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build")
+        assert_one_line_error(run_cli(*args, "--int8-activations"), "int8 activations", "qkiln build", code=2)
 
 
 def test_sampling_options_out_of_range_are_refused_before_loading(tmp_path):
     assert_one_line_error(run_cli("generate", str(tmp_path / "not-loaded"), "--prompt", "hi", "--min-p", "2"),
-                          "min_p must be in [0, 1]")
+                          "min_p must be in [0, 1]", code=2)
 
 
 def test_engine_options_that_do_not_go_together(tmp_path):
@@ -117,9 +119,9 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     (tmp_path / "t.txt").write_text("hello there " * 40)
     (tmp_path / "short.txt").write_text("hi")
     base = ("eval", str(tmp_path / "m"), "--seq-len", "32")
-    assert_one_line_error(run_cli(*base, "--data", str(tmp_path)), "is not a file")  # before loading
-    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "short.txt")), "fewer than one window")
-    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--batch-size", "0"), "--batch-size")
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path)), "is not a file", code=5)  # before loading
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "short.txt")), "fewer than one window", code=5)
+    assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--batch-size", "0"), "--batch-size", code=2)
     assert_one_line_error(run_cli("eval", str(tmp_path / "m"), "--data", str(tmp_path / "t.txt"),
                                   "--seq-len", "100000"), "exceeds the model's context")
     report = tmp_path / "new" / "dir" / "r.json"  # a folder that is not there yet is made, not a lost report
@@ -135,14 +137,14 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     os.close(writer)
     assert json.loads(piped.read_text()) == json.loads(report.read_text()) and "Traceback" not in done.stderr
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--json", str(tmp_path / "t.txt" / "r.json")),
-                          "cannot write there")
+                          "cannot write there", code=6)
 
 
 def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
     write_tiny_hf_model(tmp_path / "m")
     result = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"),
                      "--archive", str(tmp_path / "a.zip"))
-    assert_one_line_error(result, "a.zip", ".tar")
+    assert_one_line_error(result, "a.zip", ".tar", code=6)
     assert not (tmp_path / "a").exists()  # refused before the build, not after writing the artifact
 
 
@@ -151,7 +153,7 @@ def test_artifact_without_manifest_is_named_as_such(tmp_path):
     not 'a Hugging Face directory without config.json'."""
     (tmp_path / "a/weights").mkdir(parents=True)
     (tmp_path / "a/weights/model-00001-of-00001.safetensors").write_bytes(b"\0" * 64)
-    assert_one_line_error(run_cli("generate", str(tmp_path / "a"), "--prompt", "hi"), "no manifest.json", "rebuild")
+    assert_one_line_error(run_cli("generate", str(tmp_path / "a"), "--prompt", "hi"), "no manifest.json", "rebuild", code=6)
 
 
 def test_options_a_data_free_recipe_does_not_use_are_not_recorded(tmp_path):
@@ -226,3 +228,17 @@ def test_build_takes_the_accuracy_report_s_window(tmp_path):
     assert done.returncode == 0, done.stderr
     protocol = json.loads((tmp_path / "a" / "manifest.json").read_text())["accuracy"]["protocol"]
     assert (protocol["seq_len"], protocol["max_tokens"]) == (32, 128)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_exit_codes_say_what_kind_of_failure_it_was(tmp_path):
+    """A deploy script retries elsewhere on 7 (a sound artifact for a device this host lacks),
+    rebuilds on 6, fixes its recipe on 4: all of these were exit 2."""
+    write_tiny_hf_model(tmp_path / "m")
+    assert_one_line_error(run_cli("build", str(tmp_path / "m"), "--recipe", "w5a16-magic", "-o", str(tmp_path / "r")),
+                          "w5a16-magic", code=4)
+    built = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "--target", "cuda", "-o", str(tmp_path / "a"))
+    assert built.returncode == 0, built.stderr
+    assert_one_line_error(run_cli("verify", str(tmp_path / "a")), "CUDA is not available", code=7)
+    (tmp_path / "a" / "manifest.json").write_text("{}")
+    assert_one_line_error(run_cli("verify", str(tmp_path / "a")), "manifest", code=6)

@@ -216,7 +216,7 @@ def test_failure_mid_write_leaves_nothing_and_rerun_succeeds(tmp_path, monkeypat
 
     monkeypatch.setattr(artifact_writer, "write_shard", write_then_fail)
     with pytest.raises(ArtifactError, match="writing failed \\(No space left on device\\); nothing was written"):
-        build(tmp_path / "a")  # the CLI's `error:` line, exit 2 (was an OSError traceback)
+        build(tmp_path / "a")  # the CLI's `error:` line, exit 6 (was an OSError traceback)
     assert not (tmp_path / "a").exists() and siblings(tmp_path / "a") == []
     monkeypatch.setattr(artifact_writer, "write_shard", real_write_shard)
     verify_artifact(build(tmp_path / "a"))
@@ -504,16 +504,16 @@ def test_cli_verify_and_inspect(tmp_path):
     shard = sorted((out / "weights").iterdir())[1]
     moved = shard.rename(shard.with_name("renamed.safetensors"))
     renamed = runner.invoke(cli(), ["inspect", str(out)])  # was a FileNotFoundError traceback
-    assert renamed.exit_code == 2 and renamed.stderr.startswith(f"error: {shard}: cannot read it")
+    assert renamed.exit_code == 6 and renamed.stderr.startswith(f"error: {shard}: cannot read it")
     moved.rename(shard)
     shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
     bad = runner.invoke(cli(), ["verify", str(out)])
-    assert bad.exit_code == 2 and bad.stdout == ""
+    assert bad.exit_code == 6 and bad.stdout == ""
     (line,) = bad.stderr.splitlines()
     assert line.startswith(f"error: {shard}: ") and "mismatch" in line
     shutil.rmtree(out)
     missing = runner.invoke(cli(), ["verify", str(out)])
-    assert missing.exit_code == 2 and missing.stderr.startswith("error: ")
+    assert missing.exit_code == 6 and missing.stderr.startswith("error: ")
 
 
 @pytest.mark.parametrize("entry", [{"dtype": "F32", "shape": [4]}, [1, 2], {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}])

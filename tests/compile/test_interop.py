@@ -518,18 +518,18 @@ def test_cli_export_and_import(tiny, tmp_path):
     assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ct").iterdir()} == \
         {f.name: 0o644 for f in (tmp_path / "ct").iterdir()}  # readable by a server running as another user
     again = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct")
-    assert again.exit_code == 2 and again.stderr.startswith("error:") and "already exists" in again.stderr
+    assert again.exit_code == 6 and again.stderr.startswith("error:") and "already exists" in again.stderr
     assert run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force").exit_code == 0
     (tmp_path / "ct" / "README.md").write_text("model card")  # as a Hub upload adds: --force keeps it
     kept = run_cli("export", artifact, "--format", "compressed-tensors", "-o", tmp_path / "ct", "--force")
-    assert kept.exit_code == 2 and "holds files qkiln did not write (README.md)" in kept.stderr
+    assert kept.exit_code == 6 and "holds files qkiln did not write (README.md)" in kept.stderr
     (tmp_path / "ct" / "README.md").unlink()
     theirs = tmp_path / "hf"  # someone's Hugging Face checkpoint: --force must not delete it
     theirs.mkdir()
     (theirs / "config.json").write_text("{}")
     (theirs / "pytorch_model.bin").write_bytes(b"weights")
     refused = run_cli("export", artifact, "--format", "compressed-tensors", "-o", theirs, "--force")
-    assert refused.exit_code == 2 and "refusing to replace" in refused.stderr
+    assert refused.exit_code == 6 and "refusing to replace" in refused.stderr
     assert (theirs / "pytorch_model.bin").read_bytes() == b"weights"
     bad = run_cli("export", artifact, "--format", "gguf", "-o", tmp_path / "x")
     assert bad.exit_code == 2 and "compressed-tensors" in bad.stderr and not (tmp_path / "x").exists()
@@ -543,4 +543,4 @@ def test_cli_export_and_import(tiny, tmp_path):
     assert source["exported_from"] == {"artifact": made.name, "recipe": made.recipe["name"],
                                        "source_sha256": made.source["sha256"]}
     missing = run_cli("import", tmp_path / "nope", "-o", tmp_path / "b")
-    assert missing.exit_code == 2 and "config.json" in missing.stderr
+    assert missing.exit_code == 3 and "config.json" in missing.stderr

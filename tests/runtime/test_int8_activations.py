@@ -4,7 +4,7 @@ engine's numbers move. Kernel accuracy itself: tests/plugins/test_plugins_w4a8.p
 import pytest
 import torch
 
-from qkiln.errors import ArtifactError
+from qkiln.errors import QkilnError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.runtime.engine import EngineConfig, LLMEngine
@@ -70,7 +70,7 @@ def test_many_row_steps_move_the_logits_a_little(artifact):
 
 def test_refused_where_there_is_nothing_to_apply_it_to(artifact):
     source, _ = artifact
-    with pytest.raises(ArtifactError, match="int8 activations"):
+    with pytest.raises(QkilnError, match="int8 activations"):
         load_for_serving(str(source), int8_activations=True)
 
 
@@ -89,5 +89,5 @@ def test_eval_simulates_what_serving_with_int8_activations_computes(artifact):
     head.register_forward_hook(lambda m, args, out: seen.append(args[0]))
     int8(ids)
     assert torch.equal(seen[0], fake_quantize_int8_blocks(seen[0]))  # already on the int8 grid
-    with pytest.raises(ArtifactError, match="int8 activations"):
+    with pytest.raises(QkilnError, match="int8 activations"):
         open_model(str(source), int8_activations=True)
