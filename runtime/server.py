@@ -61,6 +61,7 @@ KEEP_ALIVE_S = 30
 # Requests running or queued at once (a choice of n is one): the engine runs max_num_seqs of them;
 # the rest wait, holding their prompts. A full completion batch (MAX_CHOICES_PER_REQUEST) fits.
 MAX_CONCURRENT_REQUESTS = 4096
+REQUEST_ID_HEADER = "x-request-id"
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None,
@@ -80,9 +81,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     app.add_middleware(_BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_RequestIdMiddleware)  # outside the key and size checks: their refusals carry it too
     if allowed_origins:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["*"])
+                           allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
     v1 = APIRouter(prefix="/v1")
     started = int(time.time())
     defaults = engine.sampling_defaults  # the model's recommended sampling values, for fields a request leaves out
@@ -117,7 +119,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        request_id, batch = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        request_id, batch = f"cmpl-{request.state.request_id}", body.prompts()
         choices: list[_Choice] = []
         keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
         for i, prompt in enumerate(batch):
@@ -151,7 +153,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
         prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
         max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
-        request_id, choices = f"chatcmpl-{uuid.uuid4().hex}", []
+        request_id, choices = f"chatcmpl-{request.state.request_id}", []
         for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
                                    counts_prompt=j == 0)
@@ -275,9 +277,10 @@ async def _admit(engine: AsyncLLMEngine, choices: list[_Choice]) -> list[Request
     refused one aborts the others and is a 400 naming its prompt's place in the batch.
     Everything up to the first await is synchronous, so a capacity check just before holds."""
 
+    unique = uuid.uuid4().hex[:12]  # a caller's x-request-id names the response, and two may share one
+
     def engine_id(i):
-        request_id = choices[i].builder.request_id
-        return request_id if len(choices) == 1 else f"{request_id}-{i}"
+        return f"{choices[i].builder.request_id}-{i}-{unique}"
 
     streams: list[RequestStream] = []
     try:
@@ -397,6 +400,31 @@ class _ApiKeyMiddleware:
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = header.partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode("latin-1"), self.key)
+
+
+class _RequestIdMiddleware:
+    """Every response carries `x-request-id`: the caller's own (a gateway's trace id, as vLLM and
+    OpenAI's clients send it) when it is printable ASCII up to 256 characters, else a fresh one.
+    Completion ids are built from it (`cmpl-<id>`), so a log line, a response and a client's trace
+    name the same request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"")
+        request_id = given.decode() if 0 < len(given) <= 256 and all(0x21 <= c <= 0x7e for c in given) \
+            else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), request_id.encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class _BodyLimitMiddleware:

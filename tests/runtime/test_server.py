@@ -265,6 +265,33 @@ def test_concurrent_async_clients_get_their_own_answers(server, client):
     assert asyncio.run(main()) == expected
 
 
+def test_every_response_carries_a_request_id_the_caller_may_choose(server, client, engine):
+    """A gateway traces a request by the x-request-id it sends (vLLM's clients send one); the
+    response had none. Two callers sharing one still get their own answers."""
+    given = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "trace-42"})
+    assert given.headers["x-request-id"] == "trace-42" and given.json()["id"] == "cmpl-trace-42"
+    chat = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers={"X-Request-Id": "trace-43"})
+    assert chat.headers["x-request-id"] == "trace-43" and chat.json()["id"] == "chatcmpl-trace-43"
+    fresh = [completion(client, prompt="hi", max_tokens=2).headers["x-request-id"] for _ in range(2)]
+    assert fresh[0] != fresh[1] and all(len(f) == 32 for f in fresh)
+    refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1}, headers={"X-Request-Id": "bad-1"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "bad-1"
+    assert client.get("/nowhere").headers["x-request-id"]  # a 404 too
+    unprintable = client.get("/health", headers={"X-Request-Id": "a b"}).headers["x-request-id"]
+    assert unprintable != "a b" and len(unprintable) == 32  # not echoed: a fresh one
+
+    prompts = [f"shared id {i}: " for i in range(4)]
+    expected = [completion(client, prompt=p, max_tokens=6).json()["choices"][0]["text"] for p in prompts]
+
+    async def main():  # at once, under one id: the engine had refused the second as "already in use"
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
+            rs = await asyncio.gather(*(ac.post("/v1/completions", headers={"X-Request-Id": "same"}, json={
+                "prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}) for p in prompts))
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    assert asyncio.run(main()) == expected
+
+
 def test_metrics_change_after_requests(client):
     before = client.get("/metrics")
     assert before.headers["content-type"].startswith("text/plain")
