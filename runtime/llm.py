@@ -15,20 +15,8 @@ from qkiln.errors import RequestError, SourceModelError
 from .engine import EngineConfig, RequestOutput, is_token_ids
 from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import load_for_serving
+from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
 from .sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One token's entry in a logprobs dict (vLLM's Logprob)."""
-    logprob: float
-    rank: int | None = None  # among the whole vocabulary, 1 the most likely
-    decoded_token: str | None = None  # the text the token adds (U+FFFD for part of a character)
-
-
-# vLLM's SampleLogprobs / PromptLogprobs element: token id -> Logprob, the scored token first, then
-# the top `logprobs` (`prompt_logprobs`) tokens, most likely first
-TokenLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -179,7 +167,7 @@ class LLM:
                         finished[out.request_id] = out
                         unfinished[prompt_of[out.request_id]] -= 1
                         bar.update(unfinished[prompt_of[out.request_id]] == 0)
-        results, convert = [], _LogprobConverter(self.tokenizer)
+        results, convert = [], LogprobConverter(self.tokenizer)
         for prompt, ids, detokenize in zip(prompts, request_ids, detokenizes):
             outs = [finished[i] for i in ids]
             choices = []
@@ -192,34 +180,6 @@ class LLM:
                                         choices, convert.all(prompt_logprobs[ids[0]], detokenize),
                                         num_cached_tokens=outs[0].num_cached_tokens))
         return results
-
-
-class _LogprobConverter:
-    """The engine's logprob entries ({"token_id", "logprob", "rank", "top"}) as vLLM's dicts."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._text: dict[int, str] = {}
-
-    def all(self, entries: list[dict | None] | None, detokenize: bool = True) -> list[TokenLogprobs | None] | None:
-        return None if entries is None else [None if e is None else self.one(e, detokenize) for e in entries]
-
-    def one(self, entry: dict, detokenize: bool = True) -> TokenLogprobs:
-        """As vLLM builds it: the scored token first; a top token's rank is its place in the top,
-        also when it is the scored token (whose own rank counts ties against it). Without
-        detokenize, no decoded_token (as vLLM)."""
-        token = entry["token_id"]
-        out = {token: Logprob(entry["logprob"], entry["rank"], self.text(token, detokenize))}
-        for rank, (top_id, logprob) in enumerate(entry["top"].items(), 1):
-            out[top_id] = Logprob(logprob, rank, self.text(top_id, detokenize))
-        return out
-
-    def text(self, token_id: int, detokenize: bool = True) -> str | None:
-        if not detokenize:
-            return None
-        if token_id not in self._text:
-            self._text[token_id] = self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
-        return self._text[token_id]
 
 
 def _kv_dtype(kv_cache_dtype: str, kv_dtype: str | None) -> str:

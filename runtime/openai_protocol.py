@@ -28,6 +28,7 @@ from qkiln.errors import RequestError
 
 from .detokenizer import IncrementalDetokenizer
 from .engine import RequestOutput
+from .logprob_dicts import LogprobConverter
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -102,6 +103,8 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: Whole | None = None
+    # vLLM's: the prompt's tokens scored, each with its top n (non-streamed responses only)
+    prompt_logprobs: Whole | None = None
     # vLLM's extensions that change the answer, which lm-evaluation-harness forwards from a task's
     # generation_kwargs: refused unless at their no-op values (ignored, a task scored differently)
     use_beam_search: bool = False
@@ -113,7 +116,6 @@ class SamplingFields(BaseModel):
     # guided_*): each changes the answer or what it holds, or isolates the prefix cache (cache_salt)
     structured_outputs: object = None
     structural_tag: object = None
-    prompt_logprobs: object = None
     return_tokens_as_token_ids: object = False
     logits_processors: object = None
     priority: object = 0
@@ -130,7 +132,7 @@ class SamplingFields(BaseModel):
                                       param="best_of")
         for name, no_op in (("use_beam_search", False), ("guided_json", None), ("guided_regex", None),
                             ("guided_choice", None), ("guided_grammar", None), ("structured_outputs", None),
-                            ("structural_tag", None), ("prompt_logprobs", None), ("return_tokens_as_token_ids", False),
+                            ("structural_tag", None), ("return_tokens_as_token_ids", False),
                             ("logits_processors", None), ("priority", 0), ("cache_salt", None), ("modalities", None)):
             value = getattr(self, name)
             if name == "modalities" and value == ["text"]:
@@ -139,7 +141,10 @@ class SamplingFields(BaseModel):
                 raise InvalidRequestError(f"{name} is not supported; leave it out (or send {json.dumps(no_op)})",
                                           param=name)
         # checked before the server cuts the prompt with it (SamplingParams names the range)
-        SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens)
+        SamplingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs are not available with stream true (as in vLLM); send the "
+                                      "request without stream", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options applies to streamed responses: set stream true or leave "
                                       "stream_options out", param="stream_options")
@@ -170,6 +175,8 @@ class SamplingFields(BaseModel):
         defaults: the model's recommended sampling values (LLMEngine.sampling_defaults), which the
         fields this request left out take, as in vLLM."""
         defaults = defaults or {}
+        # one scoring of the prompt serves both the echo's logprobs and prompt_logprobs
+        prompt_logprobs = max((n for n in (prompt_logprobs, self.prompt_logprobs) if n is not None), default=None)
         given = {name: getattr(self, name) if name in self.model_fields_set
                  else defaults.get(name, getattr(self, name))
                  for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
@@ -383,12 +390,14 @@ class ResponseBuilder:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, include_usage: bool = False,
-                 index: int = 0, counts_prompt: bool = True):
+                 index: int = 0, counts_prompt: bool = True, prompt_logprobs: int | None = None):
         """index: the choice this builder writes (prompt i's choice j of n is i * n + j).
         counts_prompt: usage counts the prompt's tokens here (in the first of a prompt's n choices:
-        OpenAI bills a prompt once however many choices it has)."""
+        OpenAI bills a prompt once however many choices it has).
+        prompt_logprobs: the request's (vLLM's): the response scores the prompt with the top n."""
         self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
         self.include_usage, self.index, self.counts_prompt = include_usage, index, counts_prompt
+        self.num_prompt_logprobs = prompt_logprobs
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
@@ -418,7 +427,13 @@ class ResponseBuilder:
     def response(self, outputs: list[RequestOutput]) -> dict:
         final = outputs[-1]
         entries = [e for out in outputs for e in out.logprobs]
-        return self._envelope(self.object_name, [self._choice(final, entries)]) | {"usage": self.usage(final)}
+        body = self._envelope(self.object_name, [self._choice(final, entries)]) | {"usage": self.usage(final)}
+        if self.num_prompt_logprobs is not None:  # a chat response's, beside its choices (vLLM's place)
+            body["prompt_logprobs"] = self._prompt_logprobs_json(outputs[0])
+        return body
+
+    def _prompt_logprobs_json(self, first: RequestOutput) -> list[dict | None]:
+        return LogprobConverter(self.tokenizer).as_json(first.prompt_logprobs, self.num_prompt_logprobs)
 
 
 def batch_response(bodies: list[dict]) -> dict:
@@ -440,12 +455,13 @@ class CompletionResponse(ResponseBuilder):
 
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args, echo: tuple[str, list[int]] | None = None, logprobs: bool = False,
+    def __init__(self, *args, echo: tuple[str, list[int]] | None = None, logprobs: int | None = None,
                  generates: bool = True, **kw):
-        """echo: (the prompt's text, its token ids) to return first, or None."""
+        """echo: (the prompt's text, its token ids) to return first, or None. logprobs: the
+        request's (the top n per token)."""
         super().__init__(*args, **kw)
         self.echo, self.prompt_ids = echo if echo is not None else (None, None)
-        self.with_logprobs, self.generates = logprobs, generates
+        self.num_logprobs, self.generates = logprobs, generates
         self._prompt_logprobs, self._echoed = None, False
         # text_offset counts characters of the text returned: bytes go through one UTF-8 decoder,
         # so a character split over tokens is counted once, at its last byte.
@@ -473,6 +489,8 @@ class CompletionResponse(ResponseBuilder):
         text = (self.echo or "") + final.text
         choice = {"index": self.index, "text": text, "logprobs": self._logprobs(entries),
                   "finish_reason": final.finish_reason, "stop_reason": final.stop_reason}
+        if self.num_prompt_logprobs is not None:  # in each choice, as vLLM writes a completion's
+            choice["prompt_logprobs"] = self._prompt_logprobs_json(outputs[0])
         return self._envelope(self.object_name, [choice]) | {"usage": self.usage(final)}
 
     def usage(self, final: RequestOutput) -> dict:
@@ -480,11 +498,13 @@ class CompletionResponse(ResponseBuilder):
 
     def _prompt_entries(self, prompt_logprobs: list[dict | None] | None) -> list[dict]:
         """The echoed prompt's logprob entries (the first token's null), with their text offsets."""
-        if self.echo is None or not self.with_logprobs:
+        if self.echo is None or self.num_logprobs is None:
             return []
         offsets = self._echo_offsets()
         first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "offset": 0}
-        return [first] + [e | {"offset": offset} for e, offset in zip(prompt_logprobs[1:], offsets[1:])]
+        # the engine's top may be prompt_logprobs' longer one
+        return [first] + [e | {"offset": offset, "top": dict(list(e["top"].items())[:self.num_logprobs])}
+                          for e, offset in zip(prompt_logprobs[1:], offsets[1:])]
 
     def _echo_offsets(self) -> list[int]:
         """Where each prompt token starts in the echoed text: the length of what the tokens before

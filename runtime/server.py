@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qkiln.errors import QkilnError, RequestError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
-from .engine import last_tokens
+from .engine import RequestOutput, last_tokens
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
@@ -134,7 +134,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
                 if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
-            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
+            params = _scored_once(body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None,
+                                                       defaults), body.stream)
             echo = None
             if body.echo:  # the prompt's text as sent, or its ids' text (also when truncation may have cut it)
                 text = prompt if isinstance(prompt, str) and (keep is None or len(ids) < keep) else \
@@ -143,7 +144,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             for j, sp in enumerate(params):  # prompt i's choice j is choice i * n + j, as OpenAI orders them
                 builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
                                              index=i * body.n + j, counts_prompt=j == 0, echo=echo,
-                                             logprobs=body.logprobs is not None, generates=body.generates)
+                                             logprobs=body.logprobs, generates=body.generates,
+                                             prompt_logprobs=body.prompt_logprobs)
                 choices.append(_Choice(ids, sp, builder, i if len(batch) > 1 else None))
         return await _respond(engine, metrics, request, choices, body.stream)
 
@@ -154,9 +156,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
         max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{request.state.request_id}", []
-        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
+        for j, sp in enumerate(_scored_once(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults),
+                                            body.stream)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
-                                   counts_prompt=j == 0)
+                                   counts_prompt=j == 0, prompt_logprobs=body.prompt_logprobs)
             choices.append(_Choice(prompt_ids, sp, builder))
         return await _respond(engine, metrics, request, choices, body.stream)
 
@@ -255,7 +258,27 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
         _abort_unfinished(engine, streams)
     for outputs in results:
         metrics.observe_finished(outputs[-1])
+    _share_prompt_logprobs(choices, results)
     return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
+
+
+def _share_prompt_logprobs(choices: list[_Choice], results: list[list[RequestOutput]]) -> None:
+    """A prompt's later choices take its prompt logprobs from its first, the one choice that
+    computed them (see _scored_once)."""
+    first = None
+    for choice, outputs in zip(choices, results):
+        if choice.builder.counts_prompt:
+            first = outputs[0]
+        elif first.prompt_logprobs is not None and outputs[0].prompt_logprobs is None:
+            outputs[0] = replace(outputs[0], prompt_logprobs=first.prompt_logprobs)
+
+
+def _scored_once(params: list[SamplingParams], is_stream: bool) -> list[SamplingParams]:
+    """Only a prompt's first choice scores it (the others would compute the same n times over, and
+    could not reuse its prefix cache); a stream echoes each choice's own, so it keeps them all."""
+    if is_stream:
+        return params
+    return params[:1] + [replace(sp, prompt_logprobs=None) for sp in params[1:]]
 
 
 def _check_capacity(engine: AsyncLLMEngine, metrics: ServerMetrics, num_choices: int, capacity: int) -> None:

@@ -162,7 +162,7 @@ def test_offline_logprobs_of_a_sampled_token_outside_the_top(tmp_path):
 def test_tied_tokens_rank_as_vllm_ranks_them(tmp_path):
     """vLLM counts the tokens at least as likely (ties share the worse rank); a top token's rank is
     its place in the top, also when it is the scored token."""
-    from qkiln.runtime.llm import _LogprobConverter
+    from qkiln.runtime.logprob_dicts import LogprobConverter
     from qkiln.runtime.sampler import score_tokens
 
     logits = torch.tensor([[2.0, 5.0, 5.0, 1.0]])
@@ -171,7 +171,7 @@ def test_tied_tokens_rank_as_vllm_ranks_them(tmp_path):
     tokenizer = Tokenizer.from_dir(write_tiny_hf_model(tmp_path, "llama"))
     top = dict(zip(scores.top_token_ids[0].tolist(), scores.top_logprobs[0].tolist()))
     entry = {"token_id": 1, "logprob": float(scores.logprobs[0]), "rank": 2, "top": top}
-    out = _LogprobConverter(tokenizer).one(entry)
+    out = LogprobConverter(tokenizer).one(entry)
     assert list(out) == [1, 2] and [v.rank for v in out.values()] == [1, 2]
-    below = _LogprobConverter(tokenizer).one(entry | {"token_id": 3, "logprob": -5.0, "rank": 4})
+    below = LogprobConverter(tokenizer).one(entry | {"token_id": 3, "logprob": -5.0, "rank": 4})
     assert list(below) == [3, 1, 2] and below[3].rank == 4

@@ -469,9 +469,13 @@ BAD_REQUESTS = {  # label: (path, raw body, param named in the error or None)
     # vLLM >= 0.12's names (structured_outputs replaced guided_*), and fields that change what the
     # answer holds: they had been accepted and ignored
     **{f"vLLM's {name}": ("/v1/chat/completions", chat_body(**{name: value}), name) for name, value in (
-        ("structured_outputs", {"choice": ["yes", "no"]}), ("structural_tag", "{}"), ("prompt_logprobs", 1),
+        ("structured_outputs", {"choice": ["yes", "no"]}), ("structural_tag", "{}"),
         ("return_tokens_as_token_ids", True), ("logits_processors", ["x"]), ("priority", 1), ("cache_salt", "a"),
         ("modalities", ["text", "audio"]))},
+    "prompt_logprobs streamed": ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
+                                                     "prompt_logprobs": 1}, "prompt_logprobs"),
+    "prompt_logprobs -1 (the whole vocabulary)": ("/v1/chat/completions", chat_body(prompt_logprobs=-1),
+                                                  "prompt_logprobs"),
     "continuous usage stats": ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
                                                    "stream_options": {"continuous_usage_stats": True}},
                                "stream_options.continuous_usage_stats"),

@@ -90,6 +90,39 @@ def test_loglikelihood_request_as_lm_eval_sends_it(client, engine, model):
     assert body["usage"]["prompt_tokens"] == sum(map(len, prompts)) and body["usage"]["completion_tokens"] == 5
 
 
+def test_prompt_logprobs_as_vllm_s_server_writes_them(client, engine, model):
+    """vLLM's prompt_logprobs (an evaluation job's way to score a prompt through vLLM's server):
+    per prompt token {"<id>": {logprob, rank, decoded_token}}, the token first, then the top n; in
+    every choice of a completion, beside the choices of a chat. It was refused."""
+    prompts = random_prompts(7, 2)
+    r = post(client, prompt=prompts, prompt_logprobs=2, max_tokens=2, n=2, echo=True, logprobs=1)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    for k, choice in enumerate(choices):
+        prompt = prompts[k // 2]
+        scored = choice["prompt_logprobs"]
+        assert scored == choices[k - k % 2]["prompt_logprobs"]  # a prompt's choices share its scores
+        assert len(scored) == len(prompt) and scored[0] is None
+        logprobs = [entry[str(token)]["logprob"] for token, entry in zip(prompt[1:], scored[1:])]
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(teacher_forced(model, prompt)),
+                                   atol=2e-4, rtol=1e-4)
+        for token, entry in zip(prompt[1:], scored[1:]):
+            assert next(iter(entry)) == str(token) and 2 <= len(entry) <= 3
+            by_rank = sorted(entry.values(), key=lambda v: v["rank"])
+            assert {1, 2} <= {v["rank"] for v in by_rank} and \
+                [v["logprob"] for v in by_rank] == sorted((v["logprob"] for v in by_rank), reverse=True)
+            assert entry[str(token)]["decoded_token"] == engine.tokenizer.token_bytes(token).decode("utf-8", "replace")
+        # the echo's logprobs keep their own top 1 though the engine scored the top 2
+        assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+        assert choice["logprobs"]["token_logprobs"][1:len(prompt)] == pytest.approx(logprobs)
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi there"}],
+                                                     "max_tokens": 1, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    scored = chat.json()["prompt_logprobs"]
+    assert scored[0] is None and all(len(entry) == 1 for entry in scored[1:])
+    assert "prompt_logprobs" not in post(client, prompt="plain", max_tokens=1).json()["choices"][0]
+
+
 def test_max_tokens_0_with_echo_scores_the_prompt_only(client, engine, model):
     prompts = ["the quick brown fox", "jumps over the lazy dog and runs"]
     r = post(client, prompt=prompts, echo=True, logprobs=2, max_tokens=0)
