@@ -22,7 +22,7 @@ import typing
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from qkiln.errors import RequestError
 
@@ -61,6 +61,21 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+    # the body's top-level keys no field reads (a typo, another server's extension): ignored, as
+    # OpenAI and vLLM ignore them, and named in the server's log, as vLLM names them
+    _ignored_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_ignored_fields(cls, data, handler):
+        request = handler(data)
+        if isinstance(data, dict):
+            request._ignored_fields = tuple(sorted(set(data) - set(cls.model_fields)))
+        return request
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        return self._ignored_fields
 
     @model_validator(mode="before")
     @classmethod

@@ -24,6 +24,7 @@ Invariants:
 
 import asyncio
 import json
+import logging
 import secrets
 import signal
 import threading
@@ -61,6 +62,8 @@ KEEP_ALIVE_S = 30
 # Requests running or queued at once (a choice of n is one): the engine runs max_num_seqs of them;
 # the rest wait, holding their prompts. A full completion batch (MAX_CHOICES_PER_REQUEST) fits.
 MAX_CONCURRENT_REQUESTS = 4096
+log = logging.getLogger("qkiln.server")
+MAX_IGNORED_SETS = 256
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -88,6 +91,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     v1 = APIRouter(prefix="/v1")
     started = int(time.time())
     defaults = engine.sampling_defaults  # the model's recommended sampling values, for fields a request leaves out
+    logged_ignored: set[tuple[str, ...]] = set()
 
     def check_model_name(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -97,6 +101,11 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     def check_model(body: SamplingFields) -> None:
         check_model_name(body.model)
         body.check_supported()
+        # once per set of names (a client sends the same each time), and at most MAX_IGNORED_SETS sets
+        if body.ignored_fields and body.ignored_fields not in logged_ignored and len(logged_ignored) < MAX_IGNORED_SETS:
+            logged_ignored.add(body.ignored_fields)
+            log.warning("ignored request fields qkiln does not read: %s (logged once for this set)",
+                        ", ".join(body.ignored_fields))
 
     # max_model_len: what one request (prompt and output) can reach, which a KV pool smaller than
     # the context bounds (clients size requests from it)

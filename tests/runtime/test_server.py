@@ -214,6 +214,19 @@ def test_null_means_the_default_as_openai_clients_send_it(client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_fields_the_server_does_not_read_are_logged_once(client, caplog):
+    """Ignored, as OpenAI and vLLM ignore them, but named in the log (a misspelt `temprature` had
+    left no trace): once per set of names, not once per request."""
+    with caplog.at_level("WARNING", logger="qkiln.server"):
+        for _ in range(3):
+            r = completion(client, prompt="abc", max_tokens=2, temprature=0.2, user="u-1")
+            assert r.status_code == 200, r.text
+        assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2, x_unread_chat=1)).status_code == 200
+    said = [r.getMessage() for r in caplog.records if r.name == "qkiln.server"]
+    assert said == ["ignored request fields qkiln does not read: temprature, user (logged once for this set)",
+                    "ignored request fields qkiln does not read: x_unread_chat (logged once for this set)"]
+
+
 def test_a_tiny_temperature_is_raised_to_the_smallest_one_that_works(client):
     """Below float32's range, logits / temperature overflowed: NaN, then token 0 ("!") every step."""
     tiny = completion(client, prompt="abc", max_tokens=8, temperature=1e-38, seed=1).json()["choices"][0]
