@@ -19,7 +19,7 @@ from qkiln.plugins import onnx_nodes
 from .artifact import Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, mark_checked, mark_unchecked, read_json_field, staged_directory
 from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
-                         require_engine_matches)
+                         require_engine_matches, rewrite_hint)
 from .onnx_contract import read_engine_model
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
@@ -132,7 +132,7 @@ def require_engine_as_built(artifact: Path, engine_dir: Path) -> None:
     if differs:
         versions = (actual.producer_version or "?", expected.model.producer_version)
         raise ArtifactError(f"the ONNX engine in {engine_dir} is not the one this qkiln builds from this artifact "
-                            f"(differing: {'; '.join(differs)}); re-export it (qkiln export --format onnx)"
+                            f"(differing: {'; '.join(differs)}); {rewrite_hint(engine_dir)}"
                             + (f" (it was written by qkiln {versions[0]}, this is {versions[1]})"
                                if versions[0] != versions[1] else ""))
 

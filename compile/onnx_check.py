@@ -34,7 +34,7 @@ from qkiln.plugins import KVCache, allocate_kv_cache, onnx_nodes
 from qkiln.plugins.kv_cache import offset_key
 from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
 
-from .artifact import load_tensors, manifest_digest, read_manifest
+from .artifact import MANIFEST_NAME, UNFINISHED_RE, load_tensors, manifest_digest, read_manifest
 from .artifact_model import load_artifact_model
 from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model
 from .onnx_graph import CONTRACT_FILE, step_inputs
@@ -146,7 +146,7 @@ def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCh
         engine_logits, engine_caches = _run_engine(engine_dir, fresh_caches(), steps)
     except Exception as e:  # a damaged or foreign graph: say so rather than show the evaluator's stack
         raise ArtifactError(f"the ONNX engine in {engine_dir} failed to run ({type(e).__name__}: {e}); "
-                            "rebuild or re-export it from this artifact") from None
+                            f"{rewrite_hint(engine_dir)}") from None
     float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
     exact = copy.deepcopy(model).double()
     exact.rope.inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
@@ -200,6 +200,19 @@ def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[to
     return [engine.step(*step).double() for step in steps], caches
 
 
+def rewrite_hint(engine_dir) -> str:
+    """How to put a good engine where `engine_dir`'s is: one built into an artifact (its
+    engines/onnx/) is part of what the manifest hashes, so it comes back with a rebuild; one on its
+    own is exported again."""
+    engines = Path(engine_dir).absolute().parent
+    if UNFINISHED_RE.fullmatch(engines.parent.name):  # a build checking the engine it wrote
+        return "rerun the build, and report it as a qkiln bug if it fails again"
+    if engines.name == "engines" and (engines.parent / MANIFEST_NAME).is_file():
+        return (f"rebuild the artifact (qkiln build ... --engine onnx --force), or export an engine beside it "
+                f"(qkiln export {engines.parent} --format onnx -o DIR)")
+    return "re-export it from its artifact (qkiln export ARTIFACT --format onnx -o DIR)"
+
+
 def read_engine_contract(engine_dir: Path) -> dict:
     """engine.json, or an ArtifactError saying it is unreadable or not a qkiln engine's."""
     import json
@@ -207,16 +220,17 @@ def read_engine_contract(engine_dir: Path) -> dict:
     try:
         contract = json.loads((Path(engine_dir) / CONTRACT_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); re-export the engine") from None
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); {rewrite_hint(engine_dir)}") from None
     if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
-        raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract; re-export it")
+        raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract; "
+                            f"{rewrite_hint(engine_dir)}")
     version = contract.get("contract_version")
     if "digest" not in contract and isinstance(version, int) and version >= 4:  # written with one since 4
         raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: missing field 'digest'; it was edited after "
-                            "export: re-export the engine from its artifact")
+                            f"export: {rewrite_hint(engine_dir)}")
     if "digest" in contract and contract["digest"] != manifest_digest(contract):
         raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: its contents do not match its digest: it was "
-                            "edited after export; re-export the engine from its artifact")
+                            f"edited after export; {rewrite_hint(engine_dir)}")
     return contract
 
 
@@ -224,7 +238,7 @@ def check_contract_version(contract: dict, engine_dir: Path) -> None:
     if contract.get("contract_version") != CONTRACT_VERSION:
         raise ArtifactError(f"the ONNX engine in {engine_dir} was written by another qkiln version (engine.json "
                             f"contract_version {contract.get('contract_version')}, this qkiln's {CONTRACT_VERSION}); "
-                            "re-export it from this artifact (qkiln export --format onnx)")
+                            f"{rewrite_hint(engine_dir)}")
 
 
 def check_contract(engine_dir: Path, kv_cache: dict) -> None:
@@ -235,7 +249,7 @@ def check_contract(engine_dir: Path, kv_cache: dict) -> None:
     theirs = {key: contract.get("kv_cache", {}).get(key) for key in kv_cache}
     if theirs != kv_cache:
         raise ArtifactError(f"the ONNX engine in {engine_dir} was built for another model or cache (engine.json "
-                            f"kv_cache {theirs}, this artifact {kv_cache}); re-export it from this artifact")
+                            f"kv_cache {theirs}, this artifact {kv_cache}); {rewrite_hint(engine_dir)}")
 
 
 def _distance(a: torch.Tensor, exact: torch.Tensor) -> float:
