@@ -19,8 +19,8 @@ from qkiln.plugins import onnx_nodes
 from .artifact import Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file, verify_artifact
 from .artifact_writer import check_replaceable, mark_checked, mark_unchecked, read_json_field, staged_directory
 from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
-                         require_engine_matches, rewrite_hint)
-from .onnx_contract import read_engine_model
+                         require_engine_matches)
+from .onnx_contract import read_engine_model, rewrite_hint
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
 INSTALL_HINT = "pip install -e '.[onnx]' in qkiln's checkout (or: pip install onnx==1.23.2)"

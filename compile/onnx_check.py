@@ -34,9 +34,9 @@ from qkiln.plugins import KVCache, allocate_kv_cache, onnx_nodes
 from qkiln.plugins.kv_cache import offset_key
 from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
 
-from .artifact import MANIFEST_NAME, UNFINISHED_RE, load_tensors, manifest_digest, read_manifest
+from .artifact import load_tensors, manifest_digest, read_manifest
 from .artifact_model import load_artifact_model
-from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model
+from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model, rewrite_hint
 from .onnx_graph import CONTRACT_FILE, step_inputs
 
 BLOCK_SIZE = 4
@@ -198,19 +198,6 @@ class ReferenceEngine:
 def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:
     engine = ReferenceEngine(engine_dir, caches)
     return [engine.step(*step).double() for step in steps], caches
-
-
-def rewrite_hint(engine_dir) -> str:
-    """How to put a good engine where `engine_dir`'s is: one built into an artifact (its
-    engines/onnx/) is part of what the manifest hashes, so it comes back with a rebuild; one on its
-    own is exported again."""
-    engines = Path(engine_dir).absolute().parent
-    if UNFINISHED_RE.fullmatch(engines.parent.name):  # a build checking the engine it wrote
-        return "rerun the build, and report it as a qkiln bug if it fails again"
-    if engines.name == "engines" and (engines.parent / MANIFEST_NAME).is_file():
-        return (f"rebuild the artifact (qkiln build ... --engine onnx --force), or export an engine beside it "
-                f"(qkiln export {engines.parent} --format onnx -o DIR)")
-    return "re-export it from its artifact (qkiln export ARTIFACT --format onnx -o DIR)"
 
 
 def read_engine_contract(engine_dir: Path) -> dict:

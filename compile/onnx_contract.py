@@ -15,7 +15,7 @@ from qkiln.errors import ArtifactError
 from qkiln.plugins import onnx_nodes
 from qkiln.runtime.config import ModelConfig
 
-from .artifact import Manifest
+from .artifact import MANIFEST_NAME, UNFINISHED_RE, Manifest
 
 # 2: logits_indices, plugin signatures, encodings, limits, tokens, file hashes; 3: no KV group size
 # but an int4 cache's, key_offset and BOS / EOS semantics; 4: `digest`, the sha256 of engine.json's
@@ -149,6 +149,19 @@ def _kv_encoding(kv: dict, manifest: Manifest) -> str:
     return text
 
 
+def rewrite_hint(engine_dir) -> str:
+    """How to put a good engine where `engine_dir`'s is: one built into an artifact (its
+    engines/onnx/) is part of what the manifest hashes, so it comes back with a rebuild; one on its
+    own is exported again."""
+    engines = Path(engine_dir).absolute().parent
+    if UNFINISHED_RE.fullmatch(engines.parent.name):  # a build checking the engine it wrote
+        return "rerun the build, and report it as a qkiln bug if it fails again"
+    if engines.name == "engines" and (engines.parent / MANIFEST_NAME).is_file():
+        return (f"rebuild the artifact (qkiln build ... --engine onnx --force), or export an engine beside it "
+                f"(qkiln export {engines.parent} --format onnx -o DIR)")
+    return "re-export it from its artifact (qkiln export ARTIFACT --format onnx -o DIR)"
+
+
 def read_engine_model(engine_dir: Path):
     """An engine's model.onnx as an onnx ModelProto, its weights read from model.onnx.data here; a
     damaged file is an ArtifactError.
@@ -158,11 +171,11 @@ def read_engine_model(engine_dir: Path):
     deduplicating store had made every engine, the original too, unreadable. A tensor may name no
     other file, so a model cannot point outside its folder either."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     try:
         model = onnx.load(str(Path(engine_dir) / MODEL_FILE), load_external_data=False)
-        external = [t for t in _get_all_tensors(model) if uses_external_data(t)]
+        external = [t for t in _all_tensors(model.graph) if uses_external_data(t)]
         if external:
             with open(Path(engine_dir) / DATA_FILE, "rb") as data:
                 for tensor in external:
@@ -172,7 +185,20 @@ def read_engine_model(engine_dir: Path):
         raise
     except Exception as e:  # onnx and protobuf raise their own types (DecodeError, ...)
         raise ArtifactError(f"the ONNX engine in {engine_dir} cannot be read ({type(e).__name__}: {e}); "
-                            "re-export it from its artifact (qkiln export --format onnx)") from None
+                            f"{rewrite_hint(engine_dir)}") from None
+
+
+def _all_tensors(graph):
+    """Every tensor of a graph that may hold its data outside it: initializers, and tensors in node
+    attributes, subgraphs included (what onnx.load reads external data into)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            for subgraph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from _all_tensors(subgraph)
 
 
 def _read_external(tensor, info, data) -> None:

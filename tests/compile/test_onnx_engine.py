@@ -444,7 +444,7 @@ def test_a_cache_without_groups_records_none_and_a_damaged_graph_is_a_typed_erro
     (tmp_path / "fp8" / onnx_graph.CONTRACT_FILE).write_text(json.dumps(older))
     with pytest.raises(ArtifactError, match="written by another qkiln version .* re-export"):  # not "another model"
         check_contract(tmp_path / "fp8", contract["kv_cache"])
-    from qkiln.compile.onnx_check import rewrite_hint
+    from qkiln.compile.onnx_contract import rewrite_hint
 
     built_in = _artifact(root, "awq-kv-fp8", engines=("onnx",)) / "engines" / "onnx"  # part of the artifact
     assert rewrite_hint(built_in).startswith("rebuild the artifact") and "re-export" not in rewrite_hint(built_in)
