@@ -38,7 +38,7 @@ class ServedScorer:
     def score_targets(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> the logprob of ids[:, 1:] given what precedes them [B, T - 1] (fp32)."""
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        outputs = self.llm.generate([row.tolist() for row in ids], params)
+        outputs = self.llm.generate([row.tolist() for row in ids], params, use_tqdm=False)  # eval shows its own
         return torch.tensor([[scored[token].logprob for scored, token in zip(out.prompt_logprobs[1:],
                                                                               out.prompt_token_ids[1:])]
                              for out in outputs])

@@ -6,6 +6,7 @@ qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}
 import dataclasses
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -93,11 +94,13 @@ class LLM:
         return self.engine.default_sampling_params()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[PromptOutput]:
+                 use_tqdm: bool | Callable = True) -> list[PromptOutput]:
         """Outputs in prompt order, each with its SamplingParams.n choices. prompts: a string, token
         ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of those. sampling_params: one
         for all prompts, or one per prompt. A prompt the engine refuses, or an interrupt, aborts every
-        request of this call: the LLM stays usable. Calls from several threads run one after another."""
+        request of this call: the LLM stays usable. Calls from several threads run one after another.
+        use_tqdm: a progress bar over the prompts on stderr (vLLM's default), or a tqdm-like class to
+        make it with."""
         prompts = _prompt_list(prompts)
         if isinstance(sampling_params, list) and len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
@@ -129,7 +132,7 @@ class LLM:
                     self.engine.abort_request(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | Callable = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None) -> list[PromptOutput]:
@@ -152,12 +155,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, request_ids: list[list[str]], logprobs: dict[str, list | None],
-             detokenizes: list[bool], use_tqdm: bool) -> list[PromptOutput]:
+             detokenizes: list[bool], use_tqdm: bool | Callable) -> list[PromptOutput]:
         finished: dict[str, RequestOutput] = {}
         prompt_logprobs: dict[str, list | None] = {}  # from a request's first output
         prompt_of = {i: k for k, ids in enumerate(request_ids) for i in ids}
         unfinished = [len(ids) for ids in request_ids]  # choices per prompt: the bar counts prompts, as vLLM's
-        with tqdm(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        with progress(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if logprobs[out.request_id] is not None:

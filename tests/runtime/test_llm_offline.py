@@ -45,6 +45,31 @@ def test_an_interrupt_leaves_the_llm_usable(llm, monkeypatch):
     assert llm.generate(["hello"], GREEDY)[0].token_ids == expected
 
 
+def test_a_progress_bar_by_default_as_in_vllm(llm, capsys):
+    llm.generate(["abc", "def"], GREEDY)
+    bar = capsys.readouterr().err
+    assert "generate" in bar and "2/2" in bar
+    llm.generate(["abc"], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    made = []
+
+    class Bar:  # vLLM takes a tqdm-like class (a notebook's, a logger's)
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            made.append(n)
+
+    llm.generate(["abc", "def"], GREEDY, use_tqdm=Bar)
+    assert made[0]["total"] == 2 and sum(made[1:]) == 2
+
+
 def test_an_empty_token_list_is_named_as_empty(llm):
     with pytest.raises(RequestError, match="prompt 1 is empty"):
         llm.generate(["a", []], GREEDY)
