@@ -23,7 +23,7 @@ from .detokenizer import IncrementalDetokenizer, NoText
 from .model import CausalLM
 from .runner import ModelRunner
 from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
-from .sampling_params import SamplingParams, valid_sampling_defaults
+from .sampling_params import SamplingParams, TokenIds, valid_sampling_defaults
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
 
@@ -203,6 +203,8 @@ class LLMEngine:
                                        ("logit_bias token", "logit_bias", params.logit_bias or ()),
                                        ("allowed_token_ids entry", "allowed_token_ids", params.allowed_token_ids or ()),
                                        ("bad_words token", "bad_words", itertools.chain.from_iterable(bad_words))):
+            if isinstance(token_ids, TokenIds) and token_ids.largest < vocab:
+                continue  # checked >= 0 when made: its largest says it all (a whole vocabulary is 2^18 ids)
             bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
             if bad is not None:
                 raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab})", param)

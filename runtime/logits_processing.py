@@ -38,7 +38,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], banned
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         if p.allowed_token_ids is not None:  # before the bans: a banned allowed token stays banned
-            ids = torch.tensor(p.allowed_token_ids, device=logits.device)
+            ids = p.allowed_token_ids.tensor(logits.device)
             kept = logits[i, ids]
             logits[i] = float("-inf")
             logits[i, ids] = kept

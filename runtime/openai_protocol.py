@@ -196,7 +196,7 @@ class SamplingFields(BaseModel):
                  else defaults.get(name, getattr(self, name))
                  for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         # SamplingParams takes a string or a list of stops, and validates itself when made
-        return SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+        made = SamplingParams(max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
                               prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, **given,
@@ -204,7 +204,11 @@ class SamplingFields(BaseModel):
                               allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                               skip_special_tokens=self.skip_special_tokens,
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              truncate_prompt_tokens=self.truncate_prompt_tokens).choices()
+                              truncate_prompt_tokens=self.truncate_prompt_tokens)
+        # its checked token ids (TokenIds) serve the request's other prompts as they are: a whole
+        # vocabulary of allowed ids is gone through once per request, not once per prompt
+        self.stop_token_ids, self.allowed_token_ids = made.stop_token_ids, made.allowed_token_ids
+        return made.choices()
 
 
 class CompletionRequest(SamplingFields):

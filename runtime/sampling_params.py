@@ -9,6 +9,7 @@ sampler and the scheduler never re-check.
 
 import copy
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ MIN_TEMPERATURE = 0.01
 MAX_PENALTY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 2.0, 100.0, 1024
 # bad_words are matched against every request's output on each step; vLLM caps them at 128 too.
 MAX_BAD_WORDS = 128
+# stop_token_ids are looked up after every token; allowed_token_ids may be a whole vocabulary (the
+# largest today hold 2^18 tokens). Unbounded, a 1 MB request had held every client for 80 s.
+MAX_STOP_TOKEN_IDS, MAX_ALLOWED_TOKEN_IDS = 1024, 1 << 18
 # OpenAI's cap on n. Each choice is an engine request of its own; admitted in one step, they
 # compute the prompt's full KV blocks once and share them (block_manager.py).
 MAX_N = 128
@@ -96,12 +100,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())
-        self.stop_token_ids = tuple(self.stop_token_ids or ())
         if isinstance(self.bad_words, str):
             self.bad_words = (self.bad_words,)
         self.bad_words = tuple(self.bad_words or ())
-        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (str, dict)):
-            self.allowed_token_ids = tuple(self.allowed_token_ids)
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
                f"logit_bias maps token ids to biases, got {type(self.logit_bias).__name__}")
         if self.logit_bias:  # JSON's keys are strings: "50256" means token 50256, as in OpenAI's API
@@ -155,8 +156,7 @@ class SamplingParams:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         _check(self.seed is None or self.seed + self.n - 1 <= SEED_MAX, "seed",
                f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); lower the seed")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", f"stop_token_ids must be non-negative integers, got {list(self.stop_token_ids)!r}")
+        self.stop_token_ids = TokenIds.checked(self.stop_token_ids or (), "stop_token_ids", MAX_STOP_TOKEN_IDS)
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
@@ -189,11 +189,11 @@ class SamplingParams:
         bad_values = [v for v in bias.values() if not (_is_number(v) and abs(v) <= MAX_LOGIT_BIAS)]
         _check(not bad_values, "logit_bias", f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
                                              f"{MAX_LOGIT_BIAS:g}], got {bad_values[0] if bad_values else None!r}")
-        allowed = self.allowed_token_ids
-        _check(allowed is None or (isinstance(allowed, tuple) and allowed
-                                   and all(_is_int(t) and t >= 0 for t in allowed)),
-               "allowed_token_ids", f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), or "
-                                    f"None, got {allowed!r:.200}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = TokenIds.checked(self.allowed_token_ids, "allowed_token_ids",
+                                                      MAX_ALLOWED_TOKEN_IDS, "or None, ")
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids",
+                   "allowed_token_ids must be a non-empty list of token ids, or None (no restriction)")
         words = self.bad_words
         _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS and _is_text(w) for w in words)
                and len(words) <= MAX_BAD_WORDS, "bad_words",
@@ -228,6 +228,36 @@ def valid_sampling_defaults(defaults: dict | None) -> dict:
             continue
         kept[name] = value
     return kept
+
+
+class TokenIds(tuple):
+    """Token ids checked once, when made, without duplicates: a request's n choices share one, and
+    every later validate() (the engine's, the scheduler's) takes it as it is; its range and its
+    tensor are kept, so neither the vocabulary check nor a step goes through the ids again."""
+
+    @classmethod
+    def checked(cls, ids, param: str, limit: int, also: str = "") -> "TokenIds":
+        if isinstance(ids, TokenIds):
+            return ids
+        _check(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids), param,
+               f"{param} must be a list of token ids (integers >= 0), {also}got {ids!r:.200}")
+        made = cls(dict.fromkeys(ids))
+        _check(len(made) <= limit, param, f"{param} takes at most {limit} distinct token ids, got {len(made)}")
+        return made
+
+    @functools.cached_property
+    def largest(self) -> int:
+        return max(self, default=-1)
+
+    def tensor(self, device):
+        """As a tensor on `device` (a torch.device), made once: a row's logits are restricted with
+        it every step."""
+        import torch  # SamplingParams is made where torch need not be loaded (the server's edge)
+
+        cached = self.__dict__.get("_tensor")
+        if cached is None or cached.device != device:
+            cached = self.__dict__["_tensor"] = torch.tensor(self, dtype=torch.long, device=device)
+        return cached
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:

@@ -48,6 +48,25 @@ def test_allowed_token_ids_are_the_only_choices(llm):
     assert e.value.param == "allowed_token_ids"
 
 
+def test_token_id_lists_are_bounded_and_checked_once():
+    """Unbounded, 512 prompts x 200k stop ids held the server's event loop 80 s: each choice had
+    gone through the list at every validate, then every step."""
+    from qkiln.runtime.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_STOP_TOKEN_IDS, TokenIds
+
+    params = SamplingParams(n=3, stop_token_ids=[5, 6, 5], allowed_token_ids=list(range(1000)) * 2)
+    assert params.stop_token_ids == (5, 6) and len(params.allowed_token_ids) == 1000  # duplicates dropped
+    choices = params.choices()
+    assert all(c.allowed_token_ids is params.allowed_token_ids for c in choices)  # shared, not copied
+    assert isinstance(params.allowed_token_ids, TokenIds) and params.allowed_token_ids.largest == 999
+    for field, limit in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)):
+        SamplingParams(**{field: list(range(limit))})
+        with pytest.raises(RequestError, match=f"{field} takes at most {limit} distinct token ids") as e:
+            SamplingParams(**{field: list(range(limit + 1))})
+        assert e.value.param == field
+    with pytest.raises(RequestError, match="stop_token_ids must be a list of token ids"):
+        SamplingParams(stop_token_ids=[1, -2])
+
+
 def test_a_ban_yields_where_it_would_leave_nothing_allowed(llm):
     """min_tokens bans EOS, allowed_token_ids allows only EOS: the row still has a token to take
     (all -inf had given token 0, or NaN probabilities)."""
@@ -189,6 +208,7 @@ def test_the_server_refuses_bad_options_with_their_names(client):
                            (dict(bad_words=["\ud800"]), "bad_words"),
                            (dict(allowed_token_ids=[]), "allowed_token_ids"),
                            (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
+                           (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),
                            (dict(bad_words=[" "]), "bad_words")]:
         body = json.dumps({"prompt": "hi", "max_tokens": 2} | options)  # ASCII: a lone surrogate as \\ud800
         r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
