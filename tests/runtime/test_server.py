@@ -381,6 +381,14 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
         == [tok.eos_token_id]
     long = client.post("/tokenize", json={"prompt": "ab " * 4000}).json()  # counted, though past the context
     assert long["count"] == len(tok.encode("ab " * 4000)) > long["max_model_len"]
+    # counted whole, but not without bound: an 8 MB text had taken the server 1.3 GB to count
+    from qkiln.runtime.request_prompts import MAX_UNBOUNDED_CHARS
+
+    huge = client.post("/tokenize", json={"prompt": "a" * (MAX_UNBOUNDED_CHARS + 1)})
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt", huge.text
+    cut = client.post("/v1/completions", json={"prompt": "a" * (MAX_UNBOUNDED_CHARS + 1), "max_tokens": 1,
+                                               "truncate_prompt_tokens": 8})
+    assert cut.status_code == 400 and "at most" in cut.json()["error"]["message"]
     r = client.post("/tokenize", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # not "messages", no class name
     assert "Tokenize" not in r.json()["error"]["message"]
