@@ -64,6 +64,8 @@ KEEP_ALIVE_S = 30
 MAX_CONCURRENT_REQUESTS = 4096
 log = logging.getLogger("qkiln.server")
 MAX_IGNORED_SETS = 256
+# after a forced exit (a second Ctrl-C), how long the requests still open get to answer their 503
+FORCED_EXIT_ANSWER_S = 2.0
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -595,15 +597,28 @@ class _DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
         super().__init__(config)
         self.engine, self.grace = engine, grace
+        self._stopping_engine = False
 
     async def shutdown(self, sockets=None) -> None:
-        # engine.shutdown joins the engine thread: off the event loop, which must keep serving
-        stop = asyncio.get_running_loop().call_later(
-            self.grace, lambda: threading.Thread(target=self.engine.shutdown, name="qkiln-stop", daemon=True).start())
+        stop = asyncio.get_running_loop().call_later(self.grace, self._stop_engine)
         try:
             await super().shutdown(sockets)
         finally:
             stop.cancel()
+        if self.server_state.tasks:
+            # A second Ctrl-C (uvicorn's force exit) cut the wait short, and the requests still open
+            # would be cancelled as the loop closes: bare 500s, streams cut without an error event,
+            # a traceback each. The engine stops now instead, so their handlers answer as above.
+            self._stop_engine()
+            await asyncio.wait(list(self.server_state.tasks), timeout=FORCED_EXIT_ANSWER_S)
+        if self.force_exit:  # uvicorn skips the app's shutdown then, and its task died with a traceback
+            await self.lifespan.shutdown()
+
+    def _stop_engine(self) -> None:
+        # engine.shutdown joins the engine thread: off the event loop, which must keep serving
+        if not self._stopping_engine:
+            self._stopping_engine = True
+            threading.Thread(target=self.engine.shutdown, name="qkiln-stop", daemon=True).start()
 
 
 class BackgroundServer:

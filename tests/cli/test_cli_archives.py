@@ -91,3 +91,51 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
         if server.poll() is None:
             server.kill()
     assert list(tmpdir.iterdir()) == []
+
+
+def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
+    """uvicorn's force exit (Ctrl-C twice) had cancelled the requests in flight: bare 500s, streams
+    cut without an error event, a traceback each. They get the engine's 503 / error event instead."""
+    path, _ = archive
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = _cli(["serve", str(path), "--port", str(port), "--shutdown-timeout", "60"], tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+            time.sleep(0.2)
+        body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
+
+        def streamed(_):
+            with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+                return [line for line in r.iter_lines() if line]
+
+        pool = ThreadPoolExecutor(4)
+        plain = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+        streams = [pool.submit(streamed, i) for i in range(2)]
+        time.sleep(1.0)
+        server.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        server.send_signal(signal.SIGINT)  # the grace period (60 s) is not waited out
+        server.wait(timeout=30)
+        assert time.monotonic() - signalled < 10
+        for r in plain:
+            r = r.result()
+            assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text
+        for lines in streams:
+            lines = lines.result()
+            assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+        err = server.stderr.read()
+        assert "Traceback" not in err, err
+    finally:
+        if server.poll() is None:
+            server.kill()
