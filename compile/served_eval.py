@@ -11,6 +11,7 @@ no KL.
 
 import torch
 
+from qkiln.plugins import cpu_native
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.loader import resolve_dtype
 from qkiln.runtime.quantized_linear import QuantizedLinear
@@ -32,6 +33,9 @@ class ServedScorer:
         self.description = {"scoring": f"served: qkiln's runtime engine in {dtype_name}{caveat}"
                                        f"{' with int8 activations' if int8_activations else ''}, paged KV cache "
                                        f"{self.llm.engine.kv_dtype}, prompt logprobs"}
+        # torch's CPU kernels give close but not the same numbers (README): a score says which ran
+        self.description["kernels"] = "qkiln native CPU" if cpu_native.native_extension() is not None \
+            else "torch CPU (qkiln's native kernels not loaded)"
         if is_artifact_dir(model):  # the score's key in a registry, as the simulation's report has it
             self.description["digest"] = read_manifest(model).digest
 

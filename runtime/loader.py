@@ -89,7 +89,10 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
                             f"{name} on {device} has none to apply them to: drop the option or "
                             "build an artifact (qkiln build) first")
     ext = cpu_native.native_extension()
-    if ext is not None and not int8_act_panels_fast():
+    if ext is None:  # the rounding is the native kernels' own: torch's would run exact, flag or not
+        raise QkilnError("int8 activations run in qkiln's native CPU kernels, which are not loaded here (said "
+                         "above: QKILN_NATIVE_CPU=0 or no C++ compiler); drop the option, or enable them")
+    if not int8_act_panels_fast():
         print("qkiln: this CPU has no AVX512-VNNI: int4 linears round activations to int8 at every "
               "step (the GEMV kernel), int8 linears (an int8 head) up to 16 rows a step and stay "
               "exact above", file=sys.stderr)

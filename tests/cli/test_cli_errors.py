@@ -242,3 +242,14 @@ def test_exit_codes_say_what_kind_of_failure_it_was(tmp_path):
     assert_one_line_error(run_cli("verify", str(tmp_path / "a")), "CUDA is not available", code=7)
     (tmp_path / "a" / "manifest.json").write_text("{}")
     assert_one_line_error(run_cli("verify", str(tmp_path / "a")), "manifest", code=6)
+
+
+def test_int8_activations_without_the_native_kernels_are_refused_not_ignored(tmp_path):
+    """torch's kernels compute exactly: the option had changed nothing while the report said
+    "with int8 activations" (an accuracy job compared two identical numbers)."""
+    write_tiny_hf_model(tmp_path / "m")
+    assert run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a")).returncode == 0
+    result = subprocess.run([sys.executable, "-m", "qkiln", "generate", str(tmp_path / "a"), "--prompt", "hi",
+                             "--int8-activations"], capture_output=True, text=True, timeout=300,
+                            env=os.environ | {"QKILN_NATIVE_CPU": "0"})
+    assert_one_line_error(result, "int8 activations run in qkiln's native CPU kernels", code=2)

@@ -141,6 +141,9 @@ def test_served_scoring_is_the_engine_s_prompt_logprobs(tmp_path, monkeypatch):
     simulated = evaluate(open_model(str(art)), open_model(str(art)).tokenizer, str(text), 32, 256, progress=False)
     served = ServedScorer(str(art), "fp32")
     assert "served" in served.description["scoring"] and "float32" in served.description["scoring"]
+    from qkiln.plugins import cpu_native  # which kernels computed it: torch's give other numbers
+
+    assert served.description["kernels"].startswith("qkiln native" if cpu_native.native_extension() else "torch")
     report = evaluate(served, served.tokenizer, str(text), 32, 256, progress=False)
     assert report["num_tokens"] == simulated["num_tokens"] and report["num_bytes"] == simulated["num_bytes"]
     assert report["perplexity"] == pytest.approx(simulated["perplexity"], rel=2e-3)
