@@ -34,10 +34,13 @@ def default_cache_dir() -> Path:
 
 
 # Beside quant/: the modules that compute a layer's inputs and outputs during calibration (the
-# model forward and the simulation of the layers before it). Only quant/ and calibrate.py were
-# hashed, so a change to the forward reused layers the old code had computed.
+# model forward and the simulation of the layers before it), and those that turn a source file into
+# weights (a fix to GGUF dequantization or Q/K unpermutation changes them under the same file
+# sha256). Only quant/ and calibrate.py were hashed, so a change to the forward reused layers the
+# old code had computed.
 _LAYER_CODE = ("compile/calibrate.py", "compile/simulate.py", "compile/quantized_model.py", "runtime/model.py",
-               "runtime/attention.py", "runtime/rope.py", "runtime/config.py", "plugins/reference.py")
+               "runtime/attention.py", "runtime/rope.py", "runtime/config.py", "plugins/reference.py",
+               "runtime/source.py", "runtime/gguf_reader.py")
 
 
 @functools.cache

@@ -147,7 +147,7 @@ def test_the_layer_key_covers_the_code_that_computes_a_layer(tmp_path, monkeypat
 
     package = Path(layer_cache.__file__).parents[1]
     hashed = {Path(p).name for p in layer_cache._LAYER_CODE}
-    assert {"simulate.py", "model.py", "attention.py"} <= hashed
+    assert {"simulate.py", "model.py", "attention.py", "gguf_reader.py", "source.py"} <= hashed
     assert all((package / p).is_file() for p in layer_cache._LAYER_CODE)
     before = layer_cache.code_version()
     copy = tmp_path / "qkiln"  # the package with one edited forward, hashed from there
