@@ -17,7 +17,8 @@ import typer
 from qkiln.errors import QkilnError
 
 bench_app = typer.Typer(help="Benchmarks: a JSON report (--json), a table on stdout, progress on stderr, "
-                             "PNG charts (--plot).", no_args_is_help=True, pretty_exceptions_enable=False)
+                             "PNG charts (--plot).", no_args_is_help=True, pretty_exceptions_enable=False,
+                        rich_markup_mode=None)  # help texts say [default: ...]
 
 
 # Options every report-writing command takes the same way.

@@ -22,7 +22,7 @@ from qkiln.errors import CalibrationDataError, QkilnError
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
 app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+                  pretty_exceptions_enable=False, rich_markup_mode=None)  # help texts say [default: ...]
 
 
 def _print_version(value: bool) -> None:
