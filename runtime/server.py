@@ -532,12 +532,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
-        detail = str(exc.detail)
+        detail, code = str(exc.detail), None
         if exc.status_code == 404:  # no such route (/v1/responses, /v1/embeddings, ...): say which there are
             detail = f"{request.url.path} is not served here; qkiln serves {', '.join(_ROUTES)}"
-        response = reply(exc.status_code, detail)
+        elif exc.status_code == 400 and isinstance(exc.__cause__, Exception):  # FastAPI's "error parsing the body"
+            detail, code = _unparsable_body(exc.__cause__), "invalid_json"
+        response = reply(exc.status_code, detail, code=code)
         response.headers.update(exc.headers or {})  # a 405's Allow
         return response
+
+
+def _unparsable_body(cause: Exception) -> str:
+    """Why a body that is not a JSON decoding error could not be read as JSON, and what to send."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"is not UTF-8 (byte {cause.start}); send JSON encoded as UTF-8"
+    elif isinstance(cause, RecursionError):
+        why = "nests too deeply; send a flatter JSON object"
+    elif isinstance(cause, ValueError) and "digits" in str(cause):
+        why = f"holds an integer too long to read ({cause}); send shorter numbers"
+    else:
+        why = f"cannot be read as JSON ({type(cause).__name__}: {cause}); send a JSON object"
+    return f"the body {why}"
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}

@@ -239,6 +239,16 @@ def test_a_body_sent_as_another_content_type_is_told_to_send_json(client):
     assert r.status_code == 400 and "content-type: application/json" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("body, says", [(b'{"prompt": "caf\xe9"}', "is not UTF-8 (byte 15)"),
+                                        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests too deeply"),
+                                        (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "integer too long")])
+def test_a_body_json_cannot_read_is_named_as_such(client, body, says):
+    """These got FastAPI's "There was an error parsing the body", which says neither why nor what to send."""
+    r = client.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "invalid_json"
+
+
 def test_completion_stream_sse(client):
     whole = completion(client, prompt="streaming!", max_tokens=9).json()["choices"][0]["text"]
     with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "streaming!", "max_tokens": 9,
