@@ -58,6 +58,8 @@ class EngineSnapshot:
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_step_errors: int = 0
+    num_aborted: int = 0  # requests ended before they finished (a client gone, a refused sibling)
+    num_preemptions: int = 0  # running requests sent back to wait for KV blocks (their KV recomputed)
     time: float = 0.0
 
 
@@ -346,7 +348,8 @@ class AsyncLLMEngine:
             num_unfinished=len(e.requests), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
             num_prompt_tokens=e.stats["num_prompt_tokens"], num_generated_tokens=e.stats["num_generated_tokens"],
-            num_steps=e.stats["num_steps"], num_step_errors=self._num_step_errors, time=time.monotonic())
+            num_steps=e.stats["num_steps"], num_step_errors=self._num_step_errors, num_aborted=e.stats["num_aborted"],
+            num_preemptions=e.scheduler.num_preemptions, time=time.monotonic())
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

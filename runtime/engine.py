@@ -170,7 +170,8 @@ class LLMEngine:
             if config.generation_config == "auto" else {}
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_steps": 0, "num_finished": 0}
+        self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_steps": 0, "num_finished": 0,
+                      "num_aborted": 0}
 
     # ---- requests -------------------------------------------------------------------------
     def default_sampling_params(self) -> SamplingParams:
@@ -233,6 +234,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
             self.scheduler.abort(request_id)
+            self.stats["num_aborted"] += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

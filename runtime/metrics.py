@@ -35,10 +35,13 @@ class ServerMetrics:
                               buckets=_TPOT_BUCKETS, **labels).labels(model_name)
         self.e2e = Histogram("qkiln_e2e_request_latency_seconds", "Time from arrival to the last output token.",
                              buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
-        self._finished = Counter("qkiln_request_success", "Requests that finished, by finish reason.",
+        self._finished = Counter("qkiln_request_success", "Engine requests (a choice is one) that finished, by "
+                                 "finish reason.",
                                  labelnames=["model_name", "finish_reason"], registry=self.registry)
         self.refused_busy = Counter("qkiln_request_refused_busy", "Requests answered 429: the server was at its "
                                     "limit of requests in flight.", **labels).labels(model_name)
+        self.refused_invalid = Counter("qkiln_request_refused_invalid", "HTTP requests answered 400: a malformed "
+                                       "body or a value out of range.", **labels).labels(model_name)
         self._model_name = model_name
         if engine.artifact:  # qkiln_artifact_info{model_name, name, digest} 1: the build being served
             Info("qkiln_artifact", "The artifact served: its manifest's name and digest.", **labels) \
@@ -95,10 +98,15 @@ class _EngineCollector:
             g.add_metric([self.model_name], value)
             yield g
         counters = (
-            ("qkiln_prompt_tokens", "Prompt tokens admitted.", snap.num_prompt_tokens),
+            ("qkiln_prompt_tokens", "Prompt tokens admitted, per engine request (n choices count a prompt n "
+             "times).", snap.num_prompt_tokens),
             ("qkiln_generation_tokens", "Output tokens generated.", snap.num_generated_tokens),
             ("qkiln_engine_step_errors", "Engine steps that raised (their requests were aborted).",
              snap.num_step_errors),
+            ("qkiln_request_aborted", "Engine requests (a choice is one) ended before they finished: the client "
+             "went away, a sibling choice was refused, or a step failed.", snap.num_aborted),
+            ("qkiln_num_preemptions", "Running requests sent back to wait for KV blocks (their KV is computed "
+             "again): the pool is too small for the load.", snap.num_preemptions),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

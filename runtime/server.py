@@ -499,6 +499,8 @@ class _HTTPError(Exception):
 
 def _install_error_handlers(app: FastAPI) -> None:
     def reply(status: int, message: str, param=None, code=None, type="invalid_request_error"):
+        if status == 400:
+            app.state.metrics.refused_invalid.inc()
         return JSONResponse(error_body(message, param, code, type), status_code=status)
 
     @app.exception_handler(RequestValidationError)

@@ -332,6 +332,11 @@ def test_metrics_change_after_requests(client):
         assert metric(after, hist + "_count") - metric(before.text, hist + "_count") == 2
     assert metric(after, "qkiln_prefix_cache_hit_rate") > 0
     assert metric(after, "qkiln_generation_tokens_per_second") > 0
+    assert completion(client, prompt="x", max_tokens=-1).status_code == 400
+    assert client.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    last = client.get("/metrics").text
+    assert metric(last, "qkiln_request_refused_invalid_total") - metric(after, "qkiln_request_refused_invalid_total") == 2
+    assert metric(last, "qkiln_num_preemptions_total") == 0 and metric(last, "qkiln_request_aborted_total") >= 0
 
 
 def test_api_key(engine):
@@ -564,7 +569,7 @@ def test_bad_request_is_400_and_the_server_keeps_serving(client, engine, label):
 
 
 def test_client_disconnect_mid_stream_aborts(server, engine):
-    before = engine.snapshot.num_generated_tokens
+    before, aborted = engine.snapshot.num_generated_tokens, engine.snapshot.num_aborted
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "go on forever", "max_tokens": 110,
                                                        "temperature": 0, "ignore_eos": True, "stream": True}) as r:
@@ -576,6 +581,7 @@ def test_client_disconnect_mid_stream_aborts(server, engine):
                     break  # leaving the block closes the connection mid-stream
     wait_idle(engine)
     assert engine.snapshot.num_generated_tokens - before < 100, "the request ran to completion: not aborted"
+    assert engine.snapshot.num_aborted - aborted == 1  # /metrics: qkiln_request_aborted_total
 
 
 def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server, engine):
