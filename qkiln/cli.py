@@ -113,7 +113,12 @@ def eval_cmd(
     except QkilnError as e:
         _fail(e)
     report["model"] = model
-    report |= {k: v for k, v in getattr(m, "description", {}).items() if k in ("sha256", "digest", "scoring")}
+    report |= {k: v for k, v in getattr(m, "description", {}).items()
+               if k in ("sha256", "digest", "scoring", "kernels")}
+    # what else moves the last digits: the windows batched together, and the versions that computed it
+    from qkiln.compile.artifact import toolchain_versions
+
+    report |= {"batch_size": batch_size, "toolchain": toolchain_versions()}
     if engine:
         report["engine"] = engine
     if engine == "onnxruntime":

@@ -127,6 +127,8 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     report = tmp_path / "new" / "dir" / "r.json"  # a folder that is not there yet is made, not a lost report
     done = run_cli(*base, "--data", str(tmp_path / "t.txt"), "--eval-tokens", "64", "--json", str(report))
     assert done.returncode == 0 and json.loads(report.read_text())["num_tokens"] > 0, done.stderr
+    written = json.loads(report.read_text())  # what moves a score's last digits is recorded beside it
+    assert written["batch_size"] == 4 and written["toolchain"]["torch"] and written["toolchain"]["qkiln"]
     # stdout a pipe its reader closed (`| head`), unbuffered as in CI images: the file had been lost
     piped = tmp_path / "piped.json"
     reader, writer = os.pipe()
