@@ -53,6 +53,7 @@ from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionReq
 from .request_prompts import chat_prompt_ids, check_token_ids, encode_text, kept_prompt_tokens
 from .sampling_params import SamplingParams
 
+log = logging.getLogger("qkiln.server")
 
 # Larger than any body a request needs: a 128k-token prompt as ids is ~1 MB, an evaluation batch a few.
 MAX_BODY_BYTES = 64 << 20
@@ -62,7 +63,7 @@ KEEP_ALIVE_S = 30
 # Requests running or queued at once (a choice of n is one): the engine runs max_num_seqs of them;
 # the rest wait, holding their prompts. A full completion batch (MAX_CHOICES_PER_REQUEST) fits.
 MAX_CONCURRENT_REQUESTS = 4096
-log = logging.getLogger("qkiln.server")
+# distinct sets of ignored request fields the log names (once each): bounded, as clients choose them
 MAX_IGNORED_SETS = 256
 # after a forced exit (a second Ctrl-C), how long the requests still open get to answer their 503
 FORCED_EXIT_ANSWER_S = 2.0
@@ -439,8 +440,8 @@ class _ApiKeyMiddleware:
 class _RequestIdMiddleware:
     """Every response carries `x-request-id`: the caller's own (a gateway's trace id, as vLLM and
     OpenAI's clients send it) when it is printable ASCII up to 256 characters, else a fresh one.
-    Completion ids are built from it (`cmpl-<id>`), so a log line, a response and a client's trace
-    name the same request."""
+    Completion ids are built from it (`cmpl-<id>`), so a response and a client's trace name the
+    same request."""
 
     def __init__(self, app):
         self.app = app
