@@ -207,7 +207,8 @@ def read_engine_contract(engine_dir: Path) -> dict:
     try:
         contract = json.loads((Path(engine_dir) / CONTRACT_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); {rewrite_hint(engine_dir)}") from None
+        raise ArtifactError(f"{Path(engine_dir) / CONTRACT_FILE}: unreadable ({e}); "
+                            f"{rewrite_hint(engine_dir)}") from None
     if not isinstance(contract, dict) or contract.get("plugin_domain") != onnx_nodes.DOMAIN:
         raise ArtifactError(f"{engine_dir}: {CONTRACT_FILE} is not a qkiln ONNX engine's contract; "
                             f"{rewrite_hint(engine_dir)}")

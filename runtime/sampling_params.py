@@ -239,7 +239,8 @@ class TokenIds(tuple):
     def checked(cls, ids, param: str, limit: int, also: str = "") -> "TokenIds":
         if isinstance(ids, TokenIds):
             return ids
-        _check(isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids), param,
+        _check(isinstance(ids, (list, tuple, set, frozenset, range)) and all(_is_int(t) and t >= 0 for t in ids),
+               param,
                f"{param} must be a list of token ids (integers >= 0), {also}got {ids!r:.200}")
         made = cls(dict.fromkeys(ids))
         _check(len(made) <= limit, param, f"{param} takes at most {limit} distinct token ids, got {len(made)}")
