@@ -283,14 +283,12 @@ def check_finished_name(root: Path) -> None:
 def check_not_unchecked(root: Path, present) -> None:
     if UNCHECKED_MARKER in present:
         raise ArtifactError(f"{root}: its writer stopped while checking it ({UNCHECKED_MARKER} is still there), so "
-                            "it was never finished; rerun the qkiln command that wrote it")
+                            "it was never finished; rerun the qkiln command that wrote it (with --force)")
 
 
 def verify_contents(root: Path, check_target: bool = True) -> list[str]:
     """verify_artifact without the directory-name check (the writer verifies its own temp dirs)."""
     manifest = read_manifest(root)
-    if check_target:
-        check_target_available(manifest, where=str(root))
     present = list_artifact_files(root)
     check_not_unchecked(root, present)
     missing = sorted(set(manifest.files) - present)
@@ -312,6 +310,8 @@ def verify_contents(root: Path, check_target: bool = True) -> list[str]:
         if actual != expected["sha256"]:
             raise ArtifactError(f"{root / rel}: sha256 mismatch: manifest says {expected['sha256'][:16]}..., "
                                 f"file has {actual[:16]}...; the file was changed, re-fetch or rebuild")
+    if check_target:  # last: TargetUnavailableError (exit 7) says the artifact itself is sound
+        check_target_available(manifest, where=str(root))
     return sorted(manifest.files)
 
 

@@ -165,7 +165,7 @@ def _artifact_files(path: Path) -> set[str] | None:
     files = manifest.get("files")
     if manifest.get("format_version") is None or not isinstance(files, dict):
         return None
-    return set(files) | {MANIFEST_NAME}
+    return set(files) | {MANIFEST_NAME, UNCHECKED_MARKER}  # the marker: qkiln's own, left by a killed check
 
 
 def read_json_object(path: Path) -> dict:

@@ -16,7 +16,8 @@ import numpy as np
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import onnx_nodes
 
-from .artifact import Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file, verify_artifact
+from .artifact import (UNCHECKED_MARKER, Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file,
+                       verify_artifact)
 from .artifact_writer import check_replaceable, mark_checked, mark_unchecked, read_json_field, staged_directory
 from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
                          require_engine_matches)
@@ -68,7 +69,7 @@ def _engine_files(directory: Path) -> set[str] | None:
     """What an ONNX engine qkiln exported holds, or None when `directory` is not one."""
     if read_json_field(directory / CONTRACT_FILE, "plugin_domain") != onnx_nodes.DOMAIN:
         return None
-    return {MODEL_FILE, DATA_FILE, CONTRACT_FILE}
+    return {MODEL_FILE, DATA_FILE, CONTRACT_FILE, UNCHECKED_MARKER}  # the marker: left by a killed check
 
 
 def onnx_engine_files(manifest: Manifest, tensors: dict) -> dict[str, bytes]:

@@ -20,7 +20,7 @@ from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, mani
                                     read_tensor_index, toolchain_versions, verify_artifact)
 from qkiln.compile.artifact_cli import inspect_cmd, summarize_artifact, verify_cmd
 from qkiln.compile.artifact_writer import extract_archive, write_archive, write_artifact
-from qkiln.errors import ArtifactError
+from qkiln.errors import ArtifactError, TargetUnavailableError
 
 SHARD_BYTES = 512  # small so the tensors below need several shards
 
@@ -273,6 +273,7 @@ def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
         build(tmp_path / "a", check=copy_then_die)
     with pytest.raises(ArtifactError, match="stopped while checking it"):
         verify_artifact(tmp_path / "copy")
+    verify_artifact(build(tmp_path / "copy", overwrite=True))  # the remedy it names: --force replaces it
     checked = []
     out = build(tmp_path / "a", check=checked.append)
     assert checked and verify_artifact(out)  # a check that passes leaves no marker
@@ -453,9 +454,14 @@ def test_tampered_archive_fails_to_extract(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_artifact_refused_without_cuda(tmp_path):
     out = build(tmp_path / "a", manifest=make_manifest(device="cuda"))
-    with pytest.raises(ArtifactError, match="built for target cuda but CUDA is not available"):
+    with pytest.raises(TargetUnavailableError, match="built for target cuda but CUDA is not available"):
         verify_artifact(out)
     assert verify_artifact(out, check_target=False)  # a registry may still check the bytes
+    shard = sorted((out / "weights").iterdir())[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"\x00")
+    with pytest.raises(ArtifactError, match="mismatch") as damaged:  # exit 6, not 7: do not send it elsewhere
+        verify_artifact(out)
+    assert not isinstance(damaged.value, TargetUnavailableError)
 
 
 def test_artifact_module_imports_without_torch():

@@ -129,6 +129,8 @@ def test_an_engine_copied_while_its_check_runs_never_verifies(root, monkeypatch)
         export_onnx(artifact, root / "never")
     with pytest.raises(ArtifactError, match="stopped while checking it"):
         verify_engine_files(copy)
+    monkeypatch.undo()
+    verify_engine_files(export_onnx(artifact, copy, overwrite=True, verify=False).path)  # --force replaces it
 
 
 def test_a_check_that_does_not_fit_in_memory_is_skipped_and_said(root, monkeypatch):
