@@ -451,7 +451,9 @@ class ResponseBuilder:
             body["prompt_logprobs"] = self._prompt_logprobs_json(outputs[0])
         return body
 
-    def _prompt_logprobs_json(self, first: RequestOutput) -> list[dict | None]:
+    def _prompt_logprobs_json(self, first: RequestOutput) -> list[dict | None] | None:
+        if first.prompt_logprobs is None:  # aborted (its client left) before its prompt was scored
+            return None
         return LogprobConverter(self.tokenizer).as_json(first.prompt_logprobs, self.num_prompt_logprobs)
 
 
@@ -517,7 +519,7 @@ class CompletionResponse(ResponseBuilder):
 
     def _prompt_entries(self, prompt_logprobs: list[dict | None] | None) -> list[dict]:
         """The echoed prompt's logprob entries (the first token's null), with their text offsets."""
-        if self.echo is None or self.num_logprobs is None:
+        if self.echo is None or self.num_logprobs is None or prompt_logprobs is None:  # None: aborted unscored
             return []
         offsets = self._echo_offsets()
         first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "offset": 0}

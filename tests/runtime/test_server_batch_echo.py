@@ -123,6 +123,21 @@ def test_prompt_logprobs_as_vllm_s_server_writes_them(client, engine, model):
     assert "prompt_logprobs" not in post(client, prompt="plain", max_tokens=1).json()["choices"][0]
 
 
+def test_a_request_aborted_before_its_prompt_was_scored_still_builds_its_response(engine):
+    """A client that left before the prefill: the abort output has no prompt logprobs, and building
+    the (unread) response had raised a TypeError, a traceback in the server's log."""
+    from qkiln.runtime.engine import RequestOutput
+    from qkiln.runtime.openai_protocol import ChatResponse, CompletionResponse
+
+    ids = engine.tokenizer.encode("nobody waits")
+    aborted = RequestOutput("r", ids, [], "", [], "", True, "abort")
+    completion = CompletionResponse("cmpl-r", "tiny", engine.tokenizer, echo=("nobody waits", ids), logprobs=1,
+                                    prompt_logprobs=2).response([aborted])
+    assert completion["choices"][0]["prompt_logprobs"] is None and completion["choices"][0]["finish_reason"] == "abort"
+    assert ChatResponse("chatcmpl-r", "tiny", engine.tokenizer, prompt_logprobs=0).response([aborted])["prompt_logprobs"] \
+        is None
+
+
 def test_max_tokens_0_with_echo_scores_the_prompt_only(client, engine, model):
     prompts = ["the quick brown fox", "jumps over the lazy dog and runs"]
     r = post(client, prompt=prompts, echo=True, logprobs=2, max_tokens=0)
