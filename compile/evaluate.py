@@ -127,7 +127,9 @@ def evaluate_many(
             ref_logits = None if reference is None else reference(ids_t)[:, :-1]
         for name, model in models.items():
             _score_batch(ids_t, model, ref_logits, byte_len, totals[name])
-    return {name: _report(t, len(windows), protocol, reference is not None) for name, t in totals.items()}
+    # the windows batched together move the last digits: the batch size that ran is recorded
+    return {name: _report(t, len(windows), protocol, reference is not None) | {"batch_size": batch_size}
+            for name, t in totals.items()}
 
 
 def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_reference: bool) -> dict:

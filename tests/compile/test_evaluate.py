@@ -147,5 +147,11 @@ def test_served_scoring_is_the_engine_s_prompt_logprobs(tmp_path, monkeypatch):
     report = evaluate(served, served.tokenizer, str(text), 32, 256, progress=False)
     assert report["num_tokens"] == simulated["num_tokens"] and report["num_bytes"] == simulated["num_bytes"]
     assert report["perplexity"] == pytest.approx(simulated["perplexity"], rel=2e-3)
+    assert simulated["batch_size"] == 4  # the default; the one that ran is recorded, cut for long windows:
+    from qkiln.compile.evaluate import MAX_BATCH_TOKENS
+
+    wide = evaluate(open_model(str(art)), open_model(str(art)).tokenizer, str(text), 32, 256, progress=False,
+                    batch_size=10**6)
+    assert wide["batch_size"] == MAX_BATCH_TOKENS // 32 and wide["perplexity"] == pytest.approx(simulated["perplexity"])
     bf16 = ServedScorer(str(art), "bf16")
     assert evaluate(bf16, bf16.tokenizer, str(text), 32, 256, progress=False)["perplexity"] != report["perplexity"]
