@@ -51,9 +51,19 @@ def code_version() -> str:
 
     package = Path(qkiln.quant.__file__).parents[1]
     h = hashlib.sha256(torch.__version__.encode())
+    h.update(_gguf_version().encode())  # a GGUF's tensors are dequantized by the gguf package
     for path in [*sorted(Path(qkiln.quant.__file__).parent.glob("*.py")), *(package / p for p in _LAYER_CODE)]:
         h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
+
+
+def _gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("gguf")
+    except PackageNotFoundError:
+        return "none"
 
 
 def layer_key(source_sha256: str, scheme_dict: dict, token_sha256: str | None, layer_id: int) -> str:

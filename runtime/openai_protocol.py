@@ -69,8 +69,10 @@ class SamplingFields(BaseModel):
     @classmethod
     def _remember_ignored_fields(cls, data, handler):
         request = handler(data)
-        if isinstance(data, dict):
-            request._ignored_fields = tuple(sorted(set(data) - set(cls.model_fields)))
+        if isinstance(data, dict):  # a caller's own strings, bound for a log: escaped and cut short
+            names = sorted(set(data) - set(cls.model_fields))
+            request._ignored_fields = tuple(json.dumps(n)[1:-1][:64] for n in names[:16]) + \
+                ((f"... {len(names) - 16} more",) if len(names) > 16 else ())
         return request
 
     @property

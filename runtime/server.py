@@ -171,7 +171,8 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         for j, sp in enumerate(_scored_once(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults),
                                             body.stream)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
-                                   counts_prompt=j == 0, prompt_logprobs=body.prompt_logprobs)
+                                   counts_prompt=j == 0,  # one prompt_logprobs beside the choices: the first's
+                                   prompt_logprobs=body.prompt_logprobs if j == 0 else None)
             choices.append(_Choice(prompt_ids, sp, builder))
         return await _respond(engine, metrics, request, choices, body.stream)
 

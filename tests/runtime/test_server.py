@@ -222,9 +222,13 @@ def test_fields_the_server_does_not_read_are_logged_once(client, caplog):
             r = completion(client, prompt="abc", max_tokens=2, temprature=0.2, user="u-1")
             assert r.status_code == 200, r.text
         assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2, x_unread_chat=1)).status_code == 200
+        forged = {"prompt": "abc", "max_tokens": 2, "x\nINFO: forged\u001b[2J" + "y" * 10_000: 1}
+        assert client.post("/v1/completions", json=forged).status_code == 200
     said = [r.getMessage() for r in caplog.records if r.name == "qkiln.server"]
-    assert said == ["ignored request fields qkiln does not read: temprature, user (logged once for this set)",
-                    "ignored request fields qkiln does not read: x_unread_chat (logged once for this set)"]
+    assert said[:2] == ["ignored request fields qkiln does not read: temprature, user (logged once for this set)",
+                        "ignored request fields qkiln does not read: x_unread_chat (logged once for this set)"]
+    # a caller's field name is escaped and cut short: it can neither forge a log line nor fill the log
+    assert "\n" not in said[2] and "\x1b" not in said[2] and len(said[2]) < 200 and "\\nINFO" in said[2]
 
 
 def test_a_tiny_temperature_is_raised_to_the_smallest_one_that_works(client):
