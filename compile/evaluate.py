@@ -84,8 +84,8 @@ def check_reference(model_tokenizer, reference_tokenizer, vocab_sizes: tuple[int
         raise SourceModelError("the reference's tokenizer or vocabulary differs from the model's, so it would "
                                "score other text (a KL of nonsense); compare models that share a tokenizer")
     if window_len > reference_context:
-        raise SourceModelError(f"a window of {window_len} tokens exceeds the reference's context of "
-                               f"{reference_context}: lower --seq-len")
+        raise QkilnError(f"a window of {window_len} tokens exceeds the reference's context of "
+                         f"{reference_context}: lower --seq-len")  # an option to change: usage
 
 
 def evaluate(
@@ -102,7 +102,7 @@ def evaluate_many(
 ) -> dict[str, dict]:
     """Score several models on the same windows; the reference runs once per batch for all."""
     if seq_len < 2 or max_tokens < 2:
-        raise CalibrationDataError("--seq-len and --eval-tokens must be at least 2")
+        raise QkilnError("--seq-len and --eval-tokens must be at least 2")
     text, data_name = read_eval_text(data_path)
     ids = leading_tokens(tokenizer, text, max_tokens)
     if len(ids) < min(seq_len, max_tokens):

@@ -191,7 +191,7 @@ def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_con
     (other / "tokenizer.json").write_text(json.dumps(tok))
     assert_one_line_error(run_cli(*base, "--reference", str(other)), "tokenizer or vocabulary differs")
     short = write_tiny_hf_model(tmp_path / "short", max_position_embeddings=16)
-    assert_one_line_error(run_cli(*base, "--reference", str(short)), "exceeds the reference's context of 16")
+    assert_one_line_error(run_cli(*base, "--reference", str(short)), "exceeds the reference's context of 16", code=2)
     same = run_cli(*base, "--reference", str(write_tiny_hf_model(tmp_path / "same", seed=2)))
     report = json.loads(same.stdout)
     assert same.returncode == 0 and report["kl_divergence"] > 0 and report["reference_perplexity"] > 1
