@@ -37,6 +37,25 @@ def _cli(args, tmpdir, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+def _serve(path, tmpdir, *args):
+    """`qkiln serve PATH` on a free port, once /health answers: (process, port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = _cli(["serve", str(path), "--port", str(port), *args], tmpdir)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return server, port
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(server.stderr.read())
+        time.sleep(0.2)
+
+
 def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
     path, text = archive
     tmpdir = tmp_path / "tmp"
@@ -59,20 +78,8 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
     path, _ = archive
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = _cli(["serve", str(path), "--port", str(port), "--shutdown-timeout", "0.5"], tmpdir)
+    server, port = _serve(path, tmpdir, "--shutdown-timeout", "0.5")
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
-            time.sleep(0.2)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "tiny-w4", r.text
         assert len(list(tmpdir.iterdir())) == 1  # the unpacked artifact, while serving
@@ -97,21 +104,9 @@ def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
     """uvicorn's force exit (Ctrl-C twice) had cancelled the requests in flight: bare 500s, streams
     cut without an error event, a traceback each. They get the engine's 503 / error event instead."""
     path, _ = archive
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    server, port = _serve(path, tmp_path, "--shutdown-timeout", "60")
     url = f"http://127.0.0.1:{port}"
-    server = _cli(["serve", str(path), "--port", str(port), "--shutdown-timeout", "60"], tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
-            time.sleep(0.2)
         body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
 
         def streamed(_):
