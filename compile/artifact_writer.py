@@ -204,7 +204,7 @@ def mark_unchecked(folder: Path) -> None:
     """Put UNCHECKED_MARKER in `folder` before its last file is written: verify refuses the folder
     until mark_checked, so a writer killed while checking leaves nothing that passes for finished."""
     _write_file(folder / UNCHECKED_MARKER, b"qkiln was checking what it wrote here when it stopped; "
-                b"this folder is unfinished: rerun the command that wrote it\n")
+                b"this folder is unfinished: rerun the command that wrote it (with --force)\n")
 
 
 def mark_checked(folder: Path) -> None:
