@@ -119,9 +119,7 @@ class LLM:
             logprobs: dict[str, list | None] = {}  # the generated tokens' of a request that asks, else None
             try:
                 for prompt, params in zip(prompts, params_list):
-                    choices = params.choices()
-                    for choice in choices[1:]:  # choice 0 scores the prompt; the others share its KV blocks
-                        choice.prompt_logprobs = None
+                    choices = params.choices()  # choice 0 scores the prompt; the others share its KV blocks
                     request_ids.append([])
                     for choice in choices:  # appended one by one: a refused one aborts those before it
                         request_ids[-1].append(self.engine.add_request(prompt, choice))

@@ -2,6 +2,7 @@
 token first, then the top n. The offline API returns them (`PromptOutput.prompt_logprobs`,
 `CompletionOutput.logprobs`); the server writes them as JSON for `prompt_logprobs`."""
 
+import itertools
 from dataclasses import asdict, dataclass
 
 
@@ -48,5 +49,11 @@ class LogprobConverter:
     def as_json(self, entries: list[dict | None], num_top: int) -> list[dict | None]:
         """`prompt_logprobs` as vLLM's server writes it: per token {"<id>": {"logprob", "rank",
         "decoded_token"}}, the top `num_top` of the engine's (which may hold more)."""
-        return [None if e is None else {str(t): asdict(lp) for t, lp in self.one(
-            e | {"top": dict(list(e["top"].items())[:num_top])}).items()} for e in entries]
+        return [None if e is None else {str(t): asdict(lp) for t, lp in self.one(with_top(e, num_top)).items()}
+                for e in entries]
+
+
+def with_top(entry: dict, n: int) -> dict:
+    """An engine entry with its top cut to the n most likely: a prompt is scored once with the
+    largest top any of its uses asks for (an echo's logprobs, prompt_logprobs)."""
+    return entry | {"top": dict(itertools.islice(entry["top"].items(), n))}

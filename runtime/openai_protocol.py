@@ -28,7 +28,7 @@ from qkiln.errors import RequestError
 
 from .detokenizer import IncrementalDetokenizer
 from .engine import RequestOutput
-from .logprob_dicts import LogprobConverter
+from .logprob_dicts import LogprobConverter, with_top
 from .sampling_params import MAX_LOGPROBS, MAX_N, SEED_MAX, SEED_MIN, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -188,7 +188,8 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
                         defaults: dict | None = None) -> list[SamplingParams]:
-        """One SamplingParams per choice (SamplingParams.choices: choice j's seed is seed + j).
+        """One SamplingParams per choice (SamplingParams.choices: choice j's seed is seed + j; only
+        the first scores the prompt, unless the response streams each choice's own).
         defaults: the model's recommended sampling values (LLMEngine.sampling_defaults), which the
         fields this request left out take, as in vLLM."""
         defaults = defaults or {}
@@ -210,7 +211,7 @@ class SamplingFields(BaseModel):
         # its checked token ids (TokenIds) serve the request's other prompts as they are: a whole
         # vocabulary of allowed ids is gone through once per request, not once per prompt
         self.stop_token_ids, self.allowed_token_ids = made.stop_token_ids, made.allowed_token_ids
-        return made.choices()
+        return made.choices(score_prompt_once=not self.stream)
 
 
 class CompletionRequest(SamplingFields):
@@ -525,8 +526,7 @@ class CompletionResponse(ResponseBuilder):
             return []
         offsets = self._echo_offsets()
         first = {"token_id": self.prompt_ids[0], "logprob": None, "top": None, "offset": 0}
-        # the engine's top may be prompt_logprobs' longer one
-        return [first] + [e | {"offset": offset, "top": dict(list(e["top"].items())[:self.num_logprobs])}
+        return [first] + [with_top(e, self.num_logprobs) | {"offset": offset}
                           for e, offset in zip(prompt_logprobs[1:], offsets[1:])]
 
     def _echo_offsets(self) -> list[int]:

@@ -132,11 +132,18 @@ class SamplingParams:
         """Whether the logits are changed before the choice, so a greedy row is not their argmax."""
         return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
 
-    def choices(self) -> list["SamplingParams"]:
-        """The n choices' own SamplingParams (n 1 each): choice j's seed is seed + j."""
+    def choices(self, score_prompt_once: bool = True) -> list["SamplingParams"]:
+        """The n choices' own SamplingParams (n 1 each): choice j's seed is seed + j. The choices
+        share one prompt, so only the first scores it (prompt_logprobs) and the others take its KV
+        blocks from the prefix cache; score_prompt_once=False keeps the scores in every choice (a
+        stream echoes each choice's prompt logprobs as it goes)."""
         first = copy.copy(self.validate())
         first.n = 1
-        return [first] + [_with_seed(first, None if self.seed is None else self.seed + j) for j in range(1, self.n)]
+        others = [_with_seed(first, None if self.seed is None else self.seed + j) for j in range(1, self.n)]
+        if score_prompt_once:
+            for choice in others:
+                choice.prompt_logprobs = None
+        return [first] + others
 
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self (with a

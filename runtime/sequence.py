@@ -56,7 +56,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # the prompt's prefix-cache hit when first admitted
     num_preemptions: int = 0
-    # SamplingParams.bad_words as token ids (logits_processing.bad_words_token_ids)
+    # SamplingParams.bad_words as token ids (bad_words.bad_words_token_ids)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):

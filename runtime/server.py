@@ -146,8 +146,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
                 if body.generates else 1
             # with echo, logprobs covers the prompt's tokens too
-            params = _scored_once(body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None,
-                                                       defaults), body.stream)
+            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
             echo = None
             if body.echo:  # the prompt's text as sent, or its ids' text (also when truncation may have cut it)
                 text = prompt if isinstance(prompt, str) and (keep is None or len(ids) < keep) else \
@@ -168,8 +167,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
         max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
         request_id, choices = f"chatcmpl-{request.state.request_id}", []
-        for j, sp in enumerate(_scored_once(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults),
-                                            body.stream)):
+        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
             builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
                                    counts_prompt=j == 0,  # one prompt_logprobs beside the choices: the first's
                                    prompt_logprobs=body.prompt_logprobs if j == 0 else None)
@@ -277,21 +275,13 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
 
 def _share_prompt_logprobs(choices: list[_Choice], results: list[list[RequestOutput]]) -> None:
     """A prompt's later choices take its prompt logprobs from its first, the one choice that
-    computed them (see _scored_once)."""
+    computed them (SamplingParams.choices)."""
     first = None
     for choice, outputs in zip(choices, results):
         if choice.builder.counts_prompt:
             first = outputs[0]
         elif first.prompt_logprobs is not None and outputs[0].prompt_logprobs is None:
             outputs[0] = replace(outputs[0], prompt_logprobs=first.prompt_logprobs)
-
-
-def _scored_once(params: list[SamplingParams], is_stream: bool) -> list[SamplingParams]:
-    """Only a prompt's first choice scores it (the others would compute the same n times over, and
-    could not reuse its prefix cache); a stream echoes each choice's own, so it keeps them all."""
-    if is_stream:
-        return params
-    return params[:1] + [replace(sp, prompt_logprobs=None) for sp in params[1:]]
 
 
 def _check_capacity(engine: AsyncLLMEngine, metrics: ServerMetrics, num_choices: int, capacity: int) -> None:
