@@ -21,6 +21,7 @@ from qkiln.runtime.tokenizer import Tokenizer
 from .artifact import read_manifest, verify_artifact
 from .export_onnx import artifact_engine_dir, require_onnx
 from .onnx_check import ArtifactCaches, ReferenceEngine, check_contract, read_engine_contract
+from .onnx_contract import rewrite_hint
 
 BLOCK_SIZE = 16  # the runtime's default
 RUNNERS = ("onnx", "onnxruntime")
@@ -93,5 +94,4 @@ def _check_engine_is_the_artifact_s(manifest, engine_dir: Path) -> None:
         theirs = ", ".join(f"{k} {recorded.get(k)!r}" for k in differing)
         ours = ", ".join(f"{k} {expected[k]!r}" for k in differing)
         raise ArtifactError(f"{engine_dir} was exported from another artifact ({theirs}; this one's: {ours}): "
-                            "re-export it from this artifact (qkiln export --format onnx) or score the one it "
-                            "came from")
+                            f"{rewrite_hint(engine_dir)}, or score the artifact it came from")

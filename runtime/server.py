@@ -105,10 +105,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         check_model_name(body.model)
         body.check_supported()
         # once per set of names (a client sends the same each time), and at most MAX_IGNORED_SETS sets
-        if body.ignored_fields and body.ignored_fields not in logged_ignored and len(logged_ignored) < MAX_IGNORED_SETS:
-            logged_ignored.add(body.ignored_fields)
-            log.warning("ignored request fields qkiln does not read: %s (logged once for this set)",
-                        ", ".join(body.ignored_fields))
+        ignored = body.ignored_fields
+        if ignored and ignored not in logged_ignored and len(logged_ignored) < MAX_IGNORED_SETS:
+            logged_ignored.add(ignored)
+            log.warning("ignored request fields qkiln does not read: %s (logged once for this set)", ", ".join(ignored))
 
     # max_model_len: what one request (prompt and output) can reach, which a KV pool smaller than
     # the context bounds (clients size requests from it)
