@@ -48,7 +48,12 @@ def unpacked(model: str, check_target: bool = False):
     name = next(path.name[: -len(s)] for s in _ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
     remove_dead_unpacked()
     with tempfile.TemporaryDirectory(prefix=f"{_UNPACKED_PREFIX}{HOST_TAG}-{os.getpid()}-") as tmp:
-        yield str(extract_archive(path, Path(tmp) / name, check_target=check_target))
+        folder = str(Path(tmp) / name)
+        try:
+            yield str(extract_archive(path, Path(folder), check_target=check_target))
+        except QkilnError as e:  # the folder is gone when the command ends: a remedy names the archive given
+            e.args = tuple(a.replace(folder, model) if isinstance(a, str) else a for a in e.args)
+            raise
 
 
 _UNPACKED_PREFIX = "qkiln-unpacked-"

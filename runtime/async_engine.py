@@ -13,7 +13,8 @@ Invariants:
 - Every stream ends exactly once: with a finished `RequestOutput` (stop, length, or abort) or
   with an exception (`RequestError` at admission, `EngineError` when a step fails or the engine
   shuts down). A failing step aborts the requests it could have touched, frees their blocks and
-  the engine keeps serving the rest.
+  the engine keeps serving the rest. `shutdown` ends the open streams itself, at once, rather
+  than after the step in progress (which may take seconds); what that step then puts is dropped.
 - `snapshot` is an immutable `EngineSnapshot` replaced after every loop turn, so metrics and
   health checks read it from any thread without locking.
 
@@ -71,20 +72,28 @@ class RequestStream:
 
     _END = object()
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, on_end: Callable[[], None] | None = None):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 on_end: Callable[["RequestStream"], None] | None = None):
         self.request_id = request_id
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.accepted: asyncio.Future = loop.create_future()  # None once admitted, or the admission error
         self.finished = False
-        self._on_end = on_end  # called on the engine thread with the last item, whoever listens
+        self._on_end = on_end  # called once, by the thread that puts the last item, whoever listens
+        self._ended = False  # the last item was put: anything later is dropped
+        self._end_lock = threading.Lock()  # the engine thread and `shutdown` may both end a stream
 
-    # ---- engine thread side (thread-safe: everything goes through the loop) ------------------
+    # ---- producer side (any thread: everything goes through the loop) -----------------------
     def put(self, item: RequestOutput | BaseException) -> bool:
-        """Hand an output or an error to the consumer; False if its event loop is gone."""
-        if self._on_end is not None and (isinstance(item, BaseException)
-                                         or (item is not _ACCEPTED and item.finished)):
-            self._on_end()
+        """Hand an output or an error to the consumer; False if its event loop is gone. Items after
+        the last one (a finished output or an error) are dropped."""
+        last = isinstance(item, BaseException) or (item is not _ACCEPTED and item.finished)
+        with self._end_lock:
+            if self._ended:
+                return True
+            self._ended = last
+        if last and self._on_end is not None:
+            self._on_end(self)
         try:
             self.loop.call_soon_threadsafe(self._deliver, item)
             return True
@@ -142,7 +151,7 @@ class AsyncLLMEngine:
         self._send_lock = threading.Lock()
         self.snapshot = EngineSnapshot()
         self._num_step_errors = 0
-        self._num_open = 0  # requests submitted whose stream has not ended; guarded by `_open_lock`
+        self._open: set[RequestStream] = set()  # submitted, not yet ended; guarded by `_open_lock`
         self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
         self._thread.start()
@@ -167,7 +176,7 @@ class AsyncLLMEngine:
     def num_open_requests(self) -> int:
         """Requests submitted and not yet ended (waiting, running, or on their way to the engine):
         exact at any moment, unlike the snapshot's counts, so a server can bound them."""
-        return self._num_open
+        return len(self._open)
 
     # ---- public API (any thread / the event loop) -------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -179,17 +188,17 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
                                asyncio.get_running_loop(), on_end=self._request_ended)
         with self._open_lock:
-            self._num_open += 1
+            self._open.add(stream)
         try:
             self._send(_Add(stream, prompt, params))
         except EngineError:
-            self._request_ended()
+            self._request_ended(stream)
             raise
         return stream
 
-    def _request_ended(self) -> None:
+    def _request_ended(self, stream: RequestStream) -> None:
         with self._open_lock:
-            self._num_open -= 1
+            self._open.discard(stream)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
@@ -234,9 +243,15 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self.call(fn))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; open streams end with `EngineError`."""
+        """Stop the engine thread; open streams end with `EngineError` now, not after the step in
+        progress: a server's forced exit gives its requests two seconds to answer, and a long
+        prefill had outlasted them, cancelling them into bare 500s."""
         self._stopping = True
         self._wake.set()
+        with self._open_lock:
+            still_open = list(self._open)
+        for stream in still_open:
+            stream.put(EngineError("the engine has shut down; retry against a running server"))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 

@@ -432,7 +432,10 @@ class _RequestIdMiddleware:
     """Every response carries `x-request-id`: the caller's own (a gateway's trace id, as vLLM and
     OpenAI's clients send it) when it is printable ASCII up to 256 characters, else a fresh one.
     Completion ids are built from it (`cmpl-<id>`), so a response and a client's trace name the
-    same request."""
+    same request. A bug that escapes every handler is answered here too, as OpenAI's JSON error
+    naming the id, and logged with its traceback under that id: Starlette's own last-resort answer
+    is plain text, outside this layer, so it carried neither, and uvicorn then closed the
+    connection, which a client's next request on it met as a reset."""
 
     def __init__(self, app):
         self.app = app
@@ -445,12 +448,24 @@ class _RequestIdMiddleware:
             else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
 
+        started = False
+
         async def send_with_id(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), request_id.encode())]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            if started:  # a response already begun cannot be replaced: uvicorn logs it and drops the connection
+                raise
+            log.exception("request %s failed (a bug)", request_id)
+            body = error_body(f"the server failed on this request (a bug, logged with request id {request_id}); "
+                              "retrying may not help, report it", type="server_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
 
 
 class _BodyLimitMiddleware:

@@ -574,3 +574,17 @@ def test_a_killed_process_s_unpacked_archive_is_removed_by_the_next(tmp_path, mo
         verify_artifact(path)
         assert sorted(p.name for p in temp.iterdir()) == sorted([alive.name, elsewhere.name, Path(path).parent.name])
     assert sorted(p.name for p in temp.iterdir()) == sorted([alive.name, elsewhere.name])
+
+
+def test_an_error_inside_an_unpacked_archive_names_the_archive(tmp_path):
+    """A remedy such as `qkiln export FOLDER` had named the temporary folder the archive was
+    unpacked into, which is gone when the command ends."""
+    from qkiln.compile.artifact_cli import unpacked
+    from qkiln.compile.onnx_contract import rewrite_hint
+
+    archive = write_archive(build(tmp_path / "a"), tmp_path / "a.tar")
+    with pytest.raises(ArtifactError) as e, unpacked(str(archive)) as path:
+        raise ArtifactError(f"{path}/engines/onnx is from an older qkiln; {rewrite_hint(Path(path) / 'engines' / 'onnx')}")
+    assert str(e.value) == (f"{archive}/engines/onnx is from an older qkiln; rebuild the artifact (qkiln build ... "
+                            f"--engine onnx --force), or export an engine beside it (qkiln export {archive} --format "
+                            "onnx -o DIR)")

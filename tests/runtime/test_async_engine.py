@@ -164,6 +164,33 @@ def test_shutdown_ends_open_streams(model_dir):
     assert eng.num_open_requests == 0
 
 
+def test_shutdown_ends_open_streams_without_waiting_for_the_step(model_dir):
+    """A server's forced exit gives its requests two seconds to answer: a stream that ended only
+    after a long step (here the engine thread is held for 3 s, as a long prefill holds it) was
+    cancelled first, a bare 500. What that step puts afterwards is dropped: each stream ends once."""
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", **ENGINE_KW)
+
+    async def main():
+        streams = [await eng.add_request(f"long {i}", SamplingParams(max_tokens=100, **GREEDY)) for i in range(3)]
+        for stream in streams:
+            await stream.__anext__()
+        held = eng.call(lambda e: time.sleep(3))  # the engine thread busy, as in a long step
+        started = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, lambda: eng.shutdown(timeout=0))
+        for stream in streams:
+            with pytest.raises(EngineError, match="shut down"):
+                async for _ in stream:
+                    pass
+        assert time.monotonic() - started < 1.5, "the streams waited for the step"
+        await asyncio.wrap_future(held)
+        await asyncio.sleep(0.1)  # what the step put has reached the loop: dropped
+        assert all(s.queue.empty() for s in streams)
+
+    asyncio.run(main())
+    eng.shutdown()
+    assert eng.num_open_requests == 0
+
+
 _NO_TRANSFORMERS = textwrap.dedent("""
     import asyncio, sys
     from qkiln.runtime.async_engine import AsyncLLMEngine

@@ -14,6 +14,7 @@ from qkiln.runtime.async_engine import AsyncLLMEngine
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
 from loopback import serving_app, serving_model
+from qkiln.runtime.server import BackgroundServer, create_app
 from tiny_models import write_tiny_hf_model
 
 ENGINE_KW = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=8)
@@ -290,6 +291,28 @@ def test_concurrent_async_clients_get_their_own_answers(server, client):
         return [r.json()["choices"][0]["text"] for r in rs]
 
     assert asyncio.run(main()) == expected
+
+
+def test_a_bug_is_answered_as_json_with_the_request_id(engine):
+    """An exception no handler takes (a bug) had reached Starlette's last resort: a plain-text
+    "Internal Server Error" without x-request-id, so neither the client's JSON parsing nor its
+    trace could name it. The route that fails is added here: qkiln's own routes have no such bug."""
+    app = create_app(engine, "tiny")
+
+    @app.get("/fails")
+    async def fails():
+        raise RuntimeError("a bug")
+
+    server = BackgroundServer(app)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            failed = c.get("/fails", headers={"X-Request-Id": "trace-500"})
+            assert failed.status_code == 500 and failed.headers["x-request-id"] == "trace-500"
+            error = failed.json()["error"]
+            assert error["type"] == "server_error" and "trace-500" in error["message"]
+            assert c.get("/health").status_code == 200  # and it goes on serving
+    finally:
+        server.stop()
 
 
 def test_every_response_carries_a_request_id_the_caller_may_choose(server, client, engine):
