@@ -17,7 +17,7 @@ import typer
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
-from qkiln.errors import CalibrationDataError, QkilnError
+from qkiln.errors import ArtifactError, CalibrationDataError, QkilnError
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -68,7 +68,7 @@ def eval_cmd(
     try:
         if json_out is not None:  # found out now, not after the whole evaluation
             if json_out.is_dir():
-                raise QkilnError(f"--json {json_out} is a directory; give a file name")
+                raise ArtifactError(f"--json {json_out} is a directory: the output path is taken; give a file name")
             check_writable_dir(json_out.absolute().parent)
         data_file = eval_data_file(data)[0]
         if not data_file.is_file():  # before the model loads (~20 s for SmolLM2), not after

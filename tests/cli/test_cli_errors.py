@@ -198,7 +198,7 @@ def test_eval_refuses_a_reference_that_reads_other_text_and_windows_past_the_con
     assert report["sha256"] and report["num_bytes"] > 0
     assert report["bits_per_byte"] == report["nll_nats"] / 0.6931471805599453 / report["num_bytes"]
     (tmp_path / "out").mkdir()
-    assert_one_line_error(run_cli(*base, "--json", str(tmp_path / "out")), "is a directory")  # was lost after scoring
+    assert_one_line_error(run_cli(*base, "--json", str(tmp_path / "out")), "is a directory", code=6)  # was lost after scoring
     assert_one_line_error(run_cli(*base, "--served", "--reference", str(tmp_path / "m")), "KL needs")
     assert_one_line_error(run_cli(*base, "--dtype", "bf16"), "--dtype applies to --served")
     (tmp_path / "t.json").write_text('{"text": "hello there, general kenobi"}\n' * 40)
