@@ -62,7 +62,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     tokens = None
     if recipe.needs_calibration:
         spec = recipe.calibration
-        text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress), spec.seed)
+        text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress, warn=log), spec.seed)
         tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
         log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
     weight_scheme = recipe.scheme  # quantize_model ignores kv_cache: KV is calibrated below
@@ -71,7 +71,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
-    cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None)
+    cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
     calibration_start = time.perf_counter()
     qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))

@@ -11,18 +11,23 @@ Entries are safetensors files written atomically (temp file, fsync, rename) with
 their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write, an edit in
 a shared cache) is a miss and is deleted, never an error and never data in an artifact. The folder
 is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least recently used entries go, and temp
-files a killed build left go after a day.
+files a killed build left go after a day. The cache only saves time: one that cannot be written (a
+read-only home, a full disk) is said once and switched off for the build, which goes on.
 """
 
 import functools
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from qkiln.errors import QkilnError
 
 CACHE_FORMAT = 3  # 3: entries carry their payload's sha256
 DEFAULT_MAX_GB = 8.0
@@ -31,6 +36,24 @@ STALE_TMP_SECONDS = 24 * 3600
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("QKILN_CACHE_DIR", Path.home() / ".cache" / "qkiln")) / "layers"
+
+
+def max_cache_bytes() -> int:
+    """QKILN_CACHE_MAX_GB (GiB, default 8) in bytes."""
+    value = os.environ.get("QKILN_CACHE_MAX_GB", str(DEFAULT_MAX_GB))
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:  # also NaN
+        raise QkilnError(f"QKILN_CACHE_MAX_GB={value!r} is not a number of GiB (e.g. 8 or 0.5); fix or unset it")
+    return int(gib * (1 << 30))
+
+
+def warn_unwritable_cache(directory: Path, error: BaseException, warn=None) -> None:
+    (warn or (lambda msg: print(msg, file=sys.stderr)))(
+        f"warning: the build cache {directory} cannot be written ({error}); this build goes on without it "
+        "(free space there, or point QKILN_CACHE_DIR elsewhere)")
 
 
 # Beside quant/: the modules that compute a layer's inputs and outputs during calibration (the
@@ -83,10 +106,11 @@ def payload_sha256(tensors: dict[str, torch.Tensor], report_json: str) -> str:
 
 
 class LayerCache:
-    def __init__(self, directory: Path | None, max_bytes: int | None = None):
+    def __init__(self, directory: Path | None, max_bytes: int | None = None, warn=None):
+        """warn: says that the cache cannot be written (default: print to stderr)."""
         self.directory = directory
-        self.max_bytes = max_bytes if max_bytes is not None else \
-            int(float(os.environ.get("QKILN_CACHE_MAX_GB", DEFAULT_MAX_GB)) * (1 << 30))
+        self.max_bytes = max_bytes if max_bytes is not None else max_cache_bytes()
+        self._warn = warn
         self.num_hits = 0
         self.num_misses = 0
 
@@ -114,15 +138,23 @@ class LayerCache:
     def put(self, key: str, tensors: dict[str, torch.Tensor], report: dict) -> None:
         if self.directory is None:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / f".{key}.{os.getpid()}.tmp"
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        report_json = json.dumps(report, sort_keys=True)
-        save_file(tensors, str(tmp), metadata={"report": report_json, "sha256": payload_sha256(tensors, report_json)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / f"{key}.safetensors")
-        self._evict(keep=key)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tensors = {k: v.contiguous() for k, v in tensors.items()}
+            report_json = json.dumps(report, sort_keys=True)
+            save_file(tensors, str(tmp), metadata={"report": report_json, "sha256": payload_sha256(tensors, report_json)})
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.directory / f"{key}.safetensors")
+            self._evict(keep=key)
+        except (OSError, SafetensorError) as e:  # it only saves time: a build must not die of it
+            warn_unwritable_cache(self.directory, e, self._warn)
+            self.directory = None
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def _evict(self, keep: str) -> None:
         """Delete the least recently used entries while the folder exceeds max_bytes."""

@@ -4,7 +4,9 @@ cached on disk by (source sha256, count, length, seed), so rebuilds don't regene
 
 import hashlib
 import json
+import os
 import random
+from pathlib import Path
 
 import torch
 
@@ -12,21 +14,47 @@ from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.sampling_params import SamplingParams
 from qkiln.runtime.source import SourceModel
 
-from .layer_cache import default_cache_dir
+from .layer_cache import default_cache_dir, warn_unwritable_cache
 
 
-def make_self_generator(source: SourceModel, seq_len: int, progress: bool = True):
+def make_self_generator(source: SourceModel, seq_len: int, progress: bool = True, warn=None):
+    """warn: says that the samples cannot be cached (default: print to stderr)."""
     def generate(num_samples: int, seed: int) -> list[str]:
         key = hashlib.sha256(json.dumps([source.sha256, num_samples, seq_len, seed, 1]).encode()).hexdigest()
         path = default_cache_dir().parent / "selfgen" / f"{key}.json"
-        if path.is_file():
-            return json.loads(path.read_text())
-        texts = _generate(source, num_samples, seq_len, seed, progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(texts))
+        texts = _read_cached(path, num_samples)
+        if texts is None:
+            texts = _generate(source, num_samples, seq_len, seed, progress)
+            _write_cached(path, texts, warn)
         return texts
 
     return generate
+
+
+def _read_cached(path: Path, num_samples: int) -> list[str] | None:
+    """The cached samples, or None where there are none whole (a torn or edited file: regenerated)."""
+    try:
+        texts = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if isinstance(texts, list) and len(texts) == num_samples and all(isinstance(t, str) for t in texts):
+        return texts
+    return None
+
+
+def _write_cached(path: Path, texts: list[str], warn) -> None:
+    """Atomically (a build killed while writing had left a torn file that failed every later build)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(texts), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:  # a cache only saves time
+        warn_unwritable_cache(path.parent, e, warn)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _generate(source: SourceModel, num_samples: int, seq_len: int, seed: int, progress: bool) -> list[str]:
@@ -51,6 +79,7 @@ def _generate(source: SourceModel, num_samples: int, seq_len: int, seed: int, pr
         while engine.has_unfinished():
             for out in engine.step():
                 bar.update(1)
-                if out.finished:
+                if out.finished:  # a sample that ended at EOS: the tokens it will not take count as done
+                    bar.update(seq_len - len(out.token_ids))
                     texts[out.request_id] = tok.decode([out.prompt_token_ids[0]] + out.token_ids)
     return [texts[i] for i in ids]

@@ -17,7 +17,7 @@ from qkiln.compile.build import build
 from qkiln.compile.evaluate import evaluate
 from qkiln.compile.layer_cache import LayerCache
 from qkiln.compile.recipe import preset
-from qkiln.errors import RecipeError
+from qkiln.errors import QkilnError, RecipeError
 from qkiln.quant.scheme import AWQOptions, QuantScheme, WeightScheme
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.source import load_source
@@ -161,3 +161,31 @@ def test_the_layer_key_covers_the_code_that_computes_a_layer(tmp_path, monkeypat
         assert layer_cache.code_version() != before
     finally:
         layer_cache.code_version.cache_clear()
+
+
+def test_a_cache_that_cannot_be_written_or_was_torn_does_not_fail_the_build(tmp_path, monkeypatch):
+    """The caches only save time. One that cannot be written (here its folder is under a file: a
+    read-only home or a full disk did the same) had failed the build with a traceback after its
+    calibration work; a self-generated-samples file torn by a killed build had failed every later
+    build with the same inputs."""
+    model, text = write_tiny_model_and_text(tmp_path)
+    recipe = _recipe("w4a16-gptq", "self:2", text)
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    said = []
+    unwritable = build(str(model), recipe, tmp_path / "a", progress=False, log=said.append)
+    assert read_manifest(unwritable.path).name == "a"
+    assert sum("cannot be written" in line and "without it" in line for line in said) == 2, said  # both caches
+
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    first = _build(model, recipe, tmp_path / "b")
+    [samples] = (tmp_path / "cache" / "selfgen").glob("*.json")
+    samples.write_text(samples.read_text()[:20])  # torn mid-write
+    second = _build(model, recipe, tmp_path / "c")
+    assert second.manifest.calibration["token_sha256"] == first.manifest.calibration["token_sha256"] \
+        == unwritable.manifest.calibration["token_sha256"]  # the same samples, generated again
+    assert json.loads(samples.read_text())  # and stored whole
+
+    monkeypatch.setenv("QKILN_CACHE_MAX_GB", "8G")
+    with pytest.raises(QkilnError, match="QKILN_CACHE_MAX_GB='8G' is not a number of GiB"):
+        LayerCache(tmp_path / "cache")
