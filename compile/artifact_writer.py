@@ -83,15 +83,29 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
 @contextmanager
 def writing(out: Path):
     """An OSError while writing `out` (a full disk, a quota, a vanished mount) as an ArtifactError
-    naming the output; safetensors reports its own write errors as SafetensorError."""
+    naming the output; safetensors reports its own write errors as SafetensorError. One that names
+    a file elsewhere was reading an input (an export reads its artifact), which free space won't fix."""
     from safetensors import SafetensorError
 
     try:
         yield
     except (OSError, SafetensorError) as e:
         reason = getattr(e, "strerror", None) or str(e)
+        read = getattr(e, "filename", None)
+        if read is not None and not _is_under_output(Path(os.fsdecode(read)), out):
+            raise ArtifactError(f"{read}: cannot be read ({reason}); nothing was written to {out}") from None
         raise ArtifactError(f"{out}: writing failed ({reason}); nothing was written there: free space or "
                             "choose another output path") from None
+
+
+def _is_under_output(path: Path, out: Path) -> bool:
+    """Whether `path` is in `out` or one of its partial / trash siblings."""
+    out = out.absolute()
+    try:
+        top = path.absolute().relative_to(out.parent).parts[0]
+    except (ValueError, IndexError):
+        return False
+    return top == out.name or top.startswith(f".{out.name}.")
 
 
 def check_destination(out: Path, overwrite: bool) -> None:
@@ -482,6 +496,10 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
     return out
 
 
+class _UnpackWriteError(Exception):
+    """Writing an archive's member failed (a full temp disk): the archive itself may be sound."""
+
+
 def _extract_members(archive: Path, into: Path) -> None:
     try:
         with tarfile.open(archive, mode="r:*") as tar:
@@ -497,9 +515,32 @@ def _extract_members(archive: Path, into: Path) -> None:
                                         "relative paths, each once); the archive is corrupt or malicious")
                 seen.add("/".join(parts))
                 target = into.joinpath(*parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tar.extractfile(m) as src, open(target, "xb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
+                with tar.extractfile(m) as src, _created(target) as dst:
+                    while chunk := src.read(1 << 20):
+                        _write_all(dst, chunk)
+    except _UnpackWriteError as e:
+        reason = e.args[0].strerror or e.args[0]
+        raise ArtifactError(f"{archive}: cannot unpack it into {into.parent} ({reason}); free space there, or "
+                            "unpack it elsewhere (TMPDIR, for a command given the archive)") from None
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
         raise ArtifactError(f"{archive}: cannot read archive ({e}); re-fetch it") from None
+
+
+def _write_all(dst, chunk: bytes) -> None:
+    view = memoryview(chunk)
+    try:
+        while view:
+            view = view[dst.write(view):]
+    except OSError as e:
+        raise _UnpackWriteError(e) from None
+
+
+def _created(target: Path):
+    """Unbuffered, so that every write error surfaces in _write_all: a buffered file's close
+    retried a failed write and raised again, as a read error."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return open(target, "xb", buffering=0)
+    except OSError as e:
+        raise _UnpackWriteError(e) from None
 

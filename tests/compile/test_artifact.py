@@ -588,3 +588,41 @@ def test_an_error_inside_an_unpacked_archive_names_the_archive(tmp_path):
     assert str(e.value) == (f"{archive}/engines/onnx is from an older qkiln; rebuild the artifact (qkiln build ... "
                             f"--engine onnx --force), or export an engine beside it (qkiln export {archive} --format "
                             "onnx -o DIR)")
+
+
+_UNPACK_WITH_SMALL_FILES = textwrap.dedent("""
+    import resource, signal, sys
+    from qkiln.compile.artifact_writer import extract_archive
+    from qkiln.errors import ArtifactError
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # as a full disk: no file may hold more
+    try:
+        extract_archive(sys.argv[1], sys.argv[2])
+    except ArtifactError as e:
+        print(e)
+""")
+
+
+def test_unpacking_onto_a_full_disk_says_to_free_space_not_to_re_fetch(tmp_path):
+    """A full temp disk while unpacking (serve / eval / verify ARCHIVE unpack into TMPDIR, often a
+    small tmpfs) was reported as 'cannot read archive; re-fetch it': a good multi-GB download again."""
+    archive = write_archive(build(tmp_path / "a"), tmp_path / "a.tar")
+    run = subprocess.run([sys.executable, "-c", _UNPACK_WITH_SMALL_FILES, str(archive), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"cannot unpack it into {tmp_path}" in run.stdout and "free space there" in run.stdout, run.stdout
+    assert "re-fetch" not in run.stdout and not (tmp_path / "x").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".x.")] == []  # nothing left behind
+
+
+def test_an_export_that_cannot_read_its_input_does_not_blame_the_output(tmp_path):
+    from qkiln.compile.artifact_writer import writing
+
+    with pytest.raises(ArtifactError, match=r"missing.bin: cannot be read \(No such file or directory\); "
+                                            r"nothing was written to .*out$"):
+        with writing(tmp_path / "out"):
+            (tmp_path / "missing.bin").read_bytes()
+    with pytest.raises(ArtifactError, match=r"out: writing failed \(No such file or directory\); nothing was "
+                                            "written there: free space"):
+        with writing(tmp_path / "out"):
+            (tmp_path / ".out.partial-1" / "f").write_bytes(b"")
