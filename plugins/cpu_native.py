@@ -18,6 +18,7 @@ stored in an artifact. Layouts and math: the headers of the .cpp files.
 
 import hashlib
 import os
+import platform
 import sys
 import threading
 import time
@@ -45,21 +46,14 @@ _ops_enabled = True
 
 
 def _build(extra_cflags: list[str]):
-    from torch.utils.cpp_extension import _get_build_directory, include_paths, load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).
     # -ffp-contract=off: a product HF rounds to bf16 must not fuse into an FMA (small ops); the
     # GEMVs' inner loops are explicit FMA / dot-product intrinsics, which the flag leaves alone.
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
-    # -march=native code must not be reused on another CPU: the extensions dir is per machine
-    # (~/.cache/torch_extensions), and a source or flag change rebuilds.
-    # The checkout's path and torch's headers are in the name: two checkouts, or two Python
-    # environments, on one machine would otherwise share one build folder and rebuild every
-    # object each time the other one loaded (minutes each switch, with nothing on the screen).
-    key = "\n".join([str(_CSRC.resolve()), torch.__version__, *include_paths()])
-    name = f"qkiln_cpu_{hashlib.sha256(key.encode()).hexdigest()[:8]}" + "".join(
-        "_" + f.strip("-").replace("=", "_").replace("-", "_") for f in extra_cflags)
+    name = extension_name(extra_cflags)
     # A compile takes minutes with nothing on the screen: say so, or it looks hung. A first one is
     # known in advance; a rebuild after a source change, or a wait on another process building the
     # same folder, only by how long the load takes.
@@ -83,6 +77,33 @@ def _build(extra_cflags: list[str]):
     if first or time.perf_counter() - start > SLOW_LOAD_S:
         print(f"qkiln: CPU kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return module
+
+
+def extension_name(extra_cflags: list[str]) -> str:
+    """The build folder's name: what the compiled code depends on."""
+    from torch.utils.cpp_extension import include_paths
+
+    # -march=native code must not be reused on another CPU: the CPU's instruction sets are in the
+    # name, as a home folder (~/.cache/torch_extensions) shared over NFS would otherwise hand a
+    # node without AVX-512 the build of one with it (SIGILL, no error). A source or flag change
+    # rebuilds. The checkout's path and torch's headers are in the name too: two checkouts, or two
+    # Python environments, on one machine would otherwise share one build folder and rebuild every
+    # object each time the other one loaded (minutes each switch, with nothing on the screen).
+    key = "\n".join([str(_CSRC.resolve()), torch.__version__, *include_paths(), _cpu_features()])
+    return f"qkiln_cpu_{hashlib.sha256(key.encode()).hexdigest()[:8]}" + "".join(
+        "_" + f.strip("-").replace("=", "_").replace("-", "_") for f in extra_cflags)
+
+
+def _cpu_features() -> str:
+    """What -march=native compiles for: the CPU's feature flags (Linux), else its platform names."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
 
 
 def _load_or_none(what: str, switches: tuple[str, ...], build, fallback: str):

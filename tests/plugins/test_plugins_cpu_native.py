@@ -175,3 +175,15 @@ def test_argmax_rows_is_torchs_argmax(native_ext):
         assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
     strided = torch.randn(8, 64)[:, ::2]  # not contiguous: torch's own path, same answer
     assert torch.equal(ops.argmax(strided), strided.argmax(dim=-1))
+
+
+def test_the_build_folder_is_per_cpu(monkeypatch):
+    """-march=native code run on a CPU without its instructions dies of SIGILL: a home folder shared
+    over NFS had handed every node the first node's build. The folder's name now covers the CPU's
+    feature flags (as /proc/cpuinfo lists them), besides the checkout, torch and its headers."""
+    features = cpu_native._cpu_features()
+    assert features
+    here = cpu_native.extension_name([])
+    assert cpu_native.extension_name([]) == here  # stable: loaded again, not rebuilt
+    monkeypatch.setattr(cpu_native, "_cpu_features", lambda: features.replace("avx2", "").strip() + " other")
+    assert cpu_native.extension_name([]) != here
