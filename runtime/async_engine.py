@@ -12,9 +12,10 @@ Invariants:
 - Idle means asleep: with no unfinished request the thread blocks on `_wake` (no busy-wait).
 - Every stream ends exactly once: with a finished `RequestOutput` (stop, length, or abort) or
   with an exception (`RequestError` at admission, `EngineError` when a step fails or the engine
-  shuts down). A failing step aborts the requests it could have touched, frees their blocks and
-  the engine keeps serving the rest. `shutdown` ends the open streams itself, at once, rather
-  than after the step in progress (which may take seconds); what that step then puts is dropped.
+  shuts down). A failing step aborts the requests it had in it (every open one if it failed
+  while scheduling), frees their blocks, and the engine keeps serving the rest. `shutdown` ends
+  the open streams itself, at once, rather than after the step in progress (which may take
+  seconds); what that step then puts is dropped.
 - `snapshot` is an immutable `EngineSnapshot` replaced after every loop turn, so metrics and
   health checks read it from any thread without locking.
 
@@ -332,14 +333,18 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # We cannot tell which request broke the step: fail those in flight, keep the engine.
+            # We cannot tell which of the step's requests broke it: fail them all, keep the engine
+            # and the requests the step did not touch (those waiting for their turn).
             traceback.print_exc()
             self._num_step_errors += 1
             error = EngineError(f"the engine failed while running this request ({e!r}); it was aborted")
-            for request_id in list(self._streams):
+            in_step = self.engine.last_step_request_ids
+            for request_id in list(self._streams) if in_step is None else in_step:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
-                self._streams.pop(request_id).put(error)
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(error)
             # a sequence nobody waits for would fail every later step the same way: drop it too
             scheduler = self.engine.scheduler
             for seq in [*scheduler.waiting, *scheduler.running]:
@@ -376,5 +381,5 @@ class AsyncLLMEngine:
                 return
             if isinstance(command, _Add):
                 command.stream.put(error)
-            elif command[0] == "call":
+            elif command[0] == "call" and command[2].set_running_or_notify_cancel():  # its caller may have left
                 command[2].set_exception(error)

@@ -169,6 +169,7 @@ class LLMEngine:
         self.sampling_defaults = valid_sampling_defaults(mc.sampling_defaults) \
             if config.generation_config == "auto" else {}
         self.requests: dict[str, _Request] = {}
+        self.last_step_request_ids: tuple[str, ...] | None = ()  # set by step() before it runs
         self._ids = itertools.count()
         self.stats = {"num_generated_tokens": 0, "num_prompt_tokens": 0, "num_steps": 0, "num_finished": 0,
                       "num_aborted": 0}
@@ -241,7 +242,11 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        # which requests a step that raises had in it (None: it failed before it knew), so that a
+        # server fails those and keeps the rest
+        self.last_step_request_ids = None
         plan = self.scheduler.schedule()
+        self.last_step_request_ids = tuple(s.seq_id for s in plan.scheduled)
         if plan.is_empty:
             return []
         try:

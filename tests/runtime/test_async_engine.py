@@ -136,6 +136,30 @@ def test_a_failing_step_errors_its_requests_not_the_engine(engine):
     wait_idle(engine)
 
 
+def test_a_failing_step_spares_the_requests_it_did_not_run(model_dir):
+    """A waiting request was failed with the step that broke, though that step never touched it:
+    on a busy server one bad prefill (an out-of-memory) turned into a 500 for every client queued."""
+    eng = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", **(ENGINE_KW | dict(max_num_seqs=1)))
+
+    async def main():
+        doomed = await eng.add_request("doomed", SamplingParams(max_tokens=50, **GREEDY), "doomed")
+        await doomed.__anext__()
+        waiting = eng.submit("queued behind it", SamplingParams(max_tokens=6, **GREEDY))  # max_num_seqs=1
+        await eng.call_async(lambda e: e.requests.pop("doomed"))  # its next step raises, as in the test above
+        with pytest.raises(EngineError, match="failed"):
+            async for _ in doomed:
+                pass
+        return [out async for out in waiting]
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 6
+        assert eng.snapshot.num_step_errors == 1
+        wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_idle_engine_thread_sleeps(engine):
     asyncio.run(collect(engine, "warm", SamplingParams(max_tokens=2)))
     wait_idle(engine)
