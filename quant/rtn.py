@@ -148,11 +148,12 @@ def qparams_from_minmax(wmin: torch.Tensor, wmax: torch.Tensor, scheme: WeightSc
 _MSE_GRID, _MSE_MAX_SHRINK, _MSE_NORM = 100, 0.2, 2.4
 
 
-def compute_qparams(W: torch.Tensor, scheme: WeightScheme, group_size: int | None = None
+def compute_qparams(W: torch.Tensor, scheme: WeightScheme, group_size: int | None
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-group scale and zero [out, num_groups] for W [out, in] with the scheme's observer.
 
-    `group_size` overrides the scheme's (GPTQ passes None for the one group it is looking at).
+    `group_size` is given, not read from the scheme: None is one group per row (GPTQ passes it for
+    the one group it is looking at).
     "mse" shrinks each group's [min, max] over a grid and keeps the factor with the least
     sum |w - w_hat|^2.4 over the group (a clipping search on the weights alone).
     """

@@ -4,7 +4,7 @@ Why: one eager paged-attention call costs ~141 us of host-side dispatch on an H2
 inside a graph (DESIGN.md: a small launch costs ~30 us there), so decode steps must replay graphs.
 
 Owns `GraphRunner` (a `ModelRunner` whose pure-decode steps replay a graph; anything else, and
-any step on a CPU, runs eagerly through `ModelRunner.execute`), the bucket rule and the staging
+any step on a CPU, runs eagerly through `ModelRunner.run`), the bucket rule and the staging
 buffers. Must not schedule nor sample: it returns logits like `ModelRunner.execute`.
 
 A step is pure decode when every scheduled sequence computes exactly one token and samples. It

@@ -131,7 +131,8 @@ def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig = EngineConfig(), kv_scales=None):
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None):
+        config = config or EngineConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
@@ -336,8 +337,7 @@ class LLMEngine:
         return result
 
     def check_integrity(self) -> None:
-        self.kv_manager.check_integrity()
-        self.scheduler.check_integrity()
+        self.scheduler.check_integrity()  # the KV manager's checks too
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

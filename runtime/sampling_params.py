@@ -303,6 +303,4 @@ def _is_number(x) -> bool:
 def _check(ok: bool, param: str, message: str) -> None:
     """Raise RequestError(message) naming `param`, which the server puts in OpenAI's error body."""
     if not ok:
-        error = RequestError(message)
-        error.param = param
-        raise error
+        raise RequestError(message, param)
