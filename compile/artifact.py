@@ -31,6 +31,8 @@ from qkiln.errors import ArtifactError, TargetUnavailableError
 FORMAT_VERSION = "1.1"
 _MAJOR, _MINOR = (int(p) for p in FORMAT_VERSION.split("."))
 MANIFEST_NAME = "manifest.json"
+# an artifact packed into one file (write_archive / extract_archive): its name's ending -> compression
+ARCHIVE_SUFFIXES = {".tar.gz": "gz", ".tgz": "gz", ".tar": "tar"}
 WEIGHTS_DIR = "weights"
 # sibling dirs a writer uses while building or replacing; never an artifact
 # what artifact_writer names a write in progress: .NAME.partial-HOST-PID-RANDOM (.NAME.partial-PID before)

@@ -18,10 +18,9 @@ import typer
 
 from qkiln.errors import QkilnError
 
-from .artifact import (MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index, verify_artifact,
+from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index, verify_artifact,
                        weight_shards)
 
-_ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 def _fail(e: QkilnError):
@@ -30,7 +29,7 @@ def _fail(e: QkilnError):
 
 
 def _is_archive(path: Path) -> bool:
-    return path.is_file() and path.name.endswith(_ARCHIVE_SUFFIXES)
+    return path.is_file() and path.name.endswith(tuple(ARCHIVE_SUFFIXES))
 
 
 @contextmanager
@@ -45,7 +44,7 @@ def unpacked(model: str, check_target: bool = False):
         return
     from .artifact_writer import HOST_TAG, extract_archive  # lazy: imports the writer only for archives
 
-    name = next(path.name[: -len(s)] for s in _ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
+    name = next(path.name[: -len(s)] for s in ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
     remove_dead_unpacked()
     with tempfile.TemporaryDirectory(prefix=f"{_UNPACKED_PREFIX}{HOST_TAG}-{os.getpid()}-") as tmp:
         folder = str(Path(tmp) / name)

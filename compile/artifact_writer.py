@@ -35,7 +35,7 @@ from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
 
-from .artifact import (MANIFEST_NAME, UNCHECKED_MARKER, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest,
+from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, UNCHECKED_MARKER, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest,
                        list_artifact_files, sha256_file, verify_artifact, verify_contents)
 
 GiB = 1 << 30
@@ -392,12 +392,10 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
 
 
 def _archive_mode(path: Path) -> str:
-    name = path.name
-    if name.endswith((".tar.gz", ".tgz")):
-        return "gz"
-    if name.endswith(".tar"):
-        return "tar"
-    raise ArtifactError(f"{path}: archive name must end in .tar, .tar.gz or .tgz")
+    for suffix, mode in ARCHIVE_SUFFIXES.items():
+        if path.name.endswith(suffix):
+            return mode
+    raise ArtifactError(f"{path}: archive name must end in {', '.join(sorted(ARCHIVE_SUFFIXES))}")
 
 
 def check_archive_path(path, overwrite: bool = False) -> None:
