@@ -31,7 +31,7 @@ import torch
 
 from qkiln.errors import ArtifactError
 from qkiln.plugins import KVCache, allocate_kv_cache, onnx_nodes
-from qkiln.plugins.kv_cache import offset_key
+from qkiln.plugins.kv_cache import KV_SCALE_NAMES, offset_key
 from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
 
 from .artifact import load_tensors, manifest_digest, read_manifest
@@ -113,7 +113,7 @@ class ArtifactCaches:
         tensors = load_tensors(artifact, manifest, verify=False)
         p = "model.layers.{}.self_attn."
         self.scales = {key: [tensors[p.format(i) + key] for i in range(config.num_hidden_layers)]
-                       for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset")
+                       for key in KV_SCALE_NAMES
                        if p.format(0) + key in tensors}
 
     def contract(self) -> dict:

@@ -57,6 +57,11 @@ INT4_MAX = 15
 _EPS = torch.finfo(torch.float32).eps
 
 
+# the KVCache fields an artifact stores per layer (model.layers.{i}.self_attn.<name>) when its KV
+# scheme has static scales
+KV_SCALE_NAMES = ("k_scale", "v_scale", "k_channel_scale", "k_offset")
+
+
 @dataclass
 class KVCache:
     """One decoder layer's K and V blocks plus their quantization parameters (see module doc)."""

@@ -15,6 +15,7 @@ import torch
 
 from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
+from qkiln.plugins.kv_cache import KV_SCALE_NAMES
 
 from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
@@ -349,8 +350,10 @@ def _install_kv_scales(caches, kv_scales: dict | None) -> None:
     "k_offset": [...]}."""
     if not kv_scales:
         return
-    for name in ("k_scale", "v_scale", "k_channel_scale", "k_offset"):
-        for cache, value in zip(caches, kv_scales.get(name) or []):
+    for name in KV_SCALE_NAMES:
+        values = kv_scales.get(name) or []
+        assert not values or len(values) == len(caches), f"{len(values)} {name} for {len(caches)} layers"
+        for cache, value in zip(caches, values):
             target = getattr(cache, name)
             if target is not None:  # fp8 scales mean nothing to a cache of another dtype (--kv-dtype)
                 target.copy_(value)

@@ -14,6 +14,7 @@ import torch
 from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import cpu_native
+from qkiln.plugins.kv_cache import KV_SCALE_NAMES
 from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.weight_arena import gather_gemv_weights
 
@@ -144,13 +145,18 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
 
 
 def _is_kv_tensor(name: str) -> bool:
-    return name.endswith(("self_attn.k_scale", "self_attn.v_scale", "self_attn.k_channel_scale", "self_attn.k_offset"))
+    return name.endswith(tuple(f"self_attn.{key}" for key in KV_SCALE_NAMES))
 
 
 def _kv_scales(tensors, config: ModelConfig, kv: dict) -> dict:
     out = {}
-    for key in ("k_scale", "v_scale", "k_channel_scale", "k_offset"):
+    for key in KV_SCALE_NAMES:
         names = [f"model.layers.{i}.self_attn.{key}" for i in range(config.num_hidden_layers)]
-        if all(n in tensors for n in names):
+        present = [n in tensors for n in names]
+        if all(present):
             out[key] = [tensors[n].float() for n in names]
+        elif any(present):  # served as it is, the other layers would run with scales of 1
+            missing = names[present.index(False)]
+            raise ArtifactError(f"the artifact has KV {key} for some layers but not {missing}; it was written "
+                                "wrong: rebuild it")
     return out
