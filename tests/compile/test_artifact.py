@@ -626,3 +626,13 @@ def test_an_export_that_cannot_read_its_input_does_not_blame_the_output(tmp_path
                                             "written there: free space"):
         with writing(tmp_path / "out"):
             (tmp_path / ".out.partial-1" / "f").write_bytes(b"")
+
+
+def test_the_digest_is_checked_on_the_manifest_s_bytes_without_python(tmp_path):
+    """README's recipe for a registry in another language (whose JSON writer formats floats
+    otherwise): the file less its digest line, less its final newline, hashes to the digest."""
+    out = build(tmp_path / "a")
+    text = (out / "manifest.json").read_bytes()
+    run = subprocess.run(f"grep -v '^  \"digest\": ' {out / 'manifest.json'} | head -c -1 | sha256sum",
+                         shell=True, capture_output=True, text=True, check=True)
+    assert run.stdout.split()[0] == json.loads(text)["digest"] == read_manifest(out).digest

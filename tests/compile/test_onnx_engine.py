@@ -357,6 +357,9 @@ def test_an_edited_engine_json_or_a_foreign_file_fails_verify_on_its_own(root, t
     path = tmp_path / "engine" / onnx_graph.CONTRACT_FILE
     contract = json.loads(path.read_text())
     assert contract["contract_version"] == 4 and verify_engine_files(tmp_path / "engine") == contract
+    by_bytes = subprocess.run(f"grep -v '^  \"digest\": ' {path} | head -c -1 | sha256sum", shell=True,
+                              capture_output=True, text=True, check=True)  # README's recipe without Python
+    assert by_bytes.stdout.split()[0] == contract["digest"]
     (tmp_path / "engine" / "notes.txt").write_text("x")
     with pytest.raises(ArtifactError, match="holds files an engine does not: notes.txt"):
         verify_engine_files(tmp_path / "engine")
