@@ -246,10 +246,11 @@ def staged_directory(out: Path, recheck):
 
 
 def remove_stale_partials(out: Path) -> list[Path]:
-    """Delete `.{name}.partial-*` / `.{name}.trash-*` siblings (directories, or an archive's files)
-    written on this host by a process that is gone (the untagged names earlier versions wrote
-    count as this host's)."""
-    return remove_left_by_gone_processes(out.parent.iterdir(), rf"\.{re.escape(out.name)}\.{UNFINISHED_SUFFIX}")
+    """Delete the `.NAME.partial-*` / `.NAME.trash-*` entries beside `out` (directories, or an
+    archive's files), whatever their NAME, written on this host by a process that is gone (the
+    untagged names earlier versions wrote count as this host's). Any name: a SIGKILLed build of
+    another name left one the size of an artifact, which only a build of that name removed."""
+    return remove_left_by_gone_processes(out.parent.iterdir(), rf"\..+\.{UNFINISHED_SUFFIX}")
 
 
 def remove_left_by_gone_processes(paths, pattern: str, ignore_errors: bool = False) -> list[Path]:

@@ -262,6 +262,17 @@ def test_killed_build_leaves_only_a_partial_that_verify_refuses(tmp_path):
     assert siblings(out) == []  # the rerun removed the dead process's partial dir
 
 
+def test_a_build_of_another_name_removes_a_dead_build_s_partial(tmp_path):
+    out = tmp_path / "a"
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out), signal="SIGKILL")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120).returncode == -9
+    assert [p for p in siblings(out) if p.startswith(".a.partial-")]
+    live = tmp_path / f".c.partial-{artifact_writer.HOST_TAG}-{os.getpid()}-x"  # a running build's: kept
+    live.mkdir()
+    verify_artifact(build(tmp_path / "b"))
+    assert siblings(out) == sorted(["b", live.name])
+
+
 def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
     """A build killed during its engine check left a partial whose manifest was complete: copied or
     renamed, it verified, though its check never finished."""
