@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key, allowed_origins)` and `serve()`.
 
-Owns routes, authentication, the HTTP error mapping and the server-sent-event framing. Wire
-shapes live in openai_protocol.py, prompts as token ids in request_prompts.py, the engine thread
-in async_engine.py, Prometheus in metrics.py. Must not touch the `LLMEngine` directly.
+Owns routes, the HTTP error mapping, the server-sent-event framing and uvicorn's lifecycle. Wire
+shapes live in openai_protocol.py, prompts as token ids in request_prompts.py, the API key,
+request ids and body limit in http_middleware.py, the read deadline in http_guard.py, the engine
+thread in async_engine.py, Prometheus in metrics.py. Must not touch the `LLMEngine` directly.
 
 Invariants:
 - A bad request never reaches the engine's step loop and never takes the server down: every
@@ -25,7 +26,6 @@ Invariants:
 import asyncio
 import json
 import logging
-import secrets
 import signal
 import threading
 import time
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +46,7 @@ from qkiln.errors import QkilnError, RequestError
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
 from .engine import RequestOutput, last_tokens
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
+from .http_middleware import REQUEST_ID_HEADER, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, InvalidRequestError, ResponseBuilder, SamplingFields,
@@ -67,7 +68,6 @@ MAX_CONCURRENT_REQUESTS = 4096
 MAX_IGNORED_SETS = 256
 # after a forced exit (a second Ctrl-C), how long the requests still open get to answer their 503
 FORCED_EXIT_ANSWER_S = 2.0
-REQUEST_ID_HEADER = "x-request-id"
 
 
 def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None,
@@ -84,10 +84,10 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
     app.state.max_concurrent_requests = max_concurrent_requests
     _install_error_handlers(app)
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
     if api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(_RequestIdMiddleware)  # outside the key and size checks: their refusals carry it too
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)  # outside the key and size checks: their refusals carry it too
     if allowed_origins:  # added last: the outermost layer
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER])
@@ -399,102 +399,6 @@ async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams
     while (await request.receive())["type"] != "http.disconnect":
         pass
     _abort_unfinished(engine, streams)
-
-
-_TOKENIZER_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
-
-
-class _ApiKeyMiddleware:
-    """`/v1/*` and the tokenizer endpoints need `Authorization: Bearer KEY` (vLLM leaves the latter
-    open; they run the tokenizer on a caller's text). A plain ASGI middleware, so a request without the
-    key is answered 401 before its body is read (a route dependency ran after body parsing, so a
-    malformed body got a 400 that told a caller without the key about the API)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        guarded = scope["type"] == "http" and (path.startswith("/v1/") or path in _TOKENIZER_PATHS)
-        if guarded and not self._authorized(scope):
-            body = error_body("missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
-            return await JSONResponse(body, status_code=401)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode("latin-1"), self.key)
-
-
-class _RequestIdMiddleware:
-    """Every response carries `x-request-id`: the caller's own (a gateway's trace id, as vLLM and
-    OpenAI's clients send it) when it is printable ASCII up to 256 characters, else a fresh one.
-    Completion ids are built from it (`cmpl-<id>`), so a response and a client's trace name the
-    same request. A bug that escapes every handler is answered here too, as OpenAI's JSON error
-    naming the id, and logged with its traceback under that id: Starlette's own last-resort answer
-    is plain text, outside this layer, so it carried neither, and uvicorn then closed the
-    connection, which a client's next request on it met as a reset."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"")
-        request_id = given.decode() if 0 < len(given) <= 256 and all(0x21 <= c <= 0x7e for c in given) \
-            else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        started = False
-
-        async def send_with_id(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), request_id.encode())]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            if started:  # a response already begun cannot be replaced: uvicorn logs it and drops the connection
-                raise
-            log.exception("request %s failed (a bug)", request_id)
-            body = error_body(f"the server failed on this request (a bug, logged with request id {request_id}); "
-                              "retrying may not help, report it", type="server_error")
-            await JSONResponse(body, status_code=500)(scope, receive, send_with_id)
-
-
-class _BodyLimitMiddleware:
-    """A body past `max_bytes` is refused with a 413: by its Content-Length before it is read, or,
-    sent without one, once that much has arrived (a 100 MB body was parsed whole, +0.9 GB)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-        self.message = (f"the body is larger than {max_bytes >> 20} MiB, more than any request this server "
-                        "takes needs; send less")
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            body = error_body(self.message, code="request_too_large")
-            return await JSONResponse(body, status_code=413)(scope, receive, send)
-        received = 0
-
-        async def counted():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:  # FastAPI passes an HTTPException from reading the body on
-                raise HTTPException(413, self.message)
-            return message
-
-        await self.app(scope, counted, send)
 
 
 class _HTTPError(Exception):
