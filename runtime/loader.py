@@ -50,7 +50,7 @@ class ServingModel:
         return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():  # vLLM takes torch dtypes too
         return dtype
     if dtype == "auto":
@@ -66,7 +66,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     int8_activations: an artifact's int4 linears compute every step with activations rounded to
     int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype)
     path = Path(name)
     is_artifact = is_artifact_dir(path)
     if int8_activations:
