@@ -93,11 +93,12 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         eos_ids = tuple(dict.fromkeys(_ids(hf.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))))
         rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        # transformers 5 moves theta into `rope_parameters`; accept both spellings.
+        # transformers 5 moves theta into `rope_parameters`, and reads it there first when a config
+        # has both (a top-level one that differs had given other logits from the first token)
         params = hf.get("rope_parameters") or {}
+        rope_theta = params.get("rope_theta", hf.get("rope_theta"))
         if rope_theta is None:
-            rope_theta = params.get("rope_theta", 10000.0)
+            rope_theta = 10000.0
         if rope_scaling is None and params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":

@@ -9,6 +9,8 @@ message says what to do.
 import hashlib
 import importlib.util
 import json
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +126,20 @@ def _load_hf_dir(path: Path) -> SourceModel:
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
     state_dict = load_weight_files(weight_files(path), convert=torch.Tensor.float)
+    config = _untied_if_the_head_is_stored(config, state_dict)
     return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+
+
+def _untied_if_the_head_is_stored(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> ModelConfig:
+    """A config that ties the embeddings, with a checkpoint holding an lm_head.weight of its own:
+    transformers then computes with the stored head (it warns and does not tie), so qkiln does too.
+    Tying it had dropped the head: other logits from the first token."""
+    head, embed = state_dict.get("lm_head.weight"), state_dict.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None or torch.equal(head, embed):
+        return config
+    warnings.warn("config.json ties the word embeddings, but the checkpoint stores a different lm_head.weight: "
+                  "it is used, as transformers uses it", stacklevel=2)
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def read_generation_config(path: Path) -> dict | None:

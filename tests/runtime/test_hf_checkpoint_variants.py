@@ -144,3 +144,32 @@ def test_the_dense_model_refuses_more_tokens_than_its_context(tmp_path):
     assert model(torch.zeros(1, 16, dtype=torch.long)).shape[1] == 16
     with pytest.raises(SourceModelError, match="17 tokens exceed the model's context of 16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_a_stored_head_under_a_tying_config_is_used_as_transformers_uses_it(tmp_path):
+    """tie_word_embeddings true, yet the checkpoint holds its own lm_head.weight: transformers warns
+    and computes with the stored head; qkiln tied it (dropping the head), and its greedy text
+    differed from the first token."""
+    model_dir = write_tiny_hf_model(tmp_path, "mistral")  # untied: it stores its head
+    edit_json(model_dir / "config.json", tie_word_embeddings=True)
+    weights = load_file(model_dir / "model.safetensors")
+    assert not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    with pytest.warns(UserWarning, match="stores a different lm_head.weight"):
+        source = load_source(str(model_dir))
+    assert not source.config.tie_word_embeddings
+    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
+                                                                       SamplingParams(max_tokens=6, temperature=0,
+                                                                                      ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+
+
+def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transformers(tmp_path):
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    params = config.get("rope_parameters") or {"rope_type": "default"}
+    edit_json(model_dir / "config.json", rope_theta=10.0, rope_parameters=params | {"rope_theta": 500000.0})
+    assert load_source(str(model_dir)).config.rope_theta == 500000.0
+    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
+                                                                       SamplingParams(max_tokens=6, temperature=0,
+                                                                                      ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
