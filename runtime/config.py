@@ -96,15 +96,23 @@ class ModelConfig:
         # transformers 5 moves theta into `rope_parameters`, and reads it there first when a config
         # has both (a top-level one that differs had given other logits from the first token)
         params = hf.get("rope_parameters") or {}
+        if not isinstance(params, dict):
+            raise SourceModelError(f"config.json's rope_parameters is {type(params).__name__}, not an object; fix it")
         rope_theta = params.get("rope_theta", hf.get("rope_theta"))
         if rope_theta is None:
             rope_theta = 10000.0
         if rope_scaling is None and params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if rope_scaling is not None and not isinstance(rope_scaling, dict):
+            raise SourceModelError(f"config.json's rope scaling is {type(rope_scaling).__name__}, not an object; fix it")
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        _check_rope_scaling(rope_scaling)
         window = _sliding_window(hf, family)
         context = hf.get("max_position_embeddings", 4096)
+        if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+            raise SourceModelError(f"config.json's max_position_embeddings is {context!r}, not a whole number of "
+                                   "tokens; fix it")
         if window is not None and window < context:
             # qkiln attends to the whole context; within the window the two are the same attention
             warnings.warn(f"this model attends through a sliding window of {window} tokens, which qkiln does not "
@@ -119,8 +127,8 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rms_norm_eps=_positive(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rope_theta=_positive(rope_theta, "rope_theta"),
             rope_scaling=rope_scaling,
             max_position_embeddings=context,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -148,6 +156,27 @@ def _ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (value,)
+
+
+# what each rope scaling qkiln computes reads (runtime/rope.py)
+_ROPE_SCALING_FIELDS = {"linear": ("factor",),
+                        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _positive(value, name: str) -> float:
+    """A config.json number (a float or an int): a null or a string had failed at load or at the
+    first forward with a TypeError / ValueError traceback."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SourceModelError(f"config.json's {name} is {value!r}, not a positive number; fix it")
+    return float(value)
+
+
+def _check_rope_scaling(scaling: dict[str, Any] | None) -> None:
+    kind = scaling and scaling.get("rope_type", scaling.get("type"))
+    for name in _ROPE_SCALING_FIELDS.get(kind, ()):
+        if name not in scaling:  # transformers refuses it too
+            raise SourceModelError(f"config.json's {kind} rope scaling lacks {name}; fix it")
+        _positive(scaling[name], f"rope scaling {name}")
 
 
 def _check_computed_as_declared(hf: dict[str, Any], family: str) -> None:

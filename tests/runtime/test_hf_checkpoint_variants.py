@@ -10,7 +10,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tokenizers import processors
 
-from qkiln.errors import UnsupportedArchitectureError
+from qkiln.errors import SourceModelError, UnsupportedArchitectureError
 from qkiln.runtime import LLM, SamplingParams
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.source import load_source
@@ -173,3 +173,23 @@ def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transform
                                                                        SamplingParams(max_tokens=6, temperature=0,
                                                                                       ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope scaling lacks low_freq_factor"),
+    ({"rope_scaling": {"type": "linear"}}, "linear rope scaling lacks factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_theta is '1e4', not a positive number"),
+    ({"rms_norm_eps": None}, "rms_norm_eps is None"),
+    ({"max_position_embeddings": None}, "max_position_embeddings is None"),
+    ({"rope_parameters": [1]}, "rope_parameters is list"),
+])
+def test_a_malformed_config_is_a_source_model_error_not_a_traceback(tmp_path, change, message):
+    """Each had failed with a KeyError / TypeError / ValueError traceback (exit 1, a bug's), some only
+    at the first forward; transformers refuses the incomplete rope scalings too."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    edit_json(model_dir / "config.json", **{k: v for k, v in change.items() if v is not None})
+    if None in change.values():
+        data = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(data | change))  # an explicit null, not a missing key
+    with pytest.raises(SourceModelError, match=message):
+        load_source(str(model_dir))
