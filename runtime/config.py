@@ -80,6 +80,8 @@ class ModelConfig:
         more stop tokens than config.json's (Llama 3 Instruct's <|eot_id|>), as transformers and
         vLLM read it."""
         archs = hf.get("architectures") or []
+        if isinstance(archs, str):  # a list of one, written by hand: read as transformers would read the list
+            archs = [archs]
         if archs:
             family = SUPPORTED_ARCHITECTURES.get(archs[0])
         else:  # transformers picks the class by model_type then

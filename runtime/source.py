@@ -122,7 +122,14 @@ def _load_hf_dir(path: Path) -> SourceModel:
         raise SourceModelError(f"{path} is neither a qkiln artifact (no {MANIFEST_NAME}) nor a Hugging Face model "
                                "(no config.json); give an artifact, a model directory, a .gguf file or an alias")
     try:
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()), read_generation_config(path))
+        hf = json.loads(config_path.read_text())
+        if isinstance(hf, dict) and "quantization_config" in hf:  # its tensors are codes and scales
+            qc = hf["quantization_config"]
+            method = qc.get("quant_method", "quantized") if isinstance(qc, dict) else "quantized"
+            raise SourceModelError(f"{path} is a quantized checkpoint ({method}): `qkiln import {path} -o ARTIFACT` "
+                                   "turns it into an artifact to serve or evaluate; to quantize it yourself, build "
+                                   "from the unquantized model")
+        config = ModelConfig.from_hf(hf, read_generation_config(path))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
     state_dict = load_weight_files(weight_files(path), convert=torch.Tensor.float)

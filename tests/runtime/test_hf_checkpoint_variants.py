@@ -193,3 +193,12 @@ def test_a_malformed_config_is_a_source_model_error_not_a_traceback(tmp_path, ch
         (model_dir / "config.json").write_text(json.dumps(data | change))  # an explicit null, not a missing key
     with pytest.raises(SourceModelError, match=message):
         load_source(str(model_dir))
+
+
+def test_a_quantized_checkpoint_as_a_source_names_qkiln_import(tmp_path):
+    """Its tensors are codes and scales: it was refused as 'weights do not fit ... config and
+    tensors disagree', naming fused tensors the file does not have."""
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    edit_json(model_dir / "config.json", quantization_config={"quant_method": "compressed-tensors"})
+    with pytest.raises(SourceModelError, match=r"is a quantized checkpoint \(compressed-tensors\): `qkiln import"):
+        load_source(str(model_dir))
