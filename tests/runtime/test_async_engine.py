@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -198,7 +199,9 @@ def test_shutdown_ends_open_streams_without_waiting_for_the_step(model_dir):
         streams = [await eng.add_request(f"long {i}", SamplingParams(max_tokens=100, **GREEDY)) for i in range(3)]
         for stream in streams:
             await stream.__anext__()
-        held = eng.call(lambda e: time.sleep(3))  # the engine thread busy, as in a long step
+        busy = threading.Event()
+        held = eng.call(lambda e: (busy.set(), time.sleep(3)))  # the engine thread busy, as in a long step
+        assert await asyncio.get_running_loop().run_in_executor(None, busy.wait, 30)
         started = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, lambda: eng.shutdown(timeout=0))
         for stream in streams:
