@@ -114,7 +114,9 @@ def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
                 return [line for line in r.iter_lines() if line]
 
         pool = ThreadPoolExecutor(4)
-        plain = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60) for _ in range(2)]
+        # n=8 makes each step 18 rows: with qkiln's kernels a lone 1000-token answer had ended before
+        # the second Ctrl-C, and rightly got its 200
+        plain = [pool.submit(httpx.post, f"{url}/v1/completions", json=body | {"n": 8}, timeout=60) for _ in range(2)]
         streams = [pool.submit(streamed, i) for i in range(2)]
         time.sleep(1.0)
         server.send_signal(signal.SIGINT)
