@@ -15,6 +15,7 @@ files a killed build left go after a day. The cache only saves time: one that ca
 read-only home, a full disk) is said once and switched off for the build, which goes on.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -50,7 +51,26 @@ def max_cache_bytes() -> int:
     return int(gib * (1 << 30))
 
 
-def warn_unwritable_cache(directory: Path, error: BaseException, warn=None) -> None:
+def write_cache_file(path: Path, write, warn=None) -> bool:
+    """Write `path` atomically through `write(temp_path)` (temp file, fsync, rename), so a killed
+    build leaves no torn entry. False, said through `warn` (default: stderr), when it cannot be
+    written: a cache only saves time, so the build goes on without it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return True
+    except (OSError, SafetensorError) as e:
+        _say_unwritable(path.parent, e, warn)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
+
+
+def _say_unwritable(directory: Path, error: BaseException, warn) -> None:
     (warn or (lambda msg: print(msg, file=sys.stderr)))(
         f"warning: the build cache {directory} cannot be written ({error}); this build goes on without it "
         "(free space there, or point QKILN_CACHE_DIR elsewhere)")
@@ -138,23 +158,18 @@ class LayerCache:
     def put(self, key: str, tensors: dict[str, torch.Tensor], report: dict) -> None:
         if self.directory is None:
             return
-        tmp = self.directory / f".{key}.{os.getpid()}.tmp"
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        report_json = json.dumps(report, sort_keys=True)
+        metadata = {"report": report_json, "sha256": payload_sha256(tensors, report_json)}
+        if not write_cache_file(self.directory / f"{key}.safetensors",
+                                lambda tmp: save_file(tensors, str(tmp), metadata=metadata), self._warn):
+            self.directory = None  # said once; the rest of the build runs without it
+            return
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tensors = {k: v.contiguous() for k, v in tensors.items()}
-            report_json = json.dumps(report, sort_keys=True)
-            save_file(tensors, str(tmp), metadata={"report": report_json, "sha256": payload_sha256(tensors, report_json)})
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.directory / f"{key}.safetensors")
             self._evict(keep=key)
-        except (OSError, SafetensorError) as e:  # it only saves time: a build must not die of it
-            warn_unwritable_cache(self.directory, e, self._warn)
+        except OSError as e:  # evicting from a shared cache (another user's entries)
+            _say_unwritable(self.directory, e, self._warn)
             self.directory = None
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
 
     def _evict(self, keep: str) -> None:
         """Delete the least recently used entries while the folder exceeds max_bytes."""

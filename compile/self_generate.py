@@ -4,7 +4,6 @@ cached on disk by (source sha256, count, length, seed), so rebuilds don't regene
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.sampling_params import SamplingParams
 from qkiln.runtime.source import SourceModel
 
-from .layer_cache import default_cache_dir, warn_unwritable_cache
+from .layer_cache import default_cache_dir, write_cache_file
 
 
 def make_self_generator(source: SourceModel, seq_len: int, progress: bool = True, warn=None):
@@ -25,7 +24,8 @@ def make_self_generator(source: SourceModel, seq_len: int, progress: bool = True
         texts = _read_cached(path, num_samples)
         if texts is None:
             texts = _generate(source, num_samples, seq_len, seed, progress)
-            _write_cached(path, texts, warn)
+            # atomically: a build killed while writing had left a torn file that failed every later build
+            write_cache_file(path, lambda tmp: tmp.write_text(json.dumps(texts), encoding="utf-8"), warn)
         return texts
 
     return generate
@@ -40,21 +40,6 @@ def _read_cached(path: Path, num_samples: int) -> list[str] | None:
     if isinstance(texts, list) and len(texts) == num_samples and all(isinstance(t, str) for t in texts):
         return texts
     return None
-
-
-def _write_cached(path: Path, texts: list[str], warn) -> None:
-    """Atomically (a build killed while writing had left a torn file that failed every later build)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(texts), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:  # a cache only saves time
-        warn_unwritable_cache(path.parent, e, warn)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _generate(source: SourceModel, num_samples: int, seq_len: int, seed: int, progress: bool) -> list[str]:
