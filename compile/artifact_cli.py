@@ -18,9 +18,8 @@ import typer
 
 from qkiln.errors import QkilnError
 
-from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index, verify_artifact,
-                       weight_shards)
-
+from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index,
+                       verify_artifact, weight_shards)
 
 
 def _fail(e: QkilnError):

@@ -72,8 +72,8 @@ def eval_cmd(
             check_writable_dir(json_out.absolute().parent)
         data_file = eval_data_file(data)[0]
         if not data_file.is_file():  # before the model loads (~20 s for SmolLM2), not after
-            raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}; "
-                             "give the text file to score")
+            raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}"
+                                       "; give the text file to score")
         if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
             raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
                              "(the engine computes the recipe exactly)")

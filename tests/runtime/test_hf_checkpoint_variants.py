@@ -27,6 +27,13 @@ def hf_greedy(model_dir, ids, n, **kw) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def assert_greedy_as_transformers(model_dir, n: int) -> None:
+    """qkiln's n greedy tokens after PROMPT (EOS ignored) are transformers'."""
+    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate(
+        {"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model_dir, PROMPT, n, eos_token_id=None)
+
+
 def edit_json(path, **changes):
     data = json.loads(path.read_text())
     data.update(changes)
@@ -99,10 +106,7 @@ def test_rope_inv_freq_saved_by_older_transformers_is_ignored(tmp_path):
     for layer in range(2):
         weights[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(16)  # wrong values, unused
     save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
-    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
-                                                                       SamplingParams(max_tokens=4, temperature=0,
-                                                                                      ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(model_dir, PROMPT, 4, eos_token_id=None)
+    assert_greedy_as_transformers(model_dir, 4)
 
 
 def test_a_config_without_architectures_is_read_by_its_model_type(tmp_path):
@@ -157,10 +161,7 @@ def test_a_stored_head_under_a_tying_config_is_used_as_transformers_uses_it(tmp_
     with pytest.warns(UserWarning, match="stores a different lm_head.weight"):
         source = load_source(str(model_dir))
     assert not source.config.tie_word_embeddings
-    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
-                                                                       SamplingParams(max_tokens=6, temperature=0,
-                                                                                      ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+    assert_greedy_as_transformers(model_dir, 6)
 
 
 def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transformers(tmp_path):
@@ -169,10 +170,7 @@ def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transform
     params = config.get("rope_parameters") or {"rope_type": "default"}
     edit_json(model_dir / "config.json", rope_theta=10.0, rope_parameters=params | {"rope_theta": 500000.0})
     assert load_source(str(model_dir)).config.rope_theta == 500000.0
-    out = LLM(str(model_dir), dtype="fp32", num_kv_blocks=16).generate({"prompt_token_ids": PROMPT},
-                                                                       SamplingParams(max_tokens=6, temperature=0,
-                                                                                      ignore_eos=True))[0]
-    assert out.token_ids == hf_greedy(model_dir, PROMPT, 6, eos_token_id=None)
+    assert_greedy_as_transformers(model_dir, 6)
 
 
 @pytest.mark.parametrize("change, message", [
