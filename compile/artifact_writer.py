@@ -122,7 +122,7 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
     web project's manifest.json, a Hugging Face checkpoint's config.json), nor an output a user
     added files to (deploy notes, a .git). The parent must be writable: found out now, not after
     minutes of calibration."""
-    inside = next((p for p in out.parents if _is_artifact_dir(p)), None)
+    inside = next((p for p in out.parents if _has_qkiln_manifest(p)), None)
     if inside is not None:  # its verify would then fail on files the manifest does not list
         raise ArtifactError(f"{out}: is inside the artifact {inside}; choose an output path outside it")
     if out.exists() or out.is_symlink():
@@ -169,7 +169,9 @@ def check_writable_dir(directory: Path) -> None:
                             "choose another output path") from None
 
 
-def _is_artifact_dir(path: Path) -> bool:
+def _has_qkiln_manifest(path: Path) -> bool:
+    """A manifest.json of qkiln's (with a format_version), not any file of that name (a web project's):
+    stricter than artifact.is_artifact_dir, as refusing to write inside a folder must not misfire."""
     return read_json_field(path / MANIFEST_NAME, "format_version") is not None
 
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: `create_app(async_engine, model_name, api_key, allowed_origins)` and `serve()`.
 
-Owns routes, the HTTP error mapping, the server-sent-event framing and uvicorn's lifecycle. Wire
-shapes live in openai_protocol.py, prompts as token ids in request_prompts.py, the API key,
-request ids and body limit in http_middleware.py, the read deadline in http_guard.py, the engine
-thread in async_engine.py, Prometheus in metrics.py. Must not touch the `LLMEngine` directly.
+Owns routes, the HTTP error mapping, the server-sent-event framing and uvicorn's lifecycle. Request
+shapes live in openai_protocol.py, response shapes in openai_responses.py, prompts as token ids in
+request_prompts.py, the API key, request ids and body limit in http_middleware.py, the read
+deadline in http_guard.py, the engine thread in async_engine.py, Prometheus in metrics.py. Must not
+touch the `LLMEngine` directly.
 
 Invariants:
 - A bad request never reaches the engine's step loop and never takes the server down: every
@@ -48,9 +49,9 @@ from .engine import RequestOutput, last_tokens
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .http_middleware import REQUEST_ID_HEADER, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .metrics import ServerMetrics
-from .openai_protocol import (ChatCompletionRequest, ChatResponse, CompletionRequest, CompletionResponse,
-                              DetokenizeRequest, InvalidRequestError, ResponseBuilder, SamplingFields,
-                              TokenizeChatRequest, TokenizeCompletionRequest, batch_response, error_body, usage_chunk)
+from .openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidRequestError,
+                              SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, error_body)
+from .openai_responses import ChatResponse, CompletionResponse, ResponseBuilder, batch_response, usage_chunk
 from .request_prompts import chat_prompt_ids, check_token_ids, encode_text, kept_prompt_tokens
 from .sampling_params import SamplingParams
 

@@ -127,7 +127,7 @@ def test_a_request_aborted_before_its_prompt_was_scored_still_builds_its_respons
     """A client that left before the prefill: the abort output has no prompt logprobs, and building
     the (unread) response had raised a TypeError, a traceback in the server's log."""
     from qkiln.runtime.engine import RequestOutput
-    from qkiln.runtime.openai_protocol import ChatResponse, CompletionResponse
+    from qkiln.runtime.openai_responses import ChatResponse, CompletionResponse
 
     ids = engine.tokenizer.encode("nobody waits")
     aborted = RequestOutput("r", ids, [], "", [], "", True, "abort")
