@@ -2,7 +2,8 @@
 
 Owns `Manifest` (what manifest.json holds), `read_manifest`, `verify_artifact`,
 `read_tensor_index` (tensor -> shard, dtype, shape from safetensors headers; no weights read),
-`load_tensors` and `toolchain_versions`. Writing lives in `artifact_writer.py`.
+`load_tensors` and `toolchain_versions`. Writing lives in `artifact_writer.py`, archives in
+`artifact_archive.py`.
 
 This is the leaf the runtime imports: only the stdlib and qkiln.errors at module level; torch
 and safetensors are imported inside the functions that need them. Nothing is ever unpickled.

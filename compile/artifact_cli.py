@@ -41,7 +41,8 @@ def unpacked(model: str, check_target: bool = False):
     if not _is_archive(path):
         yield model
         return
-    from .artifact_writer import HOST_TAG, extract_archive  # lazy: imports the writer only for archives
+    from .artifact_archive import extract_archive  # lazy: imported only for archives
+    from .artifact_writer import HOST_TAG
 
     name = next(path.name[: -len(s)] for s in ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
     remove_dead_unpacked()

@@ -1,7 +1,8 @@
-"""Writing a qkiln artifact: atomically, reproducibly, and as one archive file for registries.
+"""Writing a qkiln artifact: atomically and reproducibly.
 
-Owns `write_artifact`, `write_archive` and `extract_archive`. The format itself (schema, verify,
-read) is `artifact.py`; this module only produces what that one accepts.
+Owns `write_artifact` and the staging every output shares (partial folders, --force checks,
+fsync-then-rename). The format itself (schema, verify, read) is `artifact.py`; one-file archives
+for registries are `artifact_archive.py`; this module only produces what artifact.py accepts.
 
 Invariants:
 - Atomic: everything goes into a sibling `.{name}.partial-{host}-{pid}-{random}` directory,
@@ -15,19 +16,16 @@ Invariants:
 - `--force` replaces only what qkiln wrote: an earlier output whose own record (the manifest's file
   list) covers every file in the folder; a file added beside it is never deleted.
 - Reproducible: same inputs give byte-identical files. Tensors are sorted by name, made
-  contiguous and written with fixed safetensors metadata; JSON has sorted keys; archives have
-  sorted entries and a fixed mtime/uid/gid/mode (and a gzip header without name or time).
+  contiguous and written with fixed safetensors metadata; JSON has sorted keys.
 - Never pickle: weights are safetensors, reports JSON or bytes given by the caller.
 """
 
-import gzip
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
-import tarfile
 import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
@@ -35,8 +33,8 @@ from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
 
-from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, UNCHECKED_MARKER, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest,
-                       list_artifact_files, sha256_file, verify_artifact, verify_contents)
+from .artifact import (MANIFEST_NAME, UNCHECKED_MARKER, UNFINISHED_SUFFIX, WEIGHTS_DIR, Manifest, list_artifact_files,
+                       sha256_file)
 
 GiB = 1 << 30
 # one key only: safetensors keeps metadata in a hash map, so more keys could be written in any order
@@ -67,7 +65,7 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
             if check is not None:
                 mark_unchecked(tmp)
             _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
-            _fsync_dirs(tmp)
+            fsync_dirs(tmp)
         if check is not None:
             check(tmp)
         with writing(out):
@@ -202,7 +200,7 @@ def read_json_field(path: Path, key: str):
 HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
-def _unfinished_prefix(out: Path, kind: str) -> str:
+def unfinished_prefix(out: Path, kind: str) -> str:
     return f".{out.name}.{kind}-{HOST_TAG}-{os.getpid()}-"
 
 
@@ -211,7 +209,7 @@ def fresh_partial_dir(out: Path) -> Path:
     builds' leftovers."""
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(out)
-    tmp = Path(tempfile.mkdtemp(prefix=_unfinished_prefix(out, "partial"), dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=unfinished_prefix(out, "partial"), dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it owner-only; an artifact is meant to be shared
     return tmp
 
@@ -367,7 +365,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dirs(root: Path) -> None:
+def fsync_dirs(root: Path) -> None:
     """Directory entries are durable only once their directory is fsynced (files were already)."""
     for dirpath, _, _ in os.walk(root, topdown=False):
         _fsync_dir(Path(dirpath))
@@ -380,7 +378,7 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
     added to, while we were building)."""
     if out.exists() or out.is_symlink():
         recheck()
-        trash = Path(tempfile.mkdtemp(prefix=_unfinished_prefix(out, "trash"), dir=out.parent))
+        trash = Path(tempfile.mkdtemp(prefix=unfinished_prefix(out, "trash"), dir=out.parent))
         os.rename(out, trash / "old")
         os.rename(tmp, out)
         _fsync_dir(out.parent)
@@ -394,25 +392,6 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
 # Archive: the same content as one file. Entries are relative to the artifact root.
 
 
-def _archive_mode(path: Path) -> str:
-    for suffix, mode in ARCHIVE_SUFFIXES.items():
-        if path.name.endswith(suffix):
-            return mode
-    raise ArtifactError(f"{path}: archive name must end in {', '.join(sorted(ARCHIVE_SUFFIXES))}")
-
-
-def check_archive_path(path, overwrite: bool = False) -> None:
-    """Raise ArtifactError now for an archive path write_archive would refuse (after a whole build),
-    or one that holds a file `overwrite` does not allow replacing."""
-    path = Path(path).absolute()
-    _archive_mode(path)
-    if path.is_dir():
-        raise ArtifactError(f"{path}: is a directory; give the archive a file name")
-    if path.exists() and not overwrite:
-        raise ArtifactError(f"{path}: already exists; pass --force to replace it")
-    check_writable_dir(path.parent)
-
-
 def source_date_epoch() -> int | None:
     """$SOURCE_DATE_EPOCH (reproducible builds' fixed time: an artifact's `created`, an archive's
     mtimes), or None when unset."""
@@ -422,126 +401,3 @@ def source_date_epoch() -> int | None:
     if not epoch.isdigit():
         raise ArtifactError(f"SOURCE_DATE_EPOCH={epoch!r} is not a whole number of seconds; fix or unset it")
     return int(epoch)
-
-
-def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
-    """Verify, then pack manifest.json first (a registry can read it without scanning) and the
-    rest sorted, with fixed metadata. `mtime` defaults to $SOURCE_DATE_EPOCH, else 0."""
-    root, archive = Path(artifact_dir), Path(archive_path).absolute()
-    mode = _archive_mode(archive)
-    rels = verify_artifact(root, check_target=False)
-    if mtime is None:
-        mtime = source_date_epoch() or 0
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(archive)  # what killed writes of this archive left
-    fd, name = tempfile.mkstemp(prefix=_unfinished_prefix(archive, "partial"), dir=archive.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        with open(tmp, "wb") as raw:
-            # gzip header: no file name, fixed mtime, fixed level -> same bytes for the same tar
-            stream = gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=mtime, compresslevel=6) \
-                if mode == "gz" else raw
-            with tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for rel in [MANIFEST_NAME, *rels]:
-                    info = tarfile.TarInfo(rel)
-                    info.size, info.mtime, info.mode = (root / rel).stat().st_size, mtime, 0o644
-                    info.uid = info.gid = 0
-                    info.uname = info.gname = ""
-                    with open(root / rel, "rb") as f:
-                        tar.addfile(info, f)
-            if mode == "gz":
-                stream.close()
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, archive)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ArtifactError(f"{archive}: writing the archive failed ({e.strerror or e}); free space or choose "
-                            "another path") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return archive
-
-
-def extract_archive(archive_path, dest, overwrite: bool = False, check_target: bool = False) -> Path:
-    """Unpack into `dest` (atomically, like write_artifact) and verify. Only regular files with
-    plain relative names are accepted: absolute paths, '..', links and devices are refused."""
-    archive, out = Path(archive_path), Path(dest).absolute()
-    _archive_mode(archive)
-    if not archive.is_file():
-        raise ArtifactError(f"{archive}: archive not found")
-    check_destination(out, overwrite)
-    tmp = fresh_partial_dir(out)
-    try:
-        _extract_members(archive, tmp)
-        if not (tmp / MANIFEST_NAME).is_file():
-            top = list(tmp.iterdir())
-            if len(top) == 1 and (top[0] / MANIFEST_NAME).is_file():  # `tar -cf x.tar a1` packs the folder too
-                raise ArtifactError(f"{archive}: the artifact is inside a folder {top[0].name}/; pack its contents "
-                                    f"(tar -C {top[0].name} -cf {archive.name} .) or use `qkiln build --archive`")
-            raise ArtifactError(f"{archive}: no {MANIFEST_NAME} at its top level: not a qkiln artifact archive "
-                                "(`qkiln build --archive` writes one)")
-        try:
-            verify_contents(tmp, check_target=check_target)
-        except ArtifactError as e:  # name the entry inside the archive, not our temp dir
-            raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '').replace(str(tmp), 'its contents')}") \
-                from None
-        _fsync_dirs(tmp)
-        move_into_place(tmp, out, lambda: check_destination(out, overwrite))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-class _UnpackWriteError(Exception):
-    """Writing an archive's member failed (a full temp disk): the archive itself may be sound."""
-
-
-def _extract_members(archive: Path, into: Path) -> None:
-    try:
-        with tarfile.open(archive, mode="r:*") as tar:
-            seen = set()
-            for m in tar:
-                parts = PurePosixPath(m.name).parts
-                bad_name = (not parts or m.name.startswith("/") or "\\" in m.name
-                            or any(p in ("", ".", "..") for p in parts))
-                if m.isdir() and (m.name in (".", "./") or not bad_name):
-                    continue  # archives made with `tar -C DIR .` list directories; files create their own
-                if bad_name or not m.isfile() or "/".join(parts) in seen:
-                    raise ArtifactError(f"{archive}: refusing entry {m.name!r} (only regular files with plain "
-                                        "relative paths, each once); the archive is corrupt or malicious")
-                seen.add("/".join(parts))
-                target = into.joinpath(*parts)
-                with tar.extractfile(m) as src, _created(target) as dst:
-                    while chunk := src.read(1 << 20):
-                        _write_all(dst, chunk)
-    except _UnpackWriteError as e:
-        reason = e.args[0].strerror or e.args[0]
-        raise ArtifactError(f"{archive}: cannot unpack it into {into.parent} ({reason}); free space there, or "
-                            "unpack it elsewhere (TMPDIR, for a command given the archive)") from None
-    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
-        raise ArtifactError(f"{archive}: cannot read archive ({e}); re-fetch it") from None
-
-
-def _write_all(dst, chunk: bytes) -> None:
-    view = memoryview(chunk)
-    try:
-        while view:
-            view = view[dst.write(view):]
-    except OSError as e:
-        raise _UnpackWriteError(e) from None
-
-
-def _created(target: Path):
-    """Unbuffered, so that every write error surfaces in _write_all: a buffered file's close
-    retried a failed write and raised again, as a read error."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        return open(target, "xb", buffering=0)
-    except OSError as e:
-        raise _UnpackWriteError(e) from None
-

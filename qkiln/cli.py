@@ -178,7 +178,7 @@ def build_cmd(
     """Calibrate, quantize, evaluate and write a verified artifact."""
     import dataclasses
 
-    from qkiln.compile.artifact_writer import check_archive_path, write_archive
+    from qkiln.compile.artifact_archive import check_archive_path, write_archive
     from qkiln.compile.build import build
     from qkiln.compile.recipe import load_recipe
 

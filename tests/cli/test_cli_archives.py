@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from qkiln.compile.artifact_writer import write_archive
+from qkiln.compile.artifact_archive import write_archive
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
 from tiny_models import write_tiny_model_and_text

@@ -19,7 +19,8 @@ from qkiln.compile import artifact_writer
 from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, manifest_digest, read_manifest,
                                     read_tensor_index, toolchain_versions, verify_artifact)
 from qkiln.compile.artifact_cli import inspect_cmd, summarize_artifact, verify_cmd
-from qkiln.compile.artifact_writer import extract_archive, write_archive, write_artifact
+from qkiln.compile.artifact_archive import extract_archive, write_archive
+from qkiln.compile.artifact_writer import write_artifact
 from qkiln.errors import ArtifactError, TargetUnavailableError
 
 SHARD_BYTES = 512  # small so the tensors below need several shards
@@ -378,7 +379,8 @@ def test_an_output_that_appears_while_writing_is_not_replaced(tmp_path):
 
 
 def test_unwritable_destinations_fail_before_any_work(tmp_path):
-    from qkiln.compile.artifact_writer import check_archive_path, check_destination
+    from qkiln.compile.artifact_archive import check_archive_path
+    from qkiln.compile.artifact_writer import check_destination
 
     (tmp_path / "file").write_text("x")
     for out in (tmp_path / "file" / "a", Path("/proc/qkiln-test")):
@@ -603,7 +605,7 @@ def test_an_error_inside_an_unpacked_archive_names_the_archive(tmp_path):
 
 _UNPACK_WITH_SMALL_FILES = textwrap.dedent("""
     import resource, signal, sys
-    from qkiln.compile.artifact_writer import extract_archive
+    from qkiln.compile.artifact_archive import extract_archive
     from qkiln.errors import ArtifactError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # as a full disk: no file may hold more
