@@ -132,47 +132,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        request_id, batch = f"cmpl-{request.state.request_id}", body.prompts()
-        choices: list[_Choice] = []
-        keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
-        for i, prompt in enumerate(batch):
-            where = "prompt" if len(batch) == 1 else f"prompt.{i}"
-            if isinstance(prompt, list):
-                check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
-                ids = last_tokens(prompt, keep)
-            else:
-                ids = await encode_text(engine, prompt, where, keep_last=keep)
-            # max_tokens 0 (echo only): the engine samples one token, which is not returned and
-            # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
-            max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
-                if body.generates else 1
-            # with echo, logprobs covers the prompt's tokens too
-            params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
-            echo = None
-            if body.echo:  # the prompt's text as sent, or its ids' text (also when truncation may have cut it)
-                text = prompt if isinstance(prompt, str) and (keep is None or len(ids) < keep) else \
-                    engine.tokenizer.decode(ids, skip_special_tokens=False)
-                echo = (text, ids)
-            for j, sp in enumerate(params):  # prompt i's choice j is choice i * n + j, as OpenAI orders them
-                builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
-                                             index=i * body.n + j, counts_prompt=j == 0, echo=echo,
-                                             logprobs=body.logprobs, generates=body.generates,
-                                             prompt_logprobs=body.prompt_logprobs)
-                choices.append(_Choice(ids, sp, builder, i if len(batch) > 1 else None))
+        choices = await _completion_choices(engine, body, f"cmpl-{request.state.request_id}", model_name, defaults)
         return await _respond(engine, metrics, request, choices, body.stream)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
-        prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
-        max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
-        request_id, choices = f"chatcmpl-{request.state.request_id}", []
-        for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
-            builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
-                                   counts_prompt=j == 0,  # one prompt_logprobs beside the choices: the first's
-                                   prompt_logprobs=body.prompt_logprobs if j == 0 else None)
-            choices.append(_Choice(prompt_ids, sp, builder))
+        choices = await _chat_choices(engine, body, f"chatcmpl-{request.state.request_id}", model_name, defaults)
         return await _respond(engine, metrics, request, choices, body.stream)
 
     app.include_router(v1)
@@ -212,6 +178,54 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         return Response(metrics.render(), media_type=metrics.content_type)
 
     return app
+
+
+async def _completion_choices(engine: AsyncLLMEngine, body: CompletionRequest, request_id: str, model_name: str,
+                              defaults: dict) -> list["_Choice"]:
+    """A completion request's engine requests: prompt i's choice j is choice i * n + j, as OpenAI
+    orders them."""
+    batch, choices = body.prompts(), []
+    keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
+    for i, prompt in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt.{i}"
+        if isinstance(prompt, list):
+            check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
+            ids = last_tokens(prompt, keep)
+        else:
+            ids = await encode_text(engine, prompt, where, keep_last=keep)
+        # max_tokens 0 (echo only): the engine samples one token, which is not returned and
+        # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
+        max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
+            if body.generates else 1
+        # with echo, logprobs covers the prompt's tokens too
+        params = body.sampling_params(max_tokens, body.logprobs, body.logprobs if body.echo else None, defaults)
+        echo = None
+        if body.echo:  # the prompt's text as sent, or its ids' text (also when truncation may have cut it)
+            text = prompt if isinstance(prompt, str) and (keep is None or len(ids) < keep) else \
+                engine.tokenizer.decode(ids, skip_special_tokens=False)
+            echo = (text, ids)
+        for j, sp in enumerate(params):
+            builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
+                                         index=i * body.n + j, counts_prompt=j == 0, echo=echo,
+                                         logprobs=body.logprobs, generates=body.generates,
+                                         prompt_logprobs=body.prompt_logprobs)
+            choices.append(_Choice(ids, sp, builder, i if len(batch) > 1 else None))
+    return choices
+
+
+async def _chat_choices(engine: AsyncLLMEngine, body: ChatCompletionRequest, request_id: str, model_name: str,
+                        defaults: dict) -> list["_Choice"]:
+    """A chat request's n engine requests over its one templated prompt."""
+    keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
+    prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
+    max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
+    choices = []
+    for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):
+        builder = ChatResponse(request_id, model_name, engine.tokenizer, body.include_usage, index=j,
+                               counts_prompt=j == 0,  # one prompt_logprobs beside the choices: the first's
+                               prompt_logprobs=body.prompt_logprobs if j == 0 else None)
+        choices.append(_Choice(prompt_ids, sp, builder))
+    return choices
 
 
 def _parse(model: type[BaseModel], payload: dict):
