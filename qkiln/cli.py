@@ -60,44 +60,13 @@ def eval_cmd(
     dtype: Annotated[str, typer.Option(help="--served: auto (bf16), bf16, fp16 or fp32, as `serve --dtype`")] = "auto",
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
-    from qkiln.calib_data import eval_data_file
-    from qkiln.compile.artifact_writer import check_writable_dir
     from qkiln.compile.evaluate import check_reference, evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
-        if json_out is not None:  # found out now, not after the whole evaluation
-            if json_out.is_dir():
-                raise ArtifactError(f"--json {json_out} is a directory: the output path is taken; give a file name")
-            check_writable_dir(json_out.absolute().parent)
-        data_file = eval_data_file(data)[0]
-        if not data_file.is_file():  # before the model loads (~20 s for SmolLM2), not after
-            raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}"
-                                       "; give the text file to score")
-        if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
-            raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
-                             "(the engine computes the recipe exactly)")
-        if (ort_accuracy_level and engine != "onnxruntime") or not 0 <= ort_accuracy_level <= 4:
-            raise QkilnError("--ort-accuracy-level takes 0..4 and applies to --engine onnxruntime")
-        if served and (engine or reference):
-            raise QkilnError("--served scores target logprobs as the server computes them: without --engine or "
-                             "--reference (KL needs whole distributions)")
-        if dtype != "auto" and not served:
-            raise QkilnError("--dtype applies to --served (the simulation scores in fp32)")
-        if data_file.suffix == ".json":
-            print(f"note: {data} is scored as the file's text as stored, JSON syntax included; to score its "
-                  "documents, write them as JSONL (one {\"text\": ...} object a line)", file=sys.stderr)
+        _check_eval_options(data, json_out, int8_activations, engine, ort_accuracy_level, served, dtype, reference)
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
-            if engine:
-                from qkiln.compile.onnx_eval import open_engine
-
-                m = open_engine(Path(path), engine, ort_accuracy_level)
-            elif served:
-                from qkiln.compile.served_eval import ServedScorer
-
-                m = ServedScorer(path, dtype, int8_activations)
-            else:
-                m = open_model(path, int8_activations)
+            m = _open_scorer(path, int8_activations, engine, ort_accuracy_level, served, dtype)
             config = m.config if hasattr(m, "config") else m.model.config
             window = seq_len + int(m.tokenizer.add_bos)  # a tokenizer that adds BOS puts one before each window
             if window > config.max_position_embeddings:
@@ -126,7 +95,55 @@ def eval_cmd(
         report["int8_activations"] = True
     if reference:
         report["reference"] = reference
-    text = json.dumps(report, indent=2)
+    _write_report(json.dumps(report, indent=2), json_out)
+
+
+def _check_eval_options(data: str, json_out: Path | None, int8_activations: bool, engine: str | None,
+                        ort_accuracy_level: int, served: bool, dtype: str, reference: str | None) -> None:
+    """Refuse what eval cannot do before the model loads (~20 s for SmolLM2), not after."""
+    from qkiln.calib_data import eval_data_file
+    from qkiln.compile.artifact_writer import check_writable_dir
+
+    if json_out is not None:  # found out now, not after the whole evaluation
+        if json_out.is_dir():
+            raise ArtifactError(f"--json {json_out} is a directory: the output path is taken; give a file name")
+        check_writable_dir(json_out.absolute().parent)
+    data_file = eval_data_file(data)[0]
+    if not data_file.is_file():
+        raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}"
+                                   "; give the text file to score")
+    if engine not in (None, "onnx", "onnxruntime") or (engine and int8_activations):
+        raise QkilnError("--engine takes onnx or onnxruntime, without --int8-activations "
+                         "(the engine computes the recipe exactly)")
+    if (ort_accuracy_level and engine != "onnxruntime") or not 0 <= ort_accuracy_level <= 4:
+        raise QkilnError("--ort-accuracy-level takes 0..4 and applies to --engine onnxruntime")
+    if served and (engine or reference):
+        raise QkilnError("--served scores target logprobs as the server computes them: without --engine or "
+                         "--reference (KL needs whole distributions)")
+    if dtype != "auto" and not served:
+        raise QkilnError("--dtype applies to --served (the simulation scores in fp32)")
+    if data_file.suffix == ".json":
+        print(f"note: {data} is scored as the file's text as stored, JSON syntax included; to score its "
+              "documents, write them as JSONL (one {\"text\": ...} object a line)", file=sys.stderr)
+
+
+def _open_scorer(path: str, int8_activations: bool, engine: str | None, ort_accuracy_level: int, served: bool,
+                 dtype: str):
+    """What scores the windows: an ONNX engine, the serving engine (--served) or the simulation."""
+    if engine:
+        from qkiln.compile.onnx_eval import open_engine
+
+        return open_engine(Path(path), engine, ort_accuracy_level)
+    if served:
+        from qkiln.compile.served_eval import ServedScorer
+
+        return ServedScorer(path, dtype, int8_activations)
+    from qkiln.compile.model_ref import open_model
+
+    return open_model(path, int8_activations)
+
+
+def _write_report(text: str, json_out: Path | None) -> None:
     try:
         if json_out:  # first, whole or not at all: stdout may be a pipe its reader closed (| head)
             _write_atomically(json_out, text + "\n")
