@@ -89,6 +89,7 @@ def export_dense_model(source_name: str, out: Path) -> Path:
 def export_calibration(source_name: str, calib: str, num_samples: int, out: Path, seq_len: int = 512,
                        seed: int = 0) -> dict:
     """Our calibration tokens ([num_samples, seq_len] int64) as safetensors `input_ids`; -> provenance."""
+    import torch
     from safetensors.torch import save_file
 
     from qkiln.calib_data import load_text_source, sample_token_set
@@ -99,7 +100,7 @@ def export_calibration(source_name: str, calib: str, num_samples: int, out: Path
     text = load_text_source(calib, make_self_generator(source, seq_len, False), seed)
     tokens = sample_token_set(text, source.tokenizer, num_samples, seq_len, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"input_ids": tokens.input_ids.contiguous()}, str(out))
+    save_file({"input_ids": torch.tensor(tokens.input_ids, dtype=torch.int64)}, str(out))
     return tokens.provenance
 
 

@@ -1,6 +1,7 @@
 """Seeded, fixed-length token batches for calibration, with a content hash for provenance.
 
-`TokenSet.input_ids` is [num_samples, seq_len] int64. Sampling is deterministic in
+`TokenSet.input_ids` is num_samples rows of seq_len token ids (plain ints: this package needs no
+torch; the build makes its tensor). Sampling is deterministic in
 (documents, tokenizer, num_samples, seq_len, seed); `sha256` covers the token ids exactly
 (little-endian int64 bytes, row-major), so two builds that calibrated on the same tokens
 record the same hash. Provenance also carries `text_sha256`, the source text's own hash
@@ -9,10 +10,9 @@ record the same hash. Provenance also carries `text_sha256`, the source text's o
 
 import hashlib
 import random
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
-import torch
 
 from qkiln.errors import CalibrationDataError
 
@@ -21,7 +21,7 @@ from .sources import TextSource, portable_spec
 
 @dataclass(frozen=True)
 class TokenSet:
-    input_ids: torch.Tensor  # [num_samples, seq_len] int64
+    input_ids: tuple[tuple[int, ...], ...]  # [num_samples][seq_len]
     provenance: dict = field(default_factory=dict)
 
     @property
@@ -29,9 +29,12 @@ class TokenSet:
         return token_sha256(self.input_ids)
 
 
-def token_sha256(ids: torch.Tensor) -> str:
-    array = np.ascontiguousarray(ids.to(torch.int64).cpu().numpy()).astype("<i8")
-    return hashlib.sha256(array.tobytes()).hexdigest()
+def token_sha256(rows: Sequence[Sequence[int]]) -> str:
+    """sha256 of the ids as little-endian int64, row after row (a tensor's bytes: `.tolist()` it)."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(struct.pack(f"<{len(row)}q", *row))
+    return digest.hexdigest()
 
 
 def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> TokenSet:
@@ -58,7 +61,7 @@ def sample_token_set(source: TextSource, tokenizer, num_samples: int, seq_len: i
     span = seq_len - len(bos)
     rng = random.Random(seed)
     starts = [rng.randrange(0, len(stream) - span + 1) for _ in range(num_samples)]
-    ids = torch.tensor([bos + stream[s : s + span] for s in starts], dtype=torch.int64)
+    ids = tuple(tuple(bos + stream[s : s + span]) for s in starts)
     provenance = {
         "source": portable_spec(source.spec),
         "num_samples": num_samples,

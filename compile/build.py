@@ -59,12 +59,13 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
     _check_lengths(recipe, source.config.max_position_embeddings, source.tokenizer.add_bos)
-    tokens = None
+    tokens, input_ids = None, None
     if recipe.needs_calibration:
         spec = recipe.calibration
         text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress, warn=log), spec.seed)
         tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
         log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
+        input_ids = torch.tensor(tokens.input_ids, dtype=torch.int64)  # [num_samples, seq_len]
     weight_scheme = recipe.scheme  # quantize_model ignores kv_cache: KV is calibrated below
     needs_tokens_for_weights = weight_scheme.algorithm != "rtn" or (
         weight_scheme.activations is not None and not weight_scheme.activations.dynamic)
@@ -73,7 +74,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
     cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
     calibration_start = time.perf_counter()
-    qm = quantize_model(model, weight_scheme, tokens.input_ids if token_sha else None, progress=progress,
+    qm = quantize_model(model, weight_scheme, input_ids if token_sha else None, progress=progress,
                         cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
     for name, report in qm.report.items():  # recorded in the manifest too, but a build should say it
@@ -81,7 +82,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
             log(f"warning: {name} fell back to {report['fallback']}: {report.get('fallback_reason', 'see layers.json')}")
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
-        calibrate_kv(model, qm, recipe.scheme.kv_cache, tokens.input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)
+        calibrate_kv(model, qm, recipe.scheme.kv_cache, input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)
     calibration_seconds = time.perf_counter() - calibration_start
     _round_as_stored(model, qm)
     accuracy = _accuracy(source, model, qm, recipe, progress)

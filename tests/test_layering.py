@@ -18,7 +18,10 @@ ALLOWED = {
 }
 # The one edge into bench: the CLI mounts `qkiln bench ...` from it.
 BENCH_ENTRY = ("qkiln/cli.py", "qkiln.bench.cli")
-THIRD_PARTY_FORBIDDEN = {"runtime": {"transformers"}, "quant": {"transformers"}, "plugins": {"transformers"}}
+# calib_data is text and token ids ("tokenizer, stdlib"): no tensors (the build makes them); its
+# hf: source reads through the optional `datasets`
+THIRD_PARTY_FORBIDDEN = {"runtime": {"transformers"}, "quant": {"transformers"}, "plugins": {"transformers"},
+                         "calib_data": {"transformers", "torch", "numpy"}}
 
 
 def _imports(path: Path, package: str):
