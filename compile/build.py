@@ -82,7 +82,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
             log(f"warning: {name} fell back to {report['fallback']}: {report.get('fallback_reason', 'see layers.json')}")
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
-        calibrate_kv(model, qm, recipe.scheme.kv_cache, input_ids[:KV_CALIBRATION_SAMPLES], progress=progress)
+        calibrate_kv(model, qm, recipe.scheme.kv_cache, input_ids[:KV_CALIBRATION_SAMPLES], progress=progress,
+                     warn=log)
     calibration_seconds = time.perf_counter() - calibration_start
     _round_as_stored(model, qm)
     accuracy = _accuracy(source, model, qm, recipe, progress)

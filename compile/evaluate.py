@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from qkiln.calib_data import read_eval_text
-from qkiln.errors import CalibrationDataError, QkilnError, SourceModelError
+from qkiln.errors import CalibrationDataError, QkilnError, RecipeError, SourceModelError
 
 # ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
 # of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
@@ -127,9 +127,23 @@ def evaluate_many(
             ref_logits = None if reference is None else reference(ids_t)[:, :-1]
         for name, model in models.items():
             _score_batch(ids_t, model, ref_logits, byte_len, totals[name])
+            _check_finite(totals[name], name, data_name)
     # the windows batched together move the last digits: the batch size that ran is recorded
     return {name: _report(t, len(windows), protocol, reference is not None) | {"batch_size": batch_size}
             for name, t in totals.items()}
+
+
+def _check_finite(totals: dict, name: str, data_name: str) -> None:
+    """NaN or Inf log-probabilities are a broken model, not a score: say so now, rather than write a
+    NaN report (which is not JSON) after the whole run."""
+    if not math.isfinite(totals["ref_nll"]):
+        raise SourceModelError(f"the reference's log-probabilities on {data_name} are not finite (NaN or Inf): "
+                               "its computation overflows; compare against another reference")
+    if not (math.isfinite(totals["nll"]) and math.isfinite(totals["kl"])):
+        raise RecipeError(f"{name}: its log-probabilities on {data_name} are not finite (NaN or Inf), so it has no "
+                          "perplexity: its computation overflows. For a quantized model the recipe does not fit "
+                          "the model (an int4 KV cache past fp16's range, say: use kv-fp8); rebuild it with "
+                          "another recipe")
 
 
 def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_reference: bool) -> dict:

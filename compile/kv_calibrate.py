@@ -4,12 +4,15 @@ Observes K (post-RoPE, as the cache stores it) and V of every layer through the 
 attention backend's observer, keeps running per-(head, channel) statistics (min, max, mean), and
 turns them into static scales with quant.kv (fp8 per-head scales; key smoothing per channel; the
 key offset, which is a mean of post-RoPE keys because that is what the cache stores). Separate
-from weight calibration so a KV-only change reuses the cached weights.
+from weight calibration so a KV-only change reuses the cached weights. An int4 cache keeps its
+group parameters in fp16: K or V reaching past that range on the calibration data is refused (the
+answers would be NaN), and a reach within 8x of it is warned about (other prompts may go further).
 """
 
 import torch
 from tqdm import tqdm
 
+from qkiln.errors import RecipeError
 from qkiln.quant import KVCacheScheme, kv
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
@@ -19,7 +22,7 @@ from .quantized_model import QuantizedModel
 
 @torch.no_grad()
 def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, input_ids: torch.Tensor,
-                 batch_size: int = 8, progress: bool = True) -> None:
+                 batch_size: int = 8, progress: bool = True, warn=print) -> None:
     stats: dict[int, tuple] = {}
 
     def observe(layer_id, k, v):
@@ -32,9 +35,25 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
         ids = input_ids[start : start + batch_size]
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         model.hidden_states(ids, positions, backend)
+    near_limit = []
     for i, (k_stats, v_stats) in sorted(stats.items()):
         qm.kv[i] = (kv.kv_scales_from_stats(k_stats, scheme, is_key=True),
                     kv.kv_scales_from_stats(v_stats, scheme, is_key=False))
+        if scheme.dtype == "int4":
+            for what, layer_stats, calibration in (("keys", k_stats, qm.kv[i][0]), ("values", v_stats, qm.kv[i][1])):
+                reach = kv.int4_cache_reach(layer_stats, calibration)
+                if not reach <= kv.FP16_MAX:
+                    raise RecipeError(
+                        f"model.layers.{i}: its {what} reach {reach:.4g} on the calibration data, past the "
+                        f"+-{kv.FP16_MAX:.0f} an int4 KV cache's fp16 group parameters hold (its answers would be "
+                        "NaN); use an fp8 KV cache (the kv-fp8 presets) or leave the KV cache unquantized")
+                if reach > kv.FP16_MAX / 8:
+                    near_limit.append(f"model.layers.{i} {what} {reach:.4g}")
         qm.report[f"model.layers.{i}.kv"] = {"dtype": scheme.dtype,
                                              "key_smoothing": qm.kv[i][0].channel_scale is not None,
                                              "key_offset": qm.kv[i][0].offset is not None}
+    if near_limit:
+        warn(f"warning: the int4 KV cache stores group parameters in fp16 (up to {kv.FP16_MAX:.0f}) and the "
+             f"calibration data already reaches within 8x of that: {', '.join(near_limit[:4])}"
+             f"{', ...' if len(near_limit) > 4 else ''}; prompts with larger K / V would give NaN answers "
+             "(an fp8 KV cache has no such limit)")

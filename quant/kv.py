@@ -8,7 +8,9 @@ Liu et al. 2024, Sec. 3.1 quantizes values this way):
 
     head_dim 64, group 32:  | channels 0..31 -> (scale, zero) | channels 32..63 -> (scale, zero) |
     x_hat = q * scale + zero,  q in [0, 15],  zero = group minimum (an additive offset in x's units,
-    bounded by the data, so it stores safely in fp16/bf16), |x - x_hat| <= scale / 2.
+    bounded by the data), |x - x_hat| <= scale / 2. The cache stores scale and zero in fp16, so an
+    element beyond +-65504 makes them inf and attention NaN: a build checks the calibration data's
+    reach (`int4_cache_reach`).
     Codes are packed two per byte along head_dim (`quant/pack.py`, low nibble = even channel).
 
 FP8 e4m3 with one calibrated scale per KV head: scale[h] = amax[h] / 448 over calibration data.
@@ -62,6 +64,7 @@ from qkiln.quant.scheme import KVCacheScheme
 
 # int4 scale / min storage in the paged cache (plugins/kv_cache.py)
 CACHE_SCALE_DTYPE = "float16"
+FP16_MAX = 65504.0  # the largest finite fp16: past it an int4 group's minimum or scale is inf
 
 _EPS = torch.finfo(torch.float32).eps
 _MIN_RELATIVE_CHANNEL = 1e-3  # channels quieter than this fraction of the head's max are not boosted further
@@ -146,6 +149,18 @@ def kv_scales_from_stats(stats: KVStats, scheme: KVCacheScheme, is_key: bool) ->
     offset = stats.mean  # [H, D]
     shifted_amax = torch.maximum(stats.maximum - offset, offset - stats.minimum)  # amax of K - offset
     return kv_scales_from_amax(shifted_amax, scheme, is_key, offset)
+
+
+def int4_cache_reach(stats: KVStats, calibration: KVCalibration) -> float:
+    """The largest |element| an int4 cache stores for this K or V on the calibration data (after the
+    key offset and smoothing): its fp16 group minimum and scale must hold it (FP16_MAX)."""
+    low, high = stats.minimum, stats.maximum  # [H, D]
+    if calibration.offset is not None:
+        low, high = low - calibration.offset, high - calibration.offset
+    reach = torch.maximum(low.abs(), high.abs())
+    if calibration.channel_scale is not None:
+        reach = reach / calibration.channel_scale
+    return float(reach.max())
 
 
 def calibrate_kv_scales(samples: torch.Tensor, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:

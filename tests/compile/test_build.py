@@ -91,6 +91,42 @@ def test_kv_only_recipe_keeps_weights_in_high_precision(tiny, tmp_path, monkeypa
     assert manifest["accuracy"]["perplexity_change"] < 0.05
 
 
+def _with_large_keys(model: Path, out: Path, factor: float) -> Path:
+    """The model with layer 0's keys `factor` times larger and its queries as much smaller: the
+    same function, with K far out in magnitude (a real model's outlier channels, exaggerated)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.weight"] *= factor
+    tensors["model.layers.0.self_attn.q_proj.weight"] /= factor
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_int4_kv_refuses_keys_past_its_fp16_group_parameters(tiny, tmp_path, monkeypatch):
+    """An int4 cache keeps each group's minimum and scale in fp16: keys past 65504 made them inf
+    and every answer NaN (a build with evaluation then failed on its manifest, `not plain JSON`).
+    The build refuses that, names the layer, and warns when the calibration data comes near."""
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    huge = _with_large_keys(model, tmp_path / "huge", 2e5)
+    with pytest.raises(RecipeError, match=r"model\.layers\.0: its keys reach 1\.\d+e\+05 .*fp8 KV cache"):
+        build(str(huge), _recipe("kv-int4", text), tmp_path / "a", progress=False, log=lambda m: None)
+    assert not (tmp_path / "a").exists()
+    fp8 = build(str(huge), _recipe("kv-fp8", text), tmp_path / "b", progress=False, log=lambda m: None)
+    assert verify_artifact(fp8.path)  # fp8's per-head scales are fp32: no such limit
+
+    logs = []
+    large = _with_large_keys(model, tmp_path / "large", 1e4)
+    build(str(large), _recipe("kv-int4", text), tmp_path / "c", progress=False, log=logs.append)
+    warning = [m for m in logs if "int4 KV cache" in m]
+    assert len(warning) == 1 and "model.layers.0 keys" in warning[0] and "model.layers.1" not in warning[0]
+    logs.clear()
+    build(str(model), _recipe("kv-int4", text), tmp_path / "d", progress=False, log=logs.append)
+    assert not [m for m in logs if "int4 KV cache" in m]
+
+
 def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     root, model, text = tiny
     with pytest.raises(RecipeError, match="unknown preset"):

@@ -71,6 +71,27 @@ def test_a_jsonl_file_scores_its_documents_joined_by_a_blank_line(tmp_path):
         evaluate(m, m.tokenizer, str(tmp_path / "bad.jsonl"), 16, 200, progress=False)
 
 
+def test_non_finite_log_probabilities_are_an_error_not_a_nan_report(tmp_path):
+    """A model whose computation overflows has no perplexity: a NaN report (not even JSON) had been
+    written with exit 0, and a build's manifest then failed as `not plain JSON`."""
+    from safetensors.torch import load_file, save_file
+
+    from qkiln.errors import RecipeError, SourceModelError
+
+    clean = write_tiny_hf_model(tmp_path / "clean", "llama")
+    broken = write_tiny_hf_model(tmp_path / "broken", "llama")
+    tensors = load_file(str(broken / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = float("inf")
+    save_file(tensors, str(broken / "model.safetensors"))
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog " * 20)
+    ok, bad = open_model(str(clean)), open_model(str(broken))
+    with pytest.raises(RecipeError, match="model: its log-probabilities on t.txt are not finite"):
+        evaluate(bad, bad.tokenizer, str(tmp_path / "t.txt"), 32, 200, progress=False)
+    with pytest.raises(SourceModelError, match="the reference's log-probabilities on t.txt are not finite"):
+        evaluate(ok, ok.tokenizer, str(tmp_path / "t.txt"), 32, 200, reference=bad, progress=False)
+    assert math.isfinite(evaluate(ok, ok.tokenizer, str(tmp_path / "t.txt"), 32, 200, progress=False)["perplexity"])
+
+
 def test_reference_against_itself_has_zero_kl(tmp_path):
     write_tiny_hf_model(tmp_path / "m", "qwen2")
     m = open_model(str(tmp_path / "m"))
