@@ -185,7 +185,7 @@ class AsyncLLMEngine:
         """Queue a request without waiting (call it on the event loop its stream belongs to):
         `await stream.accepted` raises the engine's refusal. Raises `RequestError` for bad
         parameters and `EngineError` when the engine is not running."""
-        params = (params or SamplingParams()).validate()
+        params = (params or SamplingParams()).admitted()  # now: the caller may change its object next
         stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
                                asyncio.get_running_loop(), on_end=self._request_ended)
         with self._open_lock:
@@ -325,9 +325,11 @@ class AsyncLLMEngine:
         req = self.engine.requests.get(request_id)
         self.engine.abort_request(request_id)
         if stream is not None and req is not None:
+            # new_text: what a stop-string hold-back kept from the stream, so its pieces add up to `text`
             seq = req.seq
-            stream.put(RequestOutput(request_id, seq.prompt_token_ids, [], "", seq.output_token_ids,
-                                     req.detok.output_text, True, "abort"))
+            stream.put(RequestOutput(request_id, seq.prompt_token_ids, [], req.detok.get_next_output_text(True),
+                                     seq.output_token_ids, req.detok.output_text, True, "abort",
+                                     num_cached_tokens=seq.num_cached_tokens))
 
     def _step(self) -> None:
         try:

@@ -183,7 +183,7 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = (params or SamplingParams()).validate()
+        params = (params or SamplingParams()).admitted()
         if params.n != 1:  # one request is one sequence
             raise RequestError(f"the engine runs one choice per request, got n {params.n}: add params.choices() "
                                "one by one (LLM.generate and the server do)", "n")

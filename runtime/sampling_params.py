@@ -145,6 +145,12 @@ class SamplingParams:
                 choice.prompt_logprobs = None
         return [first] + others
 
+    def admitted(self) -> "SamplingParams":
+        """A validated copy for the engine to hold (vLLM clones too): a caller that reuses one params
+        object and changes it (a loop setting max_tokens) changed the requests it had submitted,
+        and one grown past the KV cache after the scheduler had checked it waited for ever."""
+        return dataclasses.replace(self)  # __post_init__: fresh tuples and logit_bias dict, validated
+
     def validate(self) -> "SamplingParams":
         """Raise `RequestError` naming the bad field and its allowed range; return self (with a
         tiny positive temperature raised to MIN_TEMPERATURE)."""

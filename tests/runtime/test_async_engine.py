@@ -97,6 +97,43 @@ def test_abort_from_elsewhere_ends_the_stream_with_abort(engine):
     wait_idle(engine)
 
 
+def test_an_aborted_stream_adds_up_to_its_text_and_keeps_its_cache_hit(engine):
+    """The abort's output carries what a stop string's hold-back had kept from the stream (its
+    pieces had added up to less than its `text`) and the prompt's prefix-cache hit (it said 0)."""
+    prompt = "a prompt long enough to fill two blocks of the prefix cache, at least"
+    params = SamplingParams(max_tokens=100, stop=["\x00never\x00"], **GREEDY)  # holds back 6 characters
+
+    async def main():
+        await collect(engine, prompt, SamplingParams(max_tokens=1, **GREEDY))  # caches the prompt's blocks
+        stream = await engine.add_request(prompt, params, "aborted-with-stop")
+        outs = []
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == 8:
+                engine.abort("aborted-with-stop")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "abort" and len(outs[-1].text) >= 8
+    assert "".join(o.new_text for o in outs) == outs[-1].text
+    assert outs[0].num_cached_tokens >= 32 and {o.num_cached_tokens for o in outs} == {outs[0].num_cached_tokens}
+    wait_idle(engine)
+
+
+def test_changing_params_after_submitting_changes_nothing_submitted(engine):
+    """The engine holds a copy: one params object reused in a loop gave every request the last
+    value set (max_tokens 2, 5, 9 came back 9, 9, 9)."""
+    async def main():
+        params, streams = SamplingParams(max_tokens=2, **GREEDY), []
+        for max_tokens in (2, 5, 9):
+            params.max_tokens = max_tokens
+            streams.append(engine.submit("reused params", params))
+        return [[out async for out in stream] for stream in streams]
+
+    assert [len(outs[-1].token_ids) for outs in asyncio.run(main())] == [2, 5, 9]
+    wait_idle(engine)
+
+
 def test_refused_requests_raise_and_the_engine_keeps_serving(engine):
     async def main():
         with pytest.raises(RequestError, match="context"):

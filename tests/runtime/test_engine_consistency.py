@@ -87,3 +87,23 @@ def test_smollm2_batching_does_not_change_greedy_outputs(smollm2):
     assert run(preempting, prompts, 12, [0, 0, 1, 1]) == reference
     assert preempting.scheduler.num_preemptions > 0
     assert tok.decode(reference[0]).strip().startswith("Paris")
+
+
+def test_params_grown_after_admission_do_not_stall_the_engine(tiny):
+    """The scheduler checks at admission that a request fits the KV pool. A caller that then raised
+    max_tokens on the object it passed had left a preempted request that never fit again at the
+    head of the queue, and every request behind it waited for ever; the engine holds a copy."""
+    engine = make_engine(tiny, num_kv_blocks=4, block_size=8, enable_prefix_caching=False)  # 32 slots
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    first = engine.add_request(list(range(1, 21)), params)
+    params.max_tokens = 50  # 20 + 50 tokens would never fit
+    second = engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    finished = {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = len(out.token_ids)
+        engine.check_integrity()
+        if not engine.has_unfinished():
+            break
+    assert finished == {first: 10, second: 4}
