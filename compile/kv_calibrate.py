@@ -40,15 +40,7 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
         qm.kv[i] = (kv.kv_scales_from_stats(k_stats, scheme, is_key=True),
                     kv.kv_scales_from_stats(v_stats, scheme, is_key=False))
         if scheme.dtype == "int4":
-            for what, layer_stats, calibration in (("keys", k_stats, qm.kv[i][0]), ("values", v_stats, qm.kv[i][1])):
-                reach = kv.int4_cache_reach(layer_stats, calibration)
-                if not reach <= kv.FP16_MAX:
-                    raise RecipeError(
-                        f"model.layers.{i}: its {what} reach {reach:.4g} on the calibration data, past the "
-                        f"+-{kv.FP16_MAX:.0f} an int4 KV cache's fp16 group parameters hold (its answers would be "
-                        "NaN); use an fp8 KV cache (the kv-fp8 presets) or leave the KV cache unquantized")
-                if reach > kv.FP16_MAX / 8:
-                    near_limit.append(f"model.layers.{i} {what} {reach:.4g}")
+            near_limit += _int4_reach_near_limit(i, (k_stats, v_stats), qm.kv[i])
         qm.report[f"model.layers.{i}.kv"] = {"dtype": scheme.dtype,
                                              "key_smoothing": qm.kv[i][0].channel_scale is not None,
                                              "key_offset": qm.kv[i][0].offset is not None}
@@ -57,3 +49,19 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
              f"calibration data already reaches within 8x of that: {', '.join(near_limit[:4])}"
              f"{', ...' if len(near_limit) > 4 else ''}; prompts with larger K / V would give NaN answers "
              "(an fp8 KV cache has no such limit)")
+
+
+def _int4_reach_near_limit(layer_id: int, stats: tuple, calibrations: tuple) -> list[str]:
+    """Raise RecipeError where layer `layer_id`'s K or V pass what an int4 cache's fp16 group
+    parameters hold; name those within 8x of it."""
+    near = []
+    for what, layer_stats, calibration in zip(("keys", "values"), stats, calibrations):
+        reach = kv.int4_cache_reach(layer_stats, calibration)
+        if not reach <= kv.FP16_MAX:
+            raise RecipeError(
+                f"model.layers.{layer_id}: its {what} reach {reach:.4g} on the calibration data, past the "
+                f"+-{kv.FP16_MAX:.0f} an int4 KV cache's fp16 group parameters hold (its answers would be NaN); "
+                "use an fp8 KV cache (the kv-fp8 presets) or leave the KV cache unquantized")
+        if reach > kv.FP16_MAX / 8:
+            near.append(f"model.layers.{layer_id} {what} {reach:.4g}")
+    return near

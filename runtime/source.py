@@ -6,10 +6,10 @@ way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModel
 message says what to do.
 """
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
-import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

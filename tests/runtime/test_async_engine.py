@@ -81,17 +81,19 @@ def test_leaving_the_loop_aborts_and_frees_blocks(engine):
     assert engine.snapshot.num_generated_tokens - before < 100  # it stopped early: aborted, not finished
 
 
-def test_abort_from_elsewhere_ends_the_stream_with_abort(engine):
-    async def main():
-        stream = await engine.add_request("abort me", SamplingParams(max_tokens=100, **GREEDY), "to-abort")
-        outs = []
-        async for out in stream:
-            outs.append(out)
-            if len(outs) == 2:
-                engine.abort("to-abort")
-        return outs
+async def aborted_after(engine, num_outputs: int, prompt, params, request_id):
+    """The request's outputs when another caller aborts it once `num_outputs` have arrived."""
+    stream = await engine.add_request(prompt, params, request_id)
+    outs = []
+    async for out in stream:
+        outs.append(out)
+        if len(outs) == num_outputs:
+            engine.abort(request_id)
+    return outs
 
-    outs = asyncio.run(main())
+
+def test_abort_from_elsewhere_ends_the_stream_with_abort(engine):
+    outs = asyncio.run(aborted_after(engine, 2, "abort me", SamplingParams(max_tokens=100, **GREEDY), "to-abort"))
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     assert 2 <= len(outs[-1].token_ids) < 100
     wait_idle(engine)
@@ -105,13 +107,7 @@ def test_an_aborted_stream_adds_up_to_its_text_and_keeps_its_cache_hit(engine):
 
     async def main():
         await collect(engine, prompt, SamplingParams(max_tokens=1, **GREEDY))  # caches the prompt's blocks
-        stream = await engine.add_request(prompt, params, "aborted-with-stop")
-        outs = []
-        async for out in stream:
-            outs.append(out)
-            if len(outs) == 8:
-                engine.abort("aborted-with-stop")
-        return outs
+        return await aborted_after(engine, 8, prompt, params, "aborted-with-stop")
 
     outs = asyncio.run(main())
     assert outs[-1].finish_reason == "abort" and len(outs[-1].text) >= 8
