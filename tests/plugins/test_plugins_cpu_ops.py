@@ -26,7 +26,6 @@ from qkiln.plugins import cache_write, cpu_native, ops, paged_attention
 from qkiln.plugins.reference import reference_cache_write, reference_paged_attention
 from qkiln.plugins.reference_small_ops import (reference_fused_add_rms_norm, reference_rms_norm,
                                                reference_rotary_embedding, reference_silu_and_mul)
-from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.model import CausalLM
 
