@@ -47,7 +47,7 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
     if near_limit:
         warn(f"warning: the int4 KV cache stores group parameters in fp16 (up to {kv.FP16_MAX:.0f}) and the "
              f"calibration data already reaches within 8x of that: {', '.join(near_limit[:4])}"
-             f"{', ...' if len(near_limit) > 4 else ''}; prompts with larger K / V would give NaN answers "
+             f"{', ...' if len(near_limit) > 4 else ''}; prompts with larger K / V would saturate there "
              "(an fp8 KV cache has no such limit)")
 
 
@@ -60,7 +60,7 @@ def _int4_reach_near_limit(layer_id: int, stats: tuple, calibrations: tuple) -> 
         if not reach <= kv.FP16_MAX:
             raise RecipeError(
                 f"model.layers.{layer_id}: its {what} reach {reach:.4g} on the calibration data, past the "
-                f"+-{kv.FP16_MAX:.0f} an int4 KV cache's fp16 group parameters hold (its answers would be NaN); "
+                f"+-{kv.FP16_MAX:.0f} an int4 KV cache's fp16 group parameters hold (they would saturate there); "
                 "use an fp8 KV cache (the kv-fp8 presets) or leave the KV cache unquantized")
         if reach > kv.FP16_MAX / 8:
             near.append(f"model.layers.{layer_id} {what} {reach:.4g}")

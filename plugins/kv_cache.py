@@ -19,14 +19,18 @@ fp8 (torch.float8_e4m3fn storage, static per-head scales from calibration):
     k_scale, v_scale: fp32 [num_kv_heads]          x ~= float(k[b, o, h, d]) * k_scale[h]
 
 int4 (asymmetric, one scale and min per (slot, head, group), as quant/kv.py defines it: the
-"zero" is stored as the group minimum in x's units, so it can never overflow fp16):
+"zero" is stored as the group minimum in x's units, held in fp16 like the scale):
 
     k: uint8 [num_blocks, block_size, num_kv_heads, head_dim // 2]
          byte j = q[2j] | q[2j + 1] << 4                (low nibble = even element)
     k_group_scale, k_group_min: fp16 [num_blocks, block_size, num_kv_heads, head_dim // group_size]
          x ~= q * scale + min,  q in 0..15
-         min = fp16 round-down(min x),  scale = fp16 round-up(max(eps, (max x - min) / 15)),
+         min = fp16 round-down(clamp(min x, +-65504)),
+         scale = fp16 round-up(clamp((max x - min) / 15, eps, 65504)),
          q = clamp(round-half-even((x - min) / scale), 0, 15)
+    65504 is FP16_MAX, the largest finite fp16: an element below -65504 or above min + 15 * 65504
+    saturates to code 0 or 15 instead of making min or scale inf (and every score that reads the
+    group NaN); a build refuses calibration data that reaches past +-65504.
 
 Key smoothing (optional, any kv dtype, keys only): k_channel_scale fp32 [num_kv_heads, head_dim].
 key / k_channel_scale is what gets stored; readers multiply it back (or, equivalently and
@@ -54,6 +58,7 @@ _FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT4_MAX = 15
+FP16_MAX = 65504.0
 _EPS = torch.finfo(torch.float32).eps
 
 
@@ -197,14 +202,14 @@ def _round_fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:
 def quantize_int4_groups(x: torch.Tensor, group_size: int):
     """x [..., D] -> (packed uint8 [..., D/2], scale fp16 [..., D/G], min fp16 [..., D/G]).
 
-    The min rounds down and the scale up to fp16, so a group's extremes stay on the 0..15 grid;
-    codes round half to even. This is quant/kv.py's quantize_kv_int4 with fp16 parameters, bit
+    The min rounds down and the scale up to fp16, so a group's extremes stay on the 0..15 grid
+    (short of the saturation above); codes round half to even. This is quant/kv.py's quantize_kv_int4 with fp16 parameters, bit
     for bit, so an offline simulation sees exactly what the cache stores.
     """
     groups = x.float().unflatten(-1, (-1, group_size))  # [..., num_groups, group_size]
-    minimum = _round_fp16_toward(groups.amin(-1), -math.inf)
+    minimum = _round_fp16_toward(groups.amin(-1).clamp(-FP16_MAX, FP16_MAX), -math.inf)
     scale = (groups.amax(-1) - minimum.float()) / INT4_MAX
-    scale = _round_fp16_toward(scale.clamp(min=_EPS), math.inf)  # >= 2^-23: never zero in fp16
+    scale = _round_fp16_toward(scale.clamp(_EPS, FP16_MAX), math.inf)  # >= 2^-23: never zero in fp16
     q = ((groups - minimum.float()[..., None]) / scale.float()[..., None]).round()
     q = q.clamp(0, INT4_MAX).to(torch.uint8).flatten(-2)  # [..., D]
     packed = q[..., 0::2] | (q[..., 1::2] << 4)

@@ -18,6 +18,7 @@ from qkiln.plugins.kv_cache import FP8_MAX, kv_dtype_of
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _EPS = tl.constexpr(torch.finfo(torch.float32).eps)
+_FP16_MAX = tl.constexpr(65504.0)
 KV_MODES = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8": 1, "int4": 2}
 
 
@@ -103,9 +104,10 @@ def _write_int4(Src, Dst, GScale, GMin, KCS, dst, g_dst, head,
     hi = tl.maximum(tl.max(tl.where(mask, x_even, -float("inf")), 1),
                     tl.max(tl.where(mask, x_odd, -float("inf")), 1))
     g_mask = g * GROUP_SIZE < HEAD_DIM
+    lo = tl.minimum(tl.maximum(lo, -_FP16_MAX), _FP16_MAX)  # fp16 min / scale saturate, not inf
     minimum = _fp16_toward(tl.where(g_mask, lo, 0.0), False)
     scale = tl.math.div_rn(tl.where(g_mask, hi, 0.0) - minimum, 15.0)
-    scale = _fp16_toward(tl.maximum(scale, _EPS), True)
+    scale = _fp16_toward(tl.minimum(tl.maximum(scale, _EPS), _FP16_MAX), True)
     q_even = _round_half_even(tl.math.div_rn(x_even - minimum[:, None], scale[:, None]))
     q_odd = _round_half_even(tl.math.div_rn(x_odd - minimum[:, None], scale[:, None]))
     q_even = tl.minimum(tl.maximum(q_even, 0.0), 15.0).to(tl.int32)

@@ -8,9 +8,10 @@ Liu et al. 2024, Sec. 3.1 quantizes values this way):
 
     head_dim 64, group 32:  | channels 0..31 -> (scale, zero) | channels 32..63 -> (scale, zero) |
     x_hat = q * scale + zero,  q in [0, 15],  zero = group minimum (an additive offset in x's units,
-    bounded by the data), |x - x_hat| <= scale / 2. The cache stores scale and zero in fp16, so an
-    element beyond +-65504 makes them inf and attention NaN: a build checks the calibration data's
-    reach (`int4_cache_reach`).
+    bounded by the data), |x - x_hat| <= scale / 2. The cache stores scale and zero in fp16, so zero
+    is clamped to +-65504 and scale to at most 65504: an element below -65504 or above
+    zero + 15 * 65504 saturates (code 0 or 15) rather than making them inf and attention NaN. A
+    build refuses calibration data that reaches past +-65504 (`int4_cache_reach`).
     Codes are packed two per byte along head_dim (`quant/pack.py`, low nibble = even channel).
 
 FP8 e4m3 with one calibrated scale per KV head: scale[h] = amax[h] / 448 over calibration data.
@@ -53,6 +54,7 @@ RoPE (KVQuant Sec. 3.2) would need RoPE applied on every read, a kernel change, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +66,7 @@ from qkiln.quant.scheme import KVCacheScheme
 
 # int4 scale / min storage in the paged cache (plugins/kv_cache.py)
 CACHE_SCALE_DTYPE = "float16"
-FP16_MAX = 65504.0  # the largest finite fp16: past it an int4 group's minimum or scale is inf
+FP16_MAX = 65504.0  # the largest finite fp16: int4 zeros and scales are clamped to it
 
 _EPS = torch.finfo(torch.float32).eps
 _MIN_RELATIVE_CHANNEL = 1e-3  # channels quieter than this fraction of the head's max are not boosted further
@@ -176,9 +178,10 @@ def quantize_kv_int4(x: torch.Tensor, group_size: int, channel_scale: torch.Tens
         raise ValueError(f"group_size {group_size} must be even and divide head_dim {head_dim}")
     xf = x.float() if channel_scale is None else x.float() / channel_scale
     grouped = xf.reshape(num_tokens, num_heads, head_dim // group_size, group_size)  # [N, H, D/g, g]
-    zero = round_down_to(grouped.amin(dim=-1), scale_dtype)  # [N, H, D/g]
+    reach = FP16_MAX if scale_dtype == "float16" else math.inf  # fp16 parameters saturate there
+    zero = round_down_to(grouped.amin(dim=-1).clamp(-reach, reach), scale_dtype)  # [N, H, D/g]
     scale = (grouped.amax(dim=-1) - zero) / 15.0
-    scale = round_up_to(scale.clamp(min=_EPS), scale_dtype)
+    scale = round_up_to(scale.clamp(_EPS, reach), scale_dtype)
     q = ((grouped - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
     return pack_int4(q.reshape(num_tokens, num_heads, head_dim)), scale, zero
 

@@ -23,11 +23,12 @@ inline c10::Half fp16_toward(float x, bool up) {
 }
 
 // One head's row x [D] -> packed codes [D / 2] and per-group fp16 scale / min, exactly as
-// kv_cache.quantize_int4_groups: min rounded down and scale up to fp16, codes round half to even.
+// kv_cache.quantize_int4_groups: min rounded down and scale up to fp16 (both clamped to +-65504),
+// codes round half to even.
 template <typename x_t>
 void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, c10::Half* scale,
                        c10::Half* minimum) {
-  constexpr float kEps = std::numeric_limits<float>::epsilon();
+  constexpr float kEps = std::numeric_limits<float>::epsilon(), kFp16Max = 65504.f;
   for (int64_t g0 = 0; g0 < D; g0 += group) {
     float lo = static_cast<float>(x[g0]), hi = lo;
 #ifdef QKILN_VEC_SIMD
@@ -42,8 +43,9 @@ void quantize_int4_row(const x_t* x, int64_t D, int64_t group, uint8_t* packed, 
       const float v = static_cast<float>(x[j]);
       lo = std::min(lo, v), hi = std::max(hi, v);
     }
-    const c10::Half mn = fp16_toward(lo, false);
-    const c10::Half sc = fp16_toward(std::max((hi - static_cast<float>(mn)) / 15.f, kEps), true);
+    // Past 65504 an fp16 min / scale would be inf (attention NaN): the extremes saturate instead.
+    const c10::Half mn = fp16_toward(std::clamp(lo, -kFp16Max, kFp16Max), false);
+    const c10::Half sc = fp16_toward(std::clamp((hi - static_cast<float>(mn)) / 15.f, kEps, kFp16Max), true);
     minimum[g0 / group] = mn, scale[g0 / group] = sc;
     const float m = static_cast<float>(mn), s = static_cast<float>(sc);
 #ifdef QKILN_VEC_SIMD

@@ -108,7 +108,8 @@ def _with_large_keys(model: Path, out: Path, factor: float) -> Path:
 def test_int4_kv_refuses_keys_past_its_fp16_group_parameters(tiny, tmp_path, monkeypatch):
     """An int4 cache keeps each group's minimum and scale in fp16: keys past 65504 made them inf
     and every answer NaN (a build with evaluation then failed on its manifest, `not plain JSON`).
-    The build refuses that, names the layer, and warns when the calibration data comes near."""
+    The cache now saturates there instead; the build still refuses calibration data that goes past
+    it, names the layer, and warns when the calibration data comes near."""
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     huge = _with_large_keys(model, tmp_path / "huge", 2e5)
@@ -117,6 +118,15 @@ def test_int4_kv_refuses_keys_past_its_fp16_group_parameters(tiny, tmp_path, mon
     assert not (tmp_path / "a").exists()
     fp8 = build(str(huge), _recipe("kv-fp8", text), tmp_path / "b", progress=False, log=lambda m: None)
     assert verify_artifact(fp8.path)  # fp8's per-head scales are fp32: no such limit
+    # Serving such a model with an int4 cache anyway (no calibration to check) saturates: finite
+    # answers, not NaN logprobs.
+    from qkiln.runtime.llm import LLM
+    from qkiln.runtime.sampling_params import SamplingParams
+
+    out = LLM(str(huge), kv_dtype="int4", dtype="float32").generate(
+        ["a b c d e f"], SamplingParams(max_tokens=4, logprobs=2, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
+    assert all(lp.logprob == lp.logprob for step in out.logprobs for lp in step.values())
 
     logs = []
     large = _with_large_keys(model, tmp_path / "large", 1e4)

@@ -59,6 +59,29 @@ def test_int4_matches_quant_kv_simulation_bit_for_bit():
     assert torch.equal(scale.float(), want_scale) and torch.equal(minimum.float(), want_zero)
 
 
+def test_int4_saturates_past_fp16_instead_of_inf():
+    """fp16 group parameters end at 65504: a group reaching past it must stay finite (its extreme
+    codes saturate) instead of making attention over the whole sequence NaN; what fp16 min and
+    scale can still reach (up to min + 15 * 65504) comes back within half a step."""
+    kv = pytest.importorskip("qkiln.quant.kv")
+    x = torch.randn(6, 2, 32)
+    x[0, 0, 3], x[1, 1, 20], x[2, 0, :16] = 1e5, -3e5, 7e4  # outliers; a whole group past 65504
+    x[3, 1, 7] = float("inf")
+    packed, scale, minimum = quantize_int4_groups(x, 16)
+    assert torch.isfinite(scale).all() and torch.isfinite(minimum).all()
+    back = dequantize_int4_groups(packed, scale, minimum)
+    assert torch.isfinite(back).all()
+    assert back[1, 1, 20] == -65504 and back[3, 1, 7] > 65504  # saturated
+    step = scale.float().repeat_interleave(16, dim=-1)
+    bound = step / 2 + minimum.float().abs().repeat_interleave(16, dim=-1) * 2 ** -10 + 1e-6
+    within = (back - x).abs() <= bound
+    within[1, 1, 20] = within[3, 1, 7] = True
+    assert within.all()
+    want_packed, want_scale, want_zero = kv.quantize_kv_int4(x, 16, None, "float16")
+    assert torch.equal(packed, want_packed)
+    assert torch.equal(scale.float(), want_scale) and torch.equal(minimum.float(), want_zero)
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_cpu_cache_write_matches_reference_and_skips_padding(kv_dtype):
     has_kcs = kv_dtype in ("fp8", "int4")
@@ -68,6 +91,7 @@ def test_cpu_cache_write_matches_reference_and_skips_padding(kv_dtype):
         if getattr(expected, name) is not None:
             getattr(actual, name).copy_(getattr(expected, name))
     key, value = torch.randn(2, 11, 2, 32) * 2
+    key[0, 1], value[3, 0, 5] = 1e5, -3e5  # past fp16: int4 saturates, fp16 stores inf
     slots = torch.randperm(6 * 16)[:11]
     slots[[2, 7]] = -1  # padding rows
     reference_cache_write(key, value, *expected.op_tensors(), slots)
