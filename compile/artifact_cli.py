@@ -209,7 +209,9 @@ def summarize_artifact(path) -> dict:
         "architecture": m.architecture,  # what a registry filters on: family, sizes, context, sampling defaults
         "target": m.target,
         "recipe": m.recipe,
-        "quantization": {"num_entries": len(linears), "schemes": dict(sorted(schemes.items()))},
+        "quantization": {"num_entries": len(linears), "schemes": dict(sorted(schemes.items())),
+                         # linears whose algorithm could not run (GPTQ on a singular Hessian: RTN)
+                         "fallbacks": dict(sorted((m.recipe.get("fallbacks") or {}).items()))},
         "kv_cache": m.kv_cache,
         "sizes": {
             "weights_bytes": weights_bytes,
@@ -296,6 +298,15 @@ def _architecture_words(a: dict) -> str:
     return words + (f"; recommends {json.dumps(defaults, sort_keys=True)}" if defaults else "")
 
 
+def _fallback_words(fallbacks: dict[str, str], max_names: int = 3) -> str:
+    """`; 2 fell back: model.layers.3.mlp.down_proj (rtn), ...` or nothing."""
+    if not fallbacks:
+        return ""
+    names = [f"{name} ({how})" for name, how in list(fallbacks.items())[:max_names]]
+    more = f", ... ({len(fallbacks) - max_names} more, inspect --json)" if len(fallbacks) > max_names else ""
+    return f"; {len(fallbacks)} fell back: {', '.join(names)}{more}"
+
+
 def _format_summary(s: dict) -> list[str]:
     sizes = s["sizes"]
     dtypes = ", ".join(f"{k} {_size(v)}" for k, v in sizes["tensor_bytes_by_dtype"].items()) or "none"
@@ -307,7 +318,8 @@ def _format_summary(s: dict) -> list[str]:
         f"target:       {_target_words(s['target'])}",
         f"recipe:       {s['recipe'].get('name') or 'unnamed'}: {_scheme_words(s['recipe'].get('scheme') or {})} "
         f"(inspect --json: all of it)",
-        f"quantization: {s['quantization']['num_entries']} linears {json.dumps(s['quantization']['schemes'])}",
+        f"quantization: {s['quantization']['num_entries']} linears {json.dumps(s['quantization']['schemes'])}"
+        + _fallback_words(s["quantization"]["fallbacks"]),
         f"kv cache:     {json.dumps(_short(s['kv_cache']), sort_keys=True)}",
         f"weights:      {_size(sizes['weights_bytes'])} in {sizes['num_shards']} shard(s), "
         f"{sizes['num_tensors']} tensors ({dtypes})",

@@ -348,6 +348,21 @@ def test_inspect_says_the_accuracy_in_words():
     assert _accuracy_line({"skipped": "no data"}) == '{"skipped": "no data"}'
 
 
+def test_inspect_names_the_linears_that_fell_back(tmp_path):
+    """A GPTQ layer that fell back to RTN was only in --json's recipe; the text now says so."""
+    from qkiln.compile.artifact_cli import _format_summary, summarize_artifact
+
+    assert "fell back" not in "\n".join(_format_summary(summarize_artifact(build(tmp_path / "a"))))
+    fallbacks = {f"model.layers.{i}.mlp.down_proj": "rtn" for i in range(5)}
+    manifest = make_manifest()
+    manifest.recipe["fallbacks"] = fallbacks
+    summary = summarize_artifact(build(tmp_path / "b", manifest=manifest))
+    assert summary["quantization"]["fallbacks"] == fallbacks
+    (line,) = [s for s in _format_summary(summary) if s.startswith("quantization:")]
+    assert line.endswith("; 5 fell back: model.layers.0.mlp.down_proj (rtn), model.layers.1.mlp.down_proj (rtn), "
+                         "model.layers.2.mlp.down_proj (rtn), ... (2 more, inspect --json)")
+
+
 def test_writes_in_other_pid_namespaces_keep_their_partials(tmp_path):
     """Each container's build is pid 1: a partial named by pid alone was taken for this process's
     own (or, across hosts, for a dead one's) and deleted while the other build wrote it."""
