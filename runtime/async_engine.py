@@ -28,6 +28,7 @@ Invariants:
 import asyncio
 import concurrent.futures
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 from qkiln.errors import QkilnError, RequestError
 
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine, NonFiniteLogitsError, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -335,12 +336,16 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # We cannot tell which of the step's requests broke it: fail them all, keep the engine
-            # and the requests the step did not touch (those waiting for their turn).
-            traceback.print_exc()
+            # Mostly we cannot tell which of the step's requests broke it: fail them all, keep the
+            # engine and the requests the step did not touch (those waiting for their turn).
             self._num_step_errors += 1
-            error = EngineError(f"the engine failed while running this request ({e!r}); it was aborted")
-            in_step = self.engine.last_step_request_ids
+            if isinstance(e, NonFiniteLogitsError):  # those requests only; the rest run the step again
+                print(f"warning: {e}", file=sys.stderr)
+                error, in_step = EngineError(str(e)), e.request_ids
+            else:
+                traceback.print_exc()
+                error = EngineError(f"the engine failed while running this request ({e!r}); it was aborted")
+                in_step = self.engine.last_step_request_ids
             for request_id in list(self._streams) if in_step is None else in_step:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it

@@ -7,6 +7,7 @@ runner.py, sampling in sampler.py. Not thread-safe: the async engine drives it f
 
 import dataclasses
 import itertools
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,15 @@ from .sequence import Sequence
 # Prompt rows turned into logits at once for prompt logprobs: 256 x a 128k vocabulary in fp32 is
 # 128 MB (a whole 1024-token step's would be 0.5 GB, and as much again for its log_softmax).
 PROMPT_SCORE_ROWS = 256
+
+
+class NonFiniteLogitsError(QkilnError):
+    """The model's logits for some of a step's requests hold NaN or inf: their tokens would be
+    garbage. The step is rolled back; the caller fails `request_ids` and may go on with the rest."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...]):
+        super().__init__(message)
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -272,11 +282,31 @@ class LLMEngine:
         if step.prompt_hidden is not None:
             self._score_prompts(plan, step.prompt_hidden)
         if step.argmax is not None:
-            return SamplerOutput(step.argmax)
-        history = [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling] \
-            if any(p.has_penalties for p in params) else None
-        return self.sampler.sample(step.logits, params, [self.requests[s.seq_id].generator for s in sampling],
-                                   banned, history)
+            out = SamplerOutput(step.argmax)
+        else:
+            history = [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling] \
+                if any(p.has_penalties for p in params) else None
+            out = self.sampler.sample(step.logits, params, [self.requests[s.seq_id].generator for s in sampling],
+                                      banned, history)
+        self._check_finite(step.logits, out.token_ids, sampling)
+        return out
+
+    def _check_finite(self, logits: torch.Tensor, token_ids: torch.Tensor, sampling) -> None:
+        """Raise NonFiniteLogitsError naming the rows whose chosen token's logit is NaN or inf: an
+        fp16 overflow or NaN weights make a whole row NaN, and a greedy row's argmax is a NaN
+        wherever the row has one (NaN counts as the largest). One value a row: ~10 us a step, where
+        a pass over every logit cost ~100 us at batch 1 (SmolLM2, bf16)."""
+        chosen = logits.gather(1, token_ids[:, None]).view(-1).tolist()
+        bad = [row for row, value in enumerate(chosen) if not math.isfinite(value)]
+        if not bad:
+            return
+        seqs = [sampling[row].seq for row in bad]
+        raise NonFiniteLogitsError(
+            f"the model's logits are not finite (NaN or inf) for request {seqs[0].seq_id!r} at output token "
+            f"{seqs[0].num_output_tokens + 1}{f' and {len(seqs) - 1} more' if len(seqs) > 1 else ''}: its "
+            f"activations overflowed {_dtype_name(logits.dtype)} or the weights hold NaN; the request was "
+            "stopped rather than answered with garbage (with --dtype fp16, try bf16 or fp32)",
+            tuple(s.seq_id for s in seqs))
 
     def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted

@@ -194,6 +194,41 @@ def test_a_failing_step_spares_the_requests_it_did_not_run(model_dir):
         eng.shutdown()
 
 
+def poisoned_model(directory, token_id: int):
+    """A tiny model (untied head) with token `token_id`'s embedding NaN: any request holding that
+    token gets NaN logits (as an fp16 overflow would give), the others are untouched."""
+    from safetensors.torch import load_file, save_file
+
+    write_tiny_hf_model(directory, "llama3")
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][token_id] = float("nan")
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_nan_logits_fail_that_request_only(tmp_path):
+    """NaN logits gave a token anyway (argmax's first NaN: token 0, again and again) and a 200."""
+    eng = AsyncLLMEngine.from_model(str(poisoned_model(tmp_path, 7)), dtype="fp32", **ENGINE_KW)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+
+    async def main():
+        alone = await collect(eng, [5, 6, 9], params)
+        poisoned = eng.submit([5, 7, 9], params, "poisoned")
+        healthy = eng.submit([5, 6, 9], params)
+        with pytest.raises(EngineError, match=r"logits are not finite .* request 'poisoned' at output token 1"):
+            async for _ in poisoned:
+                pass
+        return alone, [out async for out in healthy]
+
+    try:
+        alone, healthy = asyncio.run(main())
+        assert healthy[-1].token_ids == alone[-1].token_ids and len(alone[-1].token_ids) == 6
+        assert eng.snapshot.num_step_errors == 1
+        wait_idle(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_idle_engine_thread_sleeps(engine):
     asyncio.run(collect(engine, "warm", SamplingParams(max_tokens=2)))
     wait_idle(engine)

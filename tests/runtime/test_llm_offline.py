@@ -27,6 +27,24 @@ def test_a_refused_prompt_in_a_batch_leaves_the_llm_usable(llm):
     assert llm.generate(["abc"], GREEDY)[0].token_ids == expected
 
 
+def test_nan_logits_raise_instead_of_answering(tmp_path):
+    """A model whose activations overflow gave NaN logits, and argmax made them token 0 each step."""
+    from safetensors.torch import load_file, save_file
+
+    from qkiln.runtime.engine import NonFiniteLogitsError
+
+    model = write_tiny_hf_model(tmp_path, "llama3")  # untied: token 7's logit stays finite for the others
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][7] = float("nan")
+    save_file(tensors, str(model / "model.safetensors"))
+    llm = LLM(str(model), dtype="fp32", num_kv_blocks=32, max_model_len=128)
+    for params in (GREEDY, SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=2)):
+        with pytest.raises(NonFiniteLogitsError, match=r"not finite \(NaN or inf\) for request '[^']+' at output token 1:"):
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, 7]}], params)
+        assert not llm.engine.has_unfinished() and llm.engine.kv_manager.usage == 0.0
+        assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 5
+
+
 def test_an_interrupt_leaves_the_llm_usable(llm, monkeypatch):
     expected = llm.generate(["hello"], GREEDY)[0].token_ids
     step, calls = llm.engine.step, []
