@@ -123,12 +123,20 @@ class IncrementalDetokenizer:
         ids = self._token_ids
         prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text):
+        start, stem = len(prefix_text), prefix_text.rstrip(_REPLACEMENT_CHAR)
+        # A prompt that ends inside a character, which the output finishes: its U+FFFD becomes the
+        # character, output text (it was dropped: as long as the U+FFFD, "nothing new").
+        finishes_prompt_char = len(stem) < start and not new_text.startswith(prefix_text) and new_text.startswith(stem)
+        if finishes_prompt_char:
+            start = len(stem)
+        if len(new_text) <= start:
             return ""  # e.g. a skipped special token: keep the window, decode it with the next one
         if new_text.endswith(_REPLACEMENT_CHAR) and not flush:
             return ""  # an unfinished multi-byte character: wait for its remaining bytes
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return new_text[len(prefix_text):]
+        # The next window starts on a character: read_offset was inside the one just finished.
+        self.prefix_offset = self.prefix_offset if finishes_prompt_char else self.read_offset
+        self.read_offset = len(ids)
+        return new_text[start:]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)

@@ -29,8 +29,16 @@ class TransformersStyleTokenizer:
     unk_token_id = property(lambda self: self.convert_tokens_to_ids(self.unk_token) if self.unk_token else None)
 
     @property
+    def all_special_tokens(self) -> list[str]:
+        """transformers': the named special tokens (bos, eos, unk, pad), then the config's
+        additional_special_tokens; not every added special token (SmolLM2 has 17, this 3)."""
+        additional = self.qkiln_tokenizer.config.get("additional_special_tokens") or []
+        named = [self.bos_token, self.eos_token, self.unk_token, self.pad_token, *additional]
+        return list(dict.fromkeys(t if isinstance(t, str) else t.get("content") for t in named if t))
+
+    @property
     def all_special_ids(self) -> list[int]:
-        return sorted(self.qkiln_tokenizer.special_token_ids)
+        return [self.convert_tokens_to_ids(t) for t in self.all_special_tokens]
 
     @property
     def vocab_size(self) -> int:

@@ -92,10 +92,12 @@ class CompletionResponse(ResponseBuilder):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, *args, echo: tuple[str, list[int]] | None = None, logprobs: int | None = None,
-                 generates: bool = True, **kw):
+                 generates: bool = True, skip_special_tokens: bool = True, **kw):
         """echo: (the prompt's text, its token ids) to return first, or None. logprobs: the
-        request's (the top n per token)."""
+        request's (the top n per token). skip_special_tokens: the request's (whether the text,
+        and so text_offset, leaves special tokens out)."""
         super().__init__(*args, **kw)
+        self.skip_special_tokens = skip_special_tokens
         self.echo, self.prompt_ids = echo if echo is not None else (None, None)
         self.num_logprobs, self.generates = logprobs, generates
         self._prompt_logprobs, self._echoed = None, False
@@ -175,8 +177,9 @@ class CompletionResponse(ResponseBuilder):
                 "text_offset": offsets}
 
     def _in_text(self, entry: dict) -> bool:
-        """Whether a generated token is spelled in the returned text, which skips special tokens."""
-        return entry["token_id"] not in self.tokenizer.special_token_ids
+        """Whether a generated token is spelled in the returned text (special tokens are not, unless
+        the request keeps them: skip_special_tokens false)."""
+        return not self.skip_special_tokens or entry["token_id"] not in self.tokenizer.special_token_ids
 
     def _top(self, entry: dict) -> dict:
         """The top n and the token itself, as vLLM writes them (logprobs 0: the token alone), so a

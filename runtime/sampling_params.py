@@ -170,8 +170,8 @@ class SamplingParams:
         _check(self.seed is None or self.seed + self.n - 1 <= SEED_MAX, "seed",
                f"seed + n - 1 must be at most {SEED_MAX} (choice j uses seed + j); lower the seed")
         self.stop_token_ids = TokenIds.checked(self.stop_token_ids or (), "stop_token_ids", MAX_STOP_TOKEN_IDS)
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop", f"stop must be non-empty strings, got {list(self.stop)!r}")
+        _check(all(isinstance(s, str) and s and _is_text(s) for s in self.stop),
+               "stop", f"stop must be non-empty strings of valid Unicode (no lone surrogates), got {list(self.stop)!r}")
         _check(len(self.stop) <= MAX_STOP_STRINGS and all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters, got "
                f"{len(self.stop)} (longest {max(map(len, self.stop), default=0)})")

@@ -208,7 +208,8 @@ async def _completion_choices(engine: AsyncLLMEngine, body: CompletionRequest, r
             builder = CompletionResponse(request_id, model_name, engine.tokenizer, body.include_usage,
                                          index=i * body.n + j, counts_prompt=j == 0, echo=echo,
                                          logprobs=body.logprobs, generates=body.generates,
-                                         prompt_logprobs=body.prompt_logprobs)
+                                         prompt_logprobs=body.prompt_logprobs,
+                                         skip_special_tokens=sp.skip_special_tokens)
             choices.append(_Choice(ids, sp, builder, i if len(batch) > 1 else None))
     return choices
 

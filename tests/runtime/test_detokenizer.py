@@ -51,15 +51,23 @@ def test_output_after_a_prompt_that_ends_in_multibyte_characters(tokenizer, requ
     inside a character, and the decoder then spelled the whole run of byte pieces, the output's
     included, as U+FFFD ("中文" + "字 hello" came out "\ufffd\ufffd\ufffd hello")."""
     tok = request.getfixturevalue(tokenizer)
+    num_split = 0
     for text in ("中文字 hello", "ok 👍🏽👍 fine", "日本語のテキスト 😀 emoji"):
         ids = tok.encode(text).ids
         for cut in range(1, len(ids)):
             prompt, output = ids[:cut], ids[cut:]
             before = tok.decode(prompt)
-            if "\ufffd" in before:  # the prompt itself ends inside a character
+            # A prompt that ends inside a character shows it as U+FFFD; the output that finishes it
+            # owns the whole character (it was lost: the same length as the U+FFFD, "no new text").
+            # A byte-fallback decoder spells a whole run of byte pieces U+FFFD while any of it is
+            # unfinished, the prompt's complete characters too: not covered there.
+            stem = before.rstrip("\ufffd")
+            if stem != before and tokenizer == "byte_fallback":
                 continue
+            num_split += stem != before
             detok, pieces, _ = stream(tok, prompt, output)
-            assert "".join(pieces) == detok.output_text == tok.decode(ids)[len(before):], (text, cut)
+            assert "".join(pieces) == detok.output_text == tok.decode(ids)[len(stem):], (text, cut)
+    assert num_split >= 5 or tokenizer == "byte_fallback"
 
 
 def test_skip_special_tokens(byte_level):

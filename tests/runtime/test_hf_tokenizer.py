@@ -34,8 +34,23 @@ def test_the_calls_answer_as_transformers_does(pair):
                  lambda t: t.convert_ids_to_tokens([72, 257]),
                  lambda t: t.convert_tokens_to_ids("<|eos|>"),
                  lambda t: (t.eos_token, t.eos_token_id, t.bos_token, t.bos_token_id, len(t), t.vocab_size),
-                 lambda t: sorted(t.all_special_ids)):
+                 lambda t: (t.all_special_ids, t.all_special_tokens)):
         assert call(ours) == call(theirs)
+
+
+def test_all_special_ids_are_the_named_ones_as_in_transformers(tmp_path):
+    """An added special token that no role names (SmolLM2 has 14 such) is not in all_special_ids."""
+    import tokenizers
+
+    path = write_tiny_hf_model(tmp_path, "llama")
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(["<|extra|>"])
+    tok.save(str(path / "tokenizer.json"))
+    ours = LLM(str(path), dtype="fp32", num_kv_blocks=8, max_model_len=64).get_tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    assert ours.all_special_ids == theirs.all_special_ids == [256, 257]
+    assert ours.all_special_tokens == theirs.all_special_tokens
+    assert ours.decode([258], skip_special_tokens=True) == theirs.decode([258], skip_special_tokens=True) == ""
 
 
 def test_tokenized_by_default_as_transformers_4_did(pair):

@@ -158,11 +158,14 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
     assert e.value.param == "min_tokens"
 
 
-def test_bad_words_must_be_text():
+def test_bad_words_and_stop_must_be_text():
     for words in (["\ud800"], ["x" * 513]):
         with pytest.raises(RequestError, match="bad_words must be") as e:
             SamplingParams(bad_words=words)
         assert e.value.param == "bad_words"
+    with pytest.raises(RequestError, match="stop must be non-empty strings of valid Unicode") as e:
+        SamplingParams(stop=["ok", "a\ud800"])  # no text can ever contain it: was accepted, never matched
+    assert e.value.param == "stop"
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(llm):
@@ -206,6 +209,7 @@ def test_the_server_refuses_bad_options_with_their_names(client):
     for options, param in [(dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                            (dict(truncate_prompt_tokens=500), "truncate_prompt_tokens"),
                            (dict(bad_words=["\ud800"]), "bad_words"),
+                           (dict(stop=["\ud800"]), "stop"),
                            (dict(allowed_token_ids=[]), "allowed_token_ids"),
                            (dict(allowed_token_ids=[10**6]), "allowed_token_ids"),
                            (dict(stop_token_ids=list(range(5000))), "stop_token_ids"),

@@ -176,6 +176,21 @@ def test_tokens_that_split_a_character_are_named_by_their_bytes(client):
     assert all(5 <= len(top) <= 6 for top in lp["top_logprobs"][1:])
 
 
+def test_text_offset_counts_the_special_tokens_the_text_keeps(client):
+    """With skip_special_tokens false the text spells EOS, and text_offset must count it (was: 0
+    characters each, so every later offset pointed too early), streamed or not."""
+    eos = "<|eos|>"  # the tiny tokenizer's, id 257
+    for skip, text, offsets in ((False, eos * 3, [0, 7, 14]), (True, "", [0, 0, 0])):
+        body = dict(prompt="hi", max_tokens=3, ignore_eos=True, logprobs=0, skip_special_tokens=skip,
+                    logit_bias={"257": 100})
+        lp = post(client, **body).json()["choices"][0]
+        assert lp["text"] == text and lp["logprobs"]["text_offset"] == offsets, skip
+        with client.stream("POST", "/v1/completions", json=dict(body, model="tiny", stream=True)) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = [o for c in chunks for ch in c["choices"] if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == text and streamed == offsets, skip
+
+
 def test_chat_logprob_bytes_spell_the_message(client):
     body = client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": "caf\u00e9?"}], "max_tokens": 24,
