@@ -41,6 +41,17 @@ class TransformersStyleTokenizer:
         return [self.convert_tokens_to_ids(t) for t in self.all_special_tokens]
 
     @property
+    def special_tokens_map(self) -> dict:
+        named = {k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(self, k)}
+        additional = self.qkiln_tokenizer.config.get("additional_special_tokens")
+        return named | ({"additional_special_tokens": list(additional)} if additional else {})
+
+    @property
+    def model_max_length(self) -> int:
+        """tokenizer_config.json's, else transformers' "no limit" (int(1e30))."""
+        return self.qkiln_tokenizer.config.get("model_max_length") or int(1e30)
+
+    @property
     def vocab_size(self) -> int:
         """Without the added tokens, as transformers counts it (`len(tok)` counts them)."""
         return self.qkiln_tokenizer.backend.get_vocab_size(with_added_tokens=False)
@@ -60,16 +71,26 @@ class TransformersStyleTokenizer:
         return backend.token_to_id(tokens) if isinstance(tokens, str) else [backend.token_to_id(t) for t in tokens]
 
     # ---- text <-> ids ------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.qkiln_tokenizer.encode(text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, truncation: bool = False,
+               max_length: int | None = None) -> list[int]:
+        """With truncation and max_length, the first max_length ids (transformers' right side)."""
+        ids = self.qkiln_tokenizer.encode(text, add_special_tokens)
+        return ids[:max_length] if truncation and max_length is not None else ids
 
-    def __call__(self, text, add_special_tokens: bool = True) -> dict:
+    def __call__(self, text, add_special_tokens: bool = True, truncation: bool = False,
+                 max_length: int | None = None) -> dict:
         """{"input_ids", "attention_mask"} for a text or a list of texts (no padding, no tensors)."""
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
+            ids = self.encode(text, add_special_tokens, truncation, max_length)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        ids = [self.encode(t, add_special_tokens) for t in text]
+        ids = [self.encode(t, add_special_tokens, truncation, max_length) for t in text]
         return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        return self.convert_ids_to_tokens(self.encode(text, add_special_tokens))
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self.decode(self.convert_tokens_to_ids(tokens))
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         if isinstance(ids, int):

@@ -34,7 +34,11 @@ def test_the_calls_answer_as_transformers_does(pair):
                  lambda t: t.convert_ids_to_tokens([72, 257]),
                  lambda t: t.convert_tokens_to_ids("<|eos|>"),
                  lambda t: (t.eos_token, t.eos_token_id, t.bos_token, t.bos_token_id, len(t), t.vocab_size),
-                 lambda t: (t.all_special_ids, t.all_special_tokens)):
+                 lambda t: (t.all_special_ids, t.all_special_tokens, t.special_tokens_map, t.model_max_length),
+                 lambda t: t.tokenize("héllo <|eos|> there"),
+                 lambda t: t.convert_tokens_to_string(t.tokenize("héllo wörld")),
+                 lambda t: t.encode("hello world", truncation=True, max_length=3),
+                 lambda t: t(["abc def", "x"], truncation=True, max_length=2)["input_ids"]):
         assert call(ours) == call(theirs)
 
 
