@@ -70,11 +70,23 @@ def read_text_exact(path: Path) -> str:
 EVAL_DOCUMENT_SEPARATOR = "\n\n"
 
 
+def bundled_eval_names() -> list[str]:
+    """Names an evaluation's `bundled:NAME` accepts: held-out texts in calib_data/bundled/eval/,
+    which calibration's `bundled:` does not offer (its texts are in calib_data/bundled/)."""
+    return sorted(p.stem for p in (BUNDLED_DIR / "eval").glob("*.txt"))
+
+
 def eval_data_file(spec: str | Path) -> tuple[Path, str | None]:
     """An evaluation data spec -> (its file, the JSONL field to read, or None for a text file as
-    stored): `PATH` or `file:PATH` (`*.jsonl`: field "text"), or `jsonl:PATH[#FIELD]` (a path may
-    hold '#': only a trailing `#identifier` names the field)."""
+    stored): `PATH` or `file:PATH` (`*.jsonl`: field "text"), `jsonl:PATH[#FIELD]` (a path may
+    hold '#': only a trailing `#identifier` names the field), or `bundled:NAME`."""
     spec = str(spec)
+    if spec.startswith("bundled:"):
+        name = spec.removeprefix("bundled:")
+        if name not in bundled_eval_names():
+            raise CalibrationDataError(f"no bundled evaluation text {name!r}; bundled ones: "
+                                       f"{', '.join(bundled_eval_names()) or 'none (is the package installed whole?)'}")
+        return BUNDLED_DIR / "eval" / f"{name}.txt", None
     if spec.startswith("jsonl:"):
         path, hash_, field = spec.removeprefix("jsonl:").rpartition("#")
         if not hash_ or not field.isidentifier():

@@ -16,6 +16,8 @@ depend only on the canonical weights (not on the CPU), but they are still a runt
 stored in an artifact. Layouts and math: the headers of the .cpp files.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -70,13 +72,27 @@ def _build(extra_cflags: list[str]):
         slow.start()
     start = time.perf_counter()
     try:
-        module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
-                      extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
+        with _build_lock(folder):
+            module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
+                          extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
     finally:
         slow.cancel()
     if first or time.perf_counter() - start > SLOW_LOAD_S:
         print(f"qkiln: CPU kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One build of `folder` at a time, by an flock the kernel drops when its holder dies. torch's
+    own lock is a file its builder deletes when done: a build killed mid-compile (Ctrl-C, a
+    timeout) left it, and every later load waited on it forever. Under the flock nobody else is
+    building, so a torch lock found then is such a leftover: removed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "qkiln-build.lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # waits while another process builds
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def extension_name(extra_cflags: list[str]) -> str:

@@ -229,6 +229,8 @@ def build_cmd(
         if "perplexity" in acc else "no accuracy report"
     print(f"built {result.path} in {result.seconds:.1f} s: {result.num_cached_layers}/{result.num_layers} "
           f"layers from cache, {ppl}")
+    print(f"next: qkiln inspect {result.path}; qkiln generate {result.path} --prompt TEXT; "
+          f"qkiln serve {result.path}", file=sys.stderr)
 
 
 @app.command("generate")

@@ -60,3 +60,24 @@ def test_provenance_names_files_without_their_directories(spec, recorded):
     from qkiln.calib_data import portable_spec
 
     assert portable_spec(spec) == recorded
+
+
+def test_bundled_evaluation_text_is_the_head_of_wiki_test_raw():
+    """The main job's accuracy report reads `bundled:wikitext2-test-raw`, not ../shared (a clone
+    elsewhere has none): byte for byte the start of the WikiText-2 raw test file, CRLF kept."""
+    from pathlib import Path
+
+    from qkiln.calib_data import eval_data_file, read_eval_text
+    from qkiln.calib_data.sources import bundled_eval_names
+
+    path, field = eval_data_file("bundled:wikitext2-test-raw")
+    assert field is None and path.is_file() and "wikitext2-test-raw" not in bundled_names()  # not for calibration
+    assert "eval/wikitext2-test-raw.txt" in (BUNDLED_DIR / "README.md").read_text()
+    text, name = read_eval_text("bundled:wikitext2-test-raw")
+    assert name == "wikitext2-test-raw.txt" and text.startswith(" = Robert Boulter = \r\n")
+    with pytest.raises(CalibrationDataError, match="no bundled evaluation text 'pride-and-prejudice'; bundled ones: "
+                                                  + ", ".join(bundled_eval_names())):
+        eval_data_file("bundled:pride-and-prejudice")  # calibration text: not an evaluation's
+    shared = Path(__file__).resolve().parents[2] / "../shared/data/wikitext-2-raw/wiki.test.raw"
+    if shared.is_file():
+        assert shared.read_bytes().startswith(path.read_bytes())

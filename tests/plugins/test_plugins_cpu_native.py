@@ -7,6 +7,8 @@ The int8 kernel never rounds activations (bf16 ones are used as they are, fp16/f
 to fp32), so it is exact up to fp32 summation and the output rounding. Skips (saying why) when the extension cannot build.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from plugins_testlib import canonical_int4, rel_error
@@ -187,3 +189,38 @@ def test_the_build_folder_is_per_cpu(monkeypatch):
     assert cpu_native.extension_name([]) == here  # stable: loaded again, not rebuilt
     monkeypatch.setattr(cpu_native, "_cpu_features", lambda: features.replace("avx2", "").strip() + " other")
     assert cpu_native.extension_name([]) != here
+
+
+def test_a_killed_build_leaves_no_lock_that_blocks_later_loads(native_ext, tmp_path):
+    """A compile stopped mid-way (Ctrl-C, a `timeout`) left torch's lock file behind, and every
+    later load waited on it forever with nothing said. qkiln's own flock dies with its holder."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory(cpu_native.extension_name([]), verbose=False))
+    (folder / "lock").touch()  # what a killed torch build leaves
+    loaded = subprocess.run([sys.executable, "-c", "from qkiln.plugins import cpu_native; "
+                             "assert cpu_native.native_extension() is not None"], timeout=300)
+    assert loaded.returncode == 0 and not (folder / "lock").exists()
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(120)"), str(tmp_path / "qkiln-build.lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    entered = threading.Event()
+
+    def build():
+        with cpu_native._build_lock(tmp_path):
+            entered.set()
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    assert not entered.wait(1.0)  # another process is building: wait for it
+    holder.send_signal(signal.SIGKILL)  # ... which dies mid-build
+    holder.wait()
+    assert entered.wait(30)
+    thread.join()
