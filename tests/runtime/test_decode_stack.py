@@ -6,7 +6,7 @@ import torch
 
 from qkiln.plugins import cpu_native, ops
 from qkiln.plugins.packed_weights import int8_act_panels_fast
-from qkiln.runtime.engine import EngineConfig, LLMEngine
+from qkiln.runtime.engine import EngineConfig, LLMEngine, NonFiniteLogitsError
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
 from tiny_models import write_tiny_hf_model
@@ -106,7 +106,8 @@ def test_stack_is_bit_identical_to_the_python_layers(artifacts, monkeypatch, rec
 def test_native_head_argmax_keeps_torchs_ties_and_nans(artifacts, monkeypatch, threads):
     """The head's argmax is taken per thread over its own columns, then merged: with every logit
     tied the first column wins, and the first NaN (in a later thread's columns) beats them all,
-    as torch.argmax has it."""
+    as torch.argmax has it. The engine refuses NaN rows (NonFiniteLogitsError, found through that
+    argmax); past that check, the argmax itself is what is tested."""
     _, paths = artifacts
     saved = torch.get_num_threads()
     try:
@@ -118,6 +119,12 @@ def test_native_head_argmax_keeps_torchs_ties_and_nans(artifacts, monkeypatch, t
         head.scales.fill_(head.scales[0].item())
         for nans, expected in (((), 0), ((250, 200), 200)):
             head.scales[list(nans)] = float("nan")
+            if nans:
+                with pytest.raises(NonFiniteLogitsError, match="at output token 1"):
+                    _run_recording(engine, [[5, 6, 7]], 4)
+                for request_id in list(engine.requests):
+                    engine.abort_request(request_id)
+                monkeypatch.setattr(engine, "_check_finite", lambda *args: None)
             tokens, logits, steps = _run_recording(engine, [[5, 6, 7]], 4)
             assert tokens == [[expected] * 4] and sum(served for _, _, served in steps) == 3
             assert all(torch.equal(row.float().argmax(-1), torch.tensor([expected])) for row in logits)
