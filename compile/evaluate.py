@@ -142,7 +142,7 @@ def _check_finite(totals: dict, name: str, data_name: str) -> None:
     if not (math.isfinite(totals["nll"]) and math.isfinite(totals["kl"])):
         raise RecipeError(f"{name}: its log-probabilities on {data_name} are not finite (NaN or Inf), so it has no "
                           "perplexity: its computation overflows. For a quantized model the recipe does not fit "
-                          "the model (an int4 KV cache past fp16's range, say: use kv-fp8); rebuild it with "
+                          "the model (its values pass what a quantized format holds); rebuild it with "
                           "another recipe")
 
 

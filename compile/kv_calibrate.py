@@ -6,7 +6,7 @@ turns them into static scales with quant.kv (fp8 per-head scales; key smoothing 
 key offset, which is a mean of post-RoPE keys because that is what the cache stores). Separate
 from weight calibration so a KV-only change reuses the cached weights. An int4 cache keeps its
 group parameters in fp16: K or V reaching past that range on the calibration data is refused (the
-answers would be NaN), and a reach within 8x of it is warned about (other prompts may go further).
+cache would saturate them), and a reach within 8x of it is warned about (other prompts may go further).
 """
 
 import torch

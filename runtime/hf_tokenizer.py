@@ -29,22 +29,25 @@ class TransformersStyleTokenizer:
     unk_token_id = property(lambda self: self.convert_tokens_to_ids(self.unk_token) if self.unk_token else None)
 
     @property
+    def special_tokens_map(self) -> dict:
+        """The named special tokens (bos, eos, unk, pad) and the config's additional_special_tokens
+        (their text, where the config stores AddedToken objects)."""
+        named = {k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(self, k)}
+        additional = [t if isinstance(t, str) else t.get("content")
+                      for t in self.qkiln_tokenizer.config.get("additional_special_tokens") or []]
+        return named | ({"additional_special_tokens": additional} if additional else {})
+
+    @property
     def all_special_tokens(self) -> list[str]:
-        """transformers': the named special tokens (bos, eos, unk, pad), then the config's
-        additional_special_tokens; not every added special token (SmolLM2 has 17, this 3)."""
-        additional = self.qkiln_tokenizer.config.get("additional_special_tokens") or []
-        named = [self.bos_token, self.eos_token, self.unk_token, self.pad_token, *additional]
-        return list(dict.fromkeys(t if isinstance(t, str) else t.get("content") for t in named if t))
+        """transformers': special_tokens_map's, in order, once each; not every added special token
+        (SmolLM2 has 17, this 3)."""
+        tokens = self.special_tokens_map
+        additional = tokens.pop("additional_special_tokens", [])
+        return list(dict.fromkeys([*tokens.values(), *additional]))
 
     @property
     def all_special_ids(self) -> list[int]:
         return [self.convert_tokens_to_ids(t) for t in self.all_special_tokens]
-
-    @property
-    def special_tokens_map(self) -> dict:
-        named = {k: getattr(self, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token") if getattr(self, k)}
-        additional = self.qkiln_tokenizer.config.get("additional_special_tokens")
-        return named | ({"additional_special_tokens": list(additional)} if additional else {})
 
     @property
     def model_max_length(self) -> int:
