@@ -7,14 +7,12 @@ httpx. A `QkilnError` from a benchmark becomes one `error: ...` line and its exi
 
 import importlib
 import math
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from qkiln.errors import QkilnError
+from qkiln.errors import exit_on_error
 
 bench_app = typer.Typer(help="Benchmarks: a JSON report (--json), a table on stdout, progress on stderr, "
                              "PNG charts (--plot).", no_args_is_help=True, pretty_exceptions_enable=False,
@@ -30,17 +28,8 @@ Int8Activations = Annotated[bool, typer.Option(
                                "every step, int8 ones at up to 16 rows, more with AVX512-VNNI); not exact")]
 
 
-@contextmanager
-def _errors_as_exit_codes():
-    try:
-        yield
-    except QkilnError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise typer.Exit(e.exit_code) from None
-
-
 def _run(module: str, options: dict) -> None:
-    with _errors_as_exit_codes():
+    with exit_on_error():
         importlib.import_module(f"qkiln.bench.{module}").main(**options)
 
 
@@ -163,7 +152,7 @@ def ort_model_command(
 ):
     """Build the ONNX Runtime GenAI int4 CPU folder cpu-compare's --ort-model reads (needs
     onnxruntime-genai, onnx and onnx-ir installed; see bench/ort_genai.py)."""
-    with _errors_as_exit_codes():
+    with exit_on_error():
         from qkiln.bench.ort_genai import build_ort_model
 
         build_ort_model(model, out)
@@ -216,7 +205,7 @@ def kernels_command(
     """CPU quantized-GEMM kernels on SmolLM2 shapes: qkiln's native vs torch's tinygemm / int8pack / bf16."""
     from qkiln.bench.throughput import parse_int_list
 
-    with _errors_as_exit_codes():
+    with exit_on_error():
         from qkiln.bench.cpu_kernels import run_cpu_kernels
 
         run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers,
@@ -247,5 +236,5 @@ def quality_command(
     argv += (["--workdir", str(workdir)] if workdir else []) + (["--reuse"] if reuse else [])
     argv += ["--llmcompressor-python", str(llmcompressor_python)] if llmcompressor_python else []
     argv += ["--llmc-workdir", str(llmc_workdir)] if llmc_workdir else []
-    with _errors_as_exit_codes():
+    with exit_on_error():
         importlib.import_module("qkiln.bench.quant_quality").main(argv)

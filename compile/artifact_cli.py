@@ -16,15 +16,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from qkiln.errors import QkilnError
+from qkiln.errors import QkilnError, exit_with
 
 from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index,
                        verify_artifact, weight_shards)
-
-
-def _fail(e: QkilnError):
-    print(f"error: {e}", file=sys.stderr)
-    raise typer.Exit(e.exit_code)
 
 
 def _is_archive(path: Path) -> bool:
@@ -98,7 +93,7 @@ def verify_cmd(
     except QkilnError as e:
         if as_json:  # the one object a pipeline parses, then the usual error line and exit status
             print(json.dumps({"ok": False, "error": str(e)}))
-        _fail(e)
+        exit_with(e)
     if as_json:
         print(json.dumps(result, sort_keys=True))
         return
@@ -162,7 +157,7 @@ def inspect_cmd(
         with unpacked(str(path)) as artifact:
             summary = summarize_artifact(Path(artifact))
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     if as_json:  # whole: a registry keys on digest / files and reads the recipe as written
         print(json.dumps(summary, indent=2, sort_keys=True))
         return

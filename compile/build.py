@@ -24,7 +24,7 @@ from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
 from .artifact_writer import check_destination, source_date_epoch, write_artifact
 from .calibrate import linear_shapes, quantize_model
-from .evaluate import evaluate
+from .evaluate import check_window, evaluate
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
 from .kv_calibrate import calibrate_kv
 from .layer_cache import LayerCache, default_cache_dir, layer_key
@@ -67,9 +67,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
         log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
         input_ids = torch.tensor(tokens.input_ids, dtype=torch.int64)  # [num_samples, seq_len]
     weight_scheme = recipe.scheme  # quantize_model ignores kv_cache: KV is calibrated below
-    needs_tokens_for_weights = weight_scheme.algorithm != "rtn" or (
-        weight_scheme.activations is not None and not weight_scheme.activations.dynamic)
-    token_sha = tokens.sha256 if tokens is not None and needs_tokens_for_weights else None
+    token_sha = tokens.sha256 if tokens is not None and weight_scheme.needs_weight_calibration else None
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
     cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
@@ -131,16 +129,15 @@ def _check_evaluation_data(recipe: Recipe) -> None:
 
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:
-    """Before calibration: an evaluation window is seq_len tokens, and a BOS when the tokenizer adds
-    one; without evaluation data there is no window (a 512-token model that adds BOS had been
-    refused for the default evaluation.seq_len of 512 it would never use)."""
-    windows = [("calibration.seq_len (a recipe file's)", recipe.calibration.seq_len, 0)]
+    """Before calibration: a calibration sample is seq_len tokens; an evaluation window is seq_len
+    tokens and a BOS when the tokenizer adds one. Without evaluation data there is no window (a
+    512-token model that adds BOS had been refused for the default evaluation.seq_len of 512 it
+    would never use)."""
+    check_window("calibration.seq_len (a recipe file's)", recipe.calibration.seq_len, False, max_len,
+                 error=RecipeError)
     if recipe.evaluation.data is not None:
-        windows.append(("evaluation.seq_len (--eval-seq-len)", recipe.evaluation.seq_len, int(add_bos)))
-    for what, seq_len, bos in windows:
-        if seq_len + bos > max_len:
-            raise RecipeError(f"{what} (a window of {seq_len + bos} tokens) exceeds the model's context of {max_len} "
-                              f"tokens: lower it to at most {max_len - bos}")
+        check_window("evaluation.seq_len (--eval-seq-len)", recipe.evaluation.seq_len, add_bos, max_len,
+                     error=RecipeError)
 
 
 def _round_as_stored(model, qm) -> None:

@@ -76,16 +76,24 @@ def token_byte_lengths(tokenizer, ids: list[int]) -> dict[int, int]:
     return {i: len(tokenizer.token_bytes(i)) for i in set(ids)}
 
 
+def check_window(option: str, seq_len: int, add_bos: bool, context: int, whose: str = "the model's",
+                 error: type[QkilnError] = QkilnError) -> None:
+    """A window of seq_len tokens, plus the BOS a tokenizer that adds one puts before it, must fit
+    the context; the message names the option to lower and how far (an option to change: usage)."""
+    window = seq_len + int(add_bos)
+    if window > context:
+        raise error(f"{option} {seq_len} (a window of {window} tokens) exceeds {whose} context of {context} "
+                    f"tokens: lower it to at most {context - int(add_bos)}")
+
+
 def check_reference(model_tokenizer, reference_tokenizer, vocab_sizes: tuple[int, int], reference_context: int,
-                    window_len: int) -> None:
+                    seq_len: int) -> None:
     """A reference is scored on the model's token ids: it must read them as the same text."""
     if reference_tokenizer.backend.get_vocab(True) != model_tokenizer.backend.get_vocab(True) \
             or vocab_sizes[0] != vocab_sizes[1]:
         raise SourceModelError("the reference's tokenizer or vocabulary differs from the model's, so it would "
                                "score other text (a KL of nonsense); compare models that share a tokenizer")
-    if window_len > reference_context:
-        raise QkilnError(f"a window of {window_len} tokens exceeds the reference's context of "
-                         f"{reference_context}: lower --seq-len")  # an option to change: usage
+    check_window("--seq-len", seq_len, model_tokenizer.add_bos, reference_context, whose="the reference's")
 
 
 def evaluate(

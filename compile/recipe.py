@@ -146,9 +146,7 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        s = self.scheme
-        return s.algorithm in ("gptq", "awq") or s.kv_cache is not None or (
-            s.activations is not None and not s.activations.dynamic)
+        return self.scheme.needs_weight_calibration or self.scheme.kv_cache is not None
 
     def with_overrides(self, **changes) -> "Recipe":
         return dataclasses.replace(self, **changes)

@@ -55,6 +55,7 @@ from qkiln.errors import RecipeError
 
 KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int4")
 _FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_FLOAT_NAMES = {dtype: name for name, dtype in _FLOAT_DTYPES.items()}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 INT4_MAX = 15
@@ -185,10 +186,14 @@ def kv_dtype_of(k: torch.Tensor) -> str:
         return "int4"
     if k.dtype == FP8_DTYPE:
         return "fp8"
-    for name, dtype in _FLOAT_DTYPES.items():
-        if k.dtype == dtype:
-            return name
+    if k.dtype in _FLOAT_NAMES:
+        return _FLOAT_NAMES[k.dtype]
     raise RecipeError(f"kv cache tensor has dtype {k.dtype}; allocate it with allocate_kv_cache")
+
+
+def float_dtype_name(dtype: torch.dtype) -> str:
+    """bf16, fp16 or fp32: the kv_dtype (and --dtype) name of a float dtype."""
+    return _FLOAT_NAMES[dtype]
 
 
 def _round_fp16_toward(x: torch.Tensor, direction: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ import typer
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
-from qkiln.errors import ArtifactError, CalibrationDataError, QkilnError
+from qkiln.errors import ArtifactError, CalibrationDataError, QkilnError, exit_with
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -39,11 +39,6 @@ def _root(show_version: Annotated[bool, typer.Option("--version", callback=_prin
     """qkiln: calibrate, quantize, compile and serve LLMs."""
 
 
-def _fail(e: QkilnError):
-    print(f"error: {e}", file=sys.stderr)
-    raise typer.Exit(e.exit_code)
-
-
 @app.command("eval")
 def eval_cmd(
     model: Annotated[str, typer.Argument(help="source model (alias, HF dir, .gguf), artifact dir or artifact archive (.tar, .tar.gz)")],
@@ -60,7 +55,7 @@ def eval_cmd(
     dtype: Annotated[str, typer.Option(help="--served: auto (bf16), bf16, fp16 or fp32, as `serve --dtype`")] = "auto",
 ):
     """Perplexity, bits per byte and (with --reference) KL / top-1 agreement on a pinned protocol."""
-    from qkiln.compile.evaluate import check_reference, evaluate
+    from qkiln.compile.evaluate import check_reference, check_window, evaluate
     from qkiln.compile.model_ref import open_model
 
     try:
@@ -68,19 +63,15 @@ def eval_cmd(
         with unpacked(model) as path, unpacked(reference) if reference else nullcontext() as ref_path:
             m = _open_scorer(path, int8_activations, engine, ort_accuracy_level, served, dtype)
             config = m.config if hasattr(m, "config") else m.model.config
-            window = seq_len + int(m.tokenizer.add_bos)  # a tokenizer that adds BOS puts one before each window
-            if window > config.max_position_embeddings:
-                raise QkilnError(f"--seq-len {seq_len} (a window of {window} tokens) exceeds the model's context of "
-                                 f"{config.max_position_embeddings} tokens: lower it to at most "
-                                 f"{config.max_position_embeddings - int(m.tokenizer.add_bos)}")
+            check_window("--seq-len", seq_len, m.tokenizer.add_bos, config.max_position_embeddings)
             ref = open_model(ref_path) if reference else None
             if ref is not None:
                 check_reference(m.tokenizer, ref.tokenizer, (config.vocab_size, ref.model.config.vocab_size),
-                                ref.model.config.max_position_embeddings, window)
+                                ref.model.config.max_position_embeddings, seq_len)
                 _warn_if_swapped(getattr(m, "description", {}), ref.description)
             report = evaluate(m, m.tokenizer, data, seq_len, max_tokens, reference=ref, batch_size=batch_size)
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     report["model"] = model
     report |= {k: v for k, v in getattr(m, "description", {}).items()
                if k in ("sha256", "digest", "scoring", "kernels")}
@@ -149,7 +140,7 @@ def _write_report(text: str, json_out: Path | None) -> None:
             _write_atomically(json_out, text + "\n")
     except OSError as e:
         print(text)  # the evaluation is not lost
-        _fail(QkilnError(f"--json {json_out}: cannot write the report ({e.strerror or e}); it is printed above"))
+        exit_with(QkilnError(f"--json {json_out}: cannot write the report ({e.strerror or e}); it is printed above"))
     try:
         print(text, flush=True)
     except BrokenPipeError:  # the reader left; the file, if asked for, is written
@@ -223,7 +214,7 @@ def build_cmd(
             except QkilnError as e:  # a retry must know the artifact is there (and pass --force)
                 raise type(e)(f"the artifact {result.path} was written, its archive was not: {e}") from None
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     acc = result.manifest.accuracy
     ppl = f"perplexity {acc['perplexity']:.3f} ({acc['perplexity_change']:+.2%} vs the source model in fp32)" \
         if "perplexity" in acc else "no accuracy report"
@@ -267,7 +258,7 @@ def generate_cmd(
                 for out in llm.engine.step():
                     print(out.new_text, end="", flush=True)
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     print()
 
 
@@ -306,7 +297,7 @@ def serve_cmd(
                                                kv_dtype=kv_dtype, generation_config=generation_config,
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
-            _fail(e)
+            exit_with(e)
         if engine.sampling_defaults:  # as vLLM says it: a request's defaults are not the API's
             print(f"note: requests that leave them out take the model's generation_config.json sampling values "
                   f"{engine.sampling_defaults}; --generation-config vllm turns them off", file=sys.stderr)
@@ -324,7 +315,7 @@ def _check_port_free(host: str, port: int) -> None:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         socket.create_server((host, port), family=family).close()
     except OSError as e:
-        _fail(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or stop "
+        exit_with(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or stop "
                          "what holds it"))
 
 
@@ -373,7 +364,7 @@ def export_cmd(
             else:
                 result = export_compressed_tensors(Path(path), out, drop_kv=drop_kv, overwrite=force)
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     if format == "onnx":
         checked = f"checked: {result.check.summary()}" if result.check else "not checked"
         print(f"exported an ONNX engine ({result.num_nodes} nodes, {result.bytes / 2**20:.1f} MiB) to {result.path}; "
@@ -395,5 +386,5 @@ def import_cmd(
     try:
         path = import_checkpoint(checkpoint, out, target=target, overwrite=force)
     except QkilnError as e:
-        _fail(e)
+        exit_with(e)
     print(f"imported {checkpoint} into {path}")

@@ -6,6 +6,10 @@ build-then-deploy script can tell a retry elsewhere (7) from a rebuild (6) or a 
 command (2). Exit 1 with a traceback is a bug. Internal invariants use `assert`, not these.
 """
 
+import sys
+from contextlib import contextmanager
+from typing import NoReturn
+
 
 class QkilnError(Exception):
     """Base class: a user-facing problem with a one-line explanation. Raised as itself, it is a
@@ -58,3 +62,19 @@ class RequestError(QkilnError, ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def exit_with(error: QkilnError) -> NoReturn:
+    """The command line's one way out on a user-facing failure: `error: <message>` on stderr and
+    the class's exit code (SystemExit, which click and its test runner pass through as that code)."""
+    print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(error.exit_code)
+
+
+@contextmanager
+def exit_on_error():
+    """Run a command's body; a QkilnError out of it becomes `exit_with`'s line and exit code."""
+    try:
+        yield
+    except QkilnError as e:
+        exit_with(e)

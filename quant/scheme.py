@@ -342,6 +342,12 @@ class QuantScheme:
             found.append("fp8 GEMMs need in_features and out_features divisible by 16")
         return found
 
+    @property
+    def needs_weight_calibration(self) -> bool:
+        """Whether quantizing the linears reads calibration activations (GPTQ's Hessians, AWQ's
+        scales, static activation scales); round-to-nearest weights and dynamic scales do not."""
+        return self.algorithm != "rtn" or (self.activations is not None and not self.activations.dynamic)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"ignore": list(self.ignore)}
 

@@ -16,7 +16,7 @@ import torch
 
 from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
-from qkiln.plugins.kv_cache import KV_SCALE_NAMES
+from qkiln.plugins.kv_cache import KV_SCALE_NAMES, float_dtype_name
 
 from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
@@ -141,12 +141,19 @@ def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*config.eos_token_ids, *([] if tokenizer_eos is None else [tokenizer_eos])]))
 
 
+def check_in_vocabulary(token_ids, vocab_size: int, what: str, param: str) -> None:
+    """Refuse the first id outside [0, vocab_size), naming it and the request field it came in."""
+    bad = next((t for t in token_ids if t < 0 or t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab_size})", param)
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None):
         config = config or EngineConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
-        kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else _dtype_name(next(model.parameters()).dtype)
+        kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else float_dtype_name(next(model.parameters()).dtype)
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # as vLLM: positions past the trained context are not extended (no RoPE scaling is applied)
             raise QkilnError(f"max_model_len {config.max_model_len} exceeds the model's context of "
@@ -219,9 +226,7 @@ class LLMEngine:
                                        ("bad_words token", "bad_words", itertools.chain.from_iterable(bad_words))):
             if isinstance(token_ids, TokenIds) and token_ids.largest < vocab:
                 continue  # checked >= 0 when made: its largest says it all (a whole vocabulary is 2^18 ids)
-            bad = next((t for t in token_ids if t < 0 or t >= vocab), None)
-            if bad is not None:
-                raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab})", param)
+            check_in_vocabulary(token_ids, vocab, what, param)
         if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (as in vLLM)
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")
@@ -304,7 +309,7 @@ class LLMEngine:
         raise NonFiniteLogitsError(
             f"the model's logits are not finite (NaN or inf) for request {seqs[0].seq_id!r} at output token "
             f"{seqs[0].num_output_tokens + 1}{f' and {len(seqs) - 1} more' if len(seqs) > 1 else ''}: its "
-            f"activations overflowed {_dtype_name(logits.dtype)} or the weights hold NaN; the request was "
+            f"activations overflowed {float_dtype_name(logits.dtype)} or the weights hold NaN; the request was "
             "stopped rather than answered with garbage (with --dtype fp16, try bf16 or fp32)",
             tuple(s.seq_id for s in seqs))
 
@@ -369,10 +374,6 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()  # the KV manager's checks too
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def _install_kv_scales(caches, kv_scales: dict | None) -> None:

@@ -3,7 +3,8 @@ that keep a huge text off the tokenizer and ids outside the vocabulary off the e
 
 Owns tokenizing off the event loop (a long prompt took seconds there, and every other client
 waited), prompt truncation (SamplingParams.truncate_prompt_tokens) and the refusals, as
-InvalidRequestError naming the request's field. Must not know about routes or responses.
+InvalidRequestError naming the request's field (ids outside the vocabulary in the engine's own
+words, a RequestError). Must not know about routes or responses.
 """
 
 import asyncio
@@ -11,7 +12,7 @@ import asyncio
 from qkiln.errors import SourceModelError
 
 from .async_engine import AsyncLLMEngine
-from .engine import truncation
+from .engine import check_in_vocabulary, truncation
 from .openai_protocol import ChatPrompt, InvalidRequestError
 
 
@@ -41,10 +42,7 @@ async def chat_prompt_ids(engine: AsyncLLMEngine, body: ChatPrompt, add_special_
 
 def check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
     """Ids outside the vocabulary are refused here, before anything decodes them (an echo)."""
-    bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-    if bad is not None:  # the engine's own words for it
-        raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary: ids must be in "
-                                  f"[0, {engine.vocab_size})", param=what)
+    check_in_vocabulary(ids, engine.vocab_size, "prompt token id", what)
 
 
 def kept_prompt_tokens(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
