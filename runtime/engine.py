@@ -141,6 +141,14 @@ def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*config.eos_token_ids, *([] if tokenizer_eos is None else [tokenizer_eos])]))
 
 
+def _non_finite(request_ids: list[str], where: str, dtype_name: str) -> NonFiniteLogitsError:
+    more = f" and {len(request_ids) - 1} more" if len(request_ids) > 1 else ""
+    return NonFiniteLogitsError(
+        f"the model's logits are not finite (NaN or inf) for request {request_ids[0]!r} at {where}{more}: its "
+        f"activations overflowed {dtype_name} or the weights hold NaN; the request was stopped "
+        "rather than answered with garbage (with --dtype fp16, try bf16 or fp32)", tuple(request_ids))
+
+
 def check_in_vocabulary(token_ids, vocab_size: int, what: str, param: str) -> None:
     """Refuse the first id outside [0, vocab_size), naming it and the request field it came in."""
     bad = next((t for t in token_ids if t < 0 or t >= vocab_size), None)
@@ -153,7 +161,8 @@ class LLMEngine:
         config = config or EngineConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
-        kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else float_dtype_name(next(model.parameters()).dtype)
+        self.dtype_name = float_dtype_name(next(model.parameters()).dtype)  # the activations'
+        kv_dtype = config.kv_dtype if config.kv_dtype != "auto" else self.dtype_name
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # as vLLM: positions past the trained context are not extended (no RoPE scaling is applied)
             raise QkilnError(f"max_model_len {config.max_model_len} exceeds the model's context of "
@@ -303,15 +312,10 @@ class LLMEngine:
         a pass over every logit cost ~100 us at batch 1 (SmolLM2, bf16)."""
         chosen = logits.gather(1, token_ids[:, None]).view(-1).tolist()
         bad = [row for row, value in enumerate(chosen) if not math.isfinite(value)]
-        if not bad:
-            return
-        seqs = [sampling[row].seq for row in bad]
-        raise NonFiniteLogitsError(
-            f"the model's logits are not finite (NaN or inf) for request {seqs[0].seq_id!r} at output token "
-            f"{seqs[0].num_output_tokens + 1}{f' and {len(seqs) - 1} more' if len(seqs) > 1 else ''}: its "
-            f"activations overflowed {float_dtype_name(logits.dtype)} or the weights hold NaN; the request was "
-            "stopped rather than answered with garbage (with --dtype fp16, try bf16 or fp32)",
-            tuple(s.seq_id for s in seqs))
+        if bad:
+            seqs = [sampling[row].seq for row in bad]
+            raise _non_finite([s.seq_id for s in seqs], f"output token {seqs[0].num_output_tokens + 1}",
+                              self.dtype_name)
 
     def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted
@@ -330,6 +334,9 @@ class LLMEngine:
                 targets = s.seq.prompt_token_ids[part.start + 1:part.stop + 1]
                 scores = score_tokens(rows, torch.tensor(targets, device=rows.device), n)
                 chosen, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
+                bad = next((k for k, value in enumerate(chosen) if not math.isfinite(value)), None)
+                if bad is not None:  # an overflow at one position only: the sampled row can be fine
+                    raise _non_finite([s.seq_id], f"prompt token {part[bad] + 2} (its prompt logprob)", self.dtype_name)
                 for k, (position, target) in enumerate(zip(part, targets)):
                     top = {} if n == 0 else dict(zip(scores.top_token_ids[k].tolist(), scores.top_logprobs[k].tolist()))
                     entries[position + 1] = {"token_id": target, "logprob": chosen[k], "rank": ranks[k], "top": top}

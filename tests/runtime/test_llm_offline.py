@@ -45,6 +45,28 @@ def test_nan_logits_raise_instead_of_answering(tmp_path):
         assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 5
 
 
+def test_a_non_finite_prompt_logprob_raises(tmp_path):
+    """Logits that overflow at one prompt position only (the sampled row is finite) were returned as
+    a NaN prompt logprob of rank 0."""
+    from safetensors.torch import load_file, save_file
+
+    from qkiln.runtime.engine import NonFiniteLogitsError
+
+    model = write_tiny_hf_model(tmp_path, "llama3")
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][7] = 0  # token 7's hidden state lies along channel 0 ...
+    tensors["model.embed_tokens.weight"][7, 0] = 1.0
+    tensors["lm_head.weight"][100] = 0  # ... where token 100's logit is 1e38 x that channel: inf there only
+    tensors["lm_head.weight"][100, 0] = 1e38
+    save_file(tensors, str(model / "model.safetensors"))
+    llm = LLM(str(model), dtype="fp32", num_kv_blocks=32, max_model_len=128)
+    prompt = {"prompt_token_ids": [5, 7, 9, 10]}
+    with pytest.raises(NonFiniteLogitsError, match=r"not finite \(NaN or inf\) for request '[^']+' at prompt token 3 "):
+        llm.generate([prompt], dataclasses.replace(GREEDY, prompt_logprobs=0))
+    assert not llm.engine.has_unfinished() and llm.engine.kv_manager.usage == 0.0
+    assert len(llm.generate([prompt], GREEDY)[0].outputs[0].token_ids) == 5  # its output row is finite
+
+
 def test_an_interrupt_leaves_the_llm_usable(llm, monkeypatch):
     expected = llm.generate(["hello"], GREEDY)[0].token_ids
     step, calls = llm.engine.step, []
