@@ -57,26 +57,26 @@ def _build(extra_cflags: list[str]):
     flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *extra_cflags]
     name = extension_name(extra_cflags)
     # A compile takes minutes with nothing on the screen: say so, or it looks hung. A first one is
-    # known in advance; a rebuild after a source change, or a wait on another process building the
-    # same folder, only by how long the load takes.
+    # known in advance (once no other process is building it), a wait on another process by the
+    # lock, a rebuild after a source change only by how long the load takes.
     folder = Path(_get_build_directory(name, verbose=False))
-    first = not (folder / f"{name}.so").exists()
-    if first:
-        print(f"qkiln: compiling its CPU kernels for this machine, once (about 5 minutes on 2 cores; kept in "
-              f"{folder})", file=sys.stderr)
-    slow = threading.Timer(SLOW_LOAD_S, lambda: print(
-        f"qkiln: loading its CPU kernels is taking a while: recompiling after a change (about 5 minutes on 2 "
-        f"cores), or waiting for another process compiling them in {folder}", file=sys.stderr))
-    slow.daemon = True
-    if not first:
-        slow.start()
     start = time.perf_counter()
-    try:
-        with _build_lock(folder):
+    with _build_lock(folder):
+        first = not (folder / f"{name}.so").exists()
+        if first:
+            print(f"qkiln: compiling its CPU kernels for this machine, once (about 5 minutes on 2 cores; kept in "
+                  f"{folder})", file=sys.stderr)
+        slow = threading.Timer(SLOW_LOAD_S, lambda: print(
+            f"qkiln: loading its CPU kernels is taking a while: recompiling after a change (about 5 minutes on "
+            f"2 cores) in {folder}", file=sys.stderr))
+        slow.daemon = True
+        if not first:
+            slow.start()
+        try:
             module = load(name=name, sources=[str(_CSRC / s) for s in _SOURCES], extra_cflags=flags,
                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], verbose=False)
-    finally:
-        slow.cancel()
+        finally:
+            slow.cancel()
     if first or time.perf_counter() - start > SLOW_LOAD_S:
         print(f"qkiln: CPU kernels ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return module
@@ -90,7 +90,11 @@ def _build_lock(folder: Path):
     building, so a torch lock found then is such a leftover: removed."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "qkiln-build.lock", "a") as holder:
-        fcntl.flock(holder, fcntl.LOCK_EX)  # waits while another process builds
+        try:
+            fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"qkiln: waiting for another process compiling its CPU kernels in {folder}", file=sys.stderr)
+            fcntl.flock(holder, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         yield
 

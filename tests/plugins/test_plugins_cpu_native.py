@@ -191,9 +191,10 @@ def test_the_build_folder_is_per_cpu(monkeypatch):
     assert cpu_native.extension_name([]) != here
 
 
-def test_a_killed_build_leaves_no_lock_that_blocks_later_loads(native_ext, tmp_path):
+def test_a_killed_build_leaves_no_lock_that_blocks_later_loads(native_ext, tmp_path, capsys):
     """A compile stopped mid-way (Ctrl-C, a `timeout`) left torch's lock file behind, and every
-    later load waited on it forever with nothing said. qkiln's own flock dies with its holder."""
+    later load waited on it forever with nothing said. qkiln's own flock dies with its holder, and
+    a load waiting on it says so (it had said "compiling ... once" and then loaded in seconds)."""
     import signal
     import subprocess
     import sys
@@ -220,6 +221,7 @@ def test_a_killed_build_leaves_no_lock_that_blocks_later_loads(native_ext, tmp_p
     thread = threading.Thread(target=build)
     thread.start()
     assert not entered.wait(1.0)  # another process is building: wait for it
+    assert "waiting for another process compiling" in capsys.readouterr().err
     holder.send_signal(signal.SIGKILL)  # ... which dies mid-build
     holder.wait()
     assert entered.wait(30)
