@@ -111,13 +111,39 @@ class IncrementalDetokenizer:
         window starts inside a character (at most the 3 continuation bytes of one UTF-8 character).
         A byte-fallback decoder (Llama-2, Mistral) renders a run of byte tokens that starts
         mid-character as one U+FFFD per byte, and output bytes that joined that run came out as
-        U+FFFD too: prompt "中文" then output "字 hello" read "\ufffd\ufffd\ufffd hello"."""
+        U+FFFD too: prompt "中文" then output "字 hello" read "\ufffd\ufffd\ufffd hello".
+        A prompt that ends inside a character starts the window on that character's lead byte."""
+        unfinished = self._unfinished_character_start()
+        if unfinished is not None:
+            return unfinished
         start = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
         for _ in range(3):
             if start == 0 or not self._decode(self._token_ids[start:self.read_offset]).startswith(_REPLACEMENT_CHAR):
                 break
             start -= 1
         return start
+
+    def _unfinished_character_start(self) -> int | None:
+        """The prompt token holding the lead byte of a character the prompt leaves unfinished; None
+        when it ends on a character boundary (or the tokenizer cannot spell its tokens' bytes).
+        From there the window decodes that character's bytes alone: a byte-fallback decoder spells
+        a whole run of byte tokens U+FFFD while any of it is unfinished, so a window reaching back
+        into the prompt's complete characters turned them all into U+FFFD, and the output that
+        finished the character then began with them."""
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        if token_bytes is None:
+            return None
+        needed = 0  # continuation bytes seen, walking back from the prompt's end
+        for index in range(self.read_offset - 1, max(self.read_offset - 4, 0) - 1, -1):
+            for byte in reversed(token_bytes(self._token_ids[index])):
+                if 0x80 <= byte < 0xC0:  # a continuation byte: keep looking for its lead
+                    needed += 1
+                    continue
+                length = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if byte >= 0xF0 else 1
+                return index if needed + 1 < length else None
+            if needed > 3:
+                return None
+        return None
 
     def _decode_next(self, flush: bool) -> str:
         ids = self._token_ids
