@@ -230,9 +230,20 @@ def _ct_int(name: str, tensors: dict, args: dict, out_features: int, in_features
         zp = _pop(tensors, f"{name}.weight_zero_point", name)
         if strategy == "tensor":  # CT packs zero points for group / channel only
             zeros = (zp.to(torch.int16).reshape(1, 1) + (1 << (bits - 1))).expand(out_features, 1)
+        elif zp.dtype != torch.int32 and tuple(zp.shape) == (out_features, groups):
+            # one int8 per zero point, unpacked: as compressed-tensors wrote them before it packed
+            # them (its PR #296, 2025); unpacking those as int32 words read garbage
+            zeros = zp.to(torch.int16) + (1 << (bits - 1))
+            if bool(((zeros < 0) | (zeros >= 1 << bits)).any()):
+                raise SourceModelError(f"linear {name}: weight_zero_point holds values outside the {bits}-bit "
+                                       f"range [{-(1 << (bits - 1))}, {(1 << (bits - 1)) - 1}]")
         else:
+            _check_shape(name, "weight_zero_point", zp, (math.ceil(out_features * bits / 32), groups))
+            if zp.dtype != torch.int32:
+                raise SourceModelError(f"linear {name}: weight_zero_point has dtype {zp.dtype}; compressed-tensors "
+                                       f"packs zero points as int32 ({32 // bits} per word down the rows) or stores "
+                                       f"them one per int8 as [{out_features}, {groups}]")
             zeros = unpack_int32(zp, dim=0, num_bits=bits)[:out_features]  # [out, groups] = CT zero + mid
-            _check_shape(name, "weight_zero_point", zeros, (out_features, groups))
     return _int_weight(name, codes, scale, zeros, _group_size(group_size, in_features), bits)
 
 

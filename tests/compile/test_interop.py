@@ -487,6 +487,43 @@ def test_import_checkpoint_made_by_compressed_tensors_compressors(tiny, tmp_path
     assert back.kv_strategy == "tensor" and check_export(artifact, back.path) == 14
 
 
+def test_unpacked_zero_points_import_exactly_and_a_bad_layout_is_refused(tiny, tmp_path):
+    """compressed-tensors wrote asymmetric pack-quantized zero points one per int8 ([out, groups])
+    before it packed them into int32 words; reading those as words imported every layer wrong."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    root, model_dir, _ = tiny
+    scheme = QuantizationScheme(targets=["Linear"], format="pack-quantized", weights=dict(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32))
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    tensors, expected = _source_weights(model_dir), {}
+    for name in linear_names():
+        W = tensors.pop(name + ".weight")
+        scale, zero_point = calculate_qparams(*(f(W.reshape(W.shape[0], -1, 32), -1) for f in (torch.amin, torch.amax)),
+                                              scheme.weights)
+        packed = compressor.compress({"weight": W, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
+        expected[name] = compressor.decompress(dict(packed), scheme)["weight"].float()
+        tensors.update({f"{name}.{k}": v for k, v in packed.items()})
+        tensors[f"{name}.weight_zero_point"] = zero_point.to(torch.int8).contiguous()  # the older, unpacked layout
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="pack-quantized",
+                                quantization_status="compressed")
+
+    def imported(tensors, name):
+        src = _write_checkpoint(tmp_path / name, model_dir, tensors, None)
+        ModelCompressor(quantization_config=config).update_config(str(src))
+        return import_checkpoint(src, tmp_path / f"{name}-artifact")
+
+    qm = load_artifact_quantized(imported(tensors, "unpacked"))
+    assert all(same_bits(qm.weights[name].dequantize(), expected[name]) for name in linear_names())
+    name = linear_names()[0]
+    tensors[f"{name}.weight_zero_point"] = tensors[f"{name}.weight_zero_point"].to(torch.int16)[:-1]  # neither layout
+    with pytest.raises(SourceModelError, match=f"linear {name}: weight_zero_point has shape"):
+        imported(tensors, "bad")
+
+
 def test_runtime_generates_from_an_imported_artifact(tiny, tmp_path):
     from qkiln.runtime.llm import LLM
     from qkiln.runtime.sampling_params import SamplingParams
