@@ -127,7 +127,7 @@ def read_checkpoint(path) -> ImportedCheckpoint:
         # a field of the wrong type or value (group_size 0, config_groups a list, ...)
         raise SourceModelError(f"{src}: its {fmt} quantization_config does not describe these weights "
                                f"({type(e).__name__}: {e}); fix the config or re-save the checkpoint") from e
-    if not weights:
+    if not weights and kv_scheme is None:  # a KV cache scheme alone is a quantized model (qkiln exports those)
         raise SourceModelError(f"{src}: no quantized linear found for {fmt}; is this the right checkpoint?")
     fp_tensors = _remaining_tensors(src, tensors, model, weights, config)
     _check_finite(src, weights, fp_tensors)
@@ -237,6 +237,8 @@ def _remaining_tensors(src: Path, tensors: dict, model: CausalLM, weights: dict,
 
 def _scheme(weights: dict, act_dynamic: bool | None, kv: KVCacheScheme | None, fmt: str, shapes: dict) -> QuantScheme:
     """A nominal recipe for the manifest; `quantization.linears` is what the runtime builds from."""
+    if not weights:  # the KV cache only: every linear stays as stored
+        return QuantScheme(kv_cache=kv)
     # mixed checkpoints (int4 MLP + fp8 attention) are named by their fp8 part: activations need it
     fp8 = [w for _, w in sorted(weights.items()) if isinstance(w, Fp8Weight)]
     first = fp8[0] if fp8 else weights[sorted(weights)[0]]
