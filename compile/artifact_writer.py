@@ -10,9 +10,10 @@ Invariants:
   partial dir that `verify_artifact` refuses; the next write to the same name deletes partials of
   dead processes on this host. While a build checks its engine (which loads the finished folder),
   an UNCHECKED file sits beside the manifest: a copy or rename of a partial killed then never
-  verifies either. The host hash and the random part keep builds in other PID
-  namespaces (containers sharing a volume) or on other hosts (NFS) from taking or deleting each
-  other's partials: a pid alone collided (each container's build is pid 1).
+  verifies either. The host-and-PID-namespace hash and the random part keep builds in other PID
+  namespaces (containers sharing a volume, even with one hostname) or on other hosts (NFS) from
+  taking or deleting each other's partials: a pid alone collided (each container's build is pid
+  1). The price: a killed container's partial is left for a person to delete.
 - `--force` replaces only what qkiln wrote: an earlier output whose own record (the manifest's file
   list) covers every file in the folder; a file added beside it is never deleted.
 - Reproducible: same inputs give byte-identical files. Tensors are sorted by name, made
@@ -196,8 +197,17 @@ def read_json_field(path: Path, key: str):
     return read_json_object(path).get(key)
 
 
-# this host, in the names of partial outputs: a pid says whether a writer is alive only on its host
-HOST_TAG = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+def _pid_namespace() -> str:
+    try:  # two containers may share a hostname (docker --network host) but never a PID namespace
+        st = os.stat("/proc/self/ns/pid")
+        return f"{st.st_dev}:{st.st_ino}"
+    except OSError:  # not Linux
+        return ""
+
+
+# this host and PID namespace, in the names of partial outputs: a pid says whether a writer is
+# alive only there (another namespace's live build had looked dead, and its partial was deleted)
+HOST_TAG = hashlib.sha256(f"{socket.gethostname()}|{_pid_namespace()}".encode()).hexdigest()[:8]
 
 
 def unfinished_prefix(out: Path, kind: str) -> str:

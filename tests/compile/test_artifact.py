@@ -381,6 +381,30 @@ def test_writes_in_other_pid_namespaces_keep_their_partials(tmp_path):
             verify_artifact(d)
 
 
+def test_a_build_in_another_pid_namespace_of_this_host_keeps_its_partial(tmp_path):
+    """Two containers sharing a hostname (docker --network host) and a volume: the other one's live
+    build (pid 82 there, no such pid here) looked dead, and its partial was deleted mid-write."""
+    import shutil
+    import subprocess
+    import sys
+
+    from qkiln.compile.artifact_writer import HOST_TAG
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux)")
+    other = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                            "from qkiln.compile.artifact_writer import HOST_TAG; print(HOST_TAG)"],
+                           capture_output=True, text=True)
+    if other.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {other.stderr.strip()[-200:]}")
+    other_tag = other.stdout.strip()
+    assert len(other_tag) == 8 and other_tag != HOST_TAG
+    theirs = tmp_path / f".b.partial-{other_tag}-999999999-x1"
+    theirs.mkdir()
+    verify_artifact(build(tmp_path / "a"))
+    assert theirs.is_dir()
+
+
 def test_an_output_that_appears_while_writing_is_not_replaced(tmp_path):
     from qkiln.compile.artifact_writer import check_replaceable, staged_directory
 
