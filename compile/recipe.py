@@ -229,5 +229,8 @@ def load_recipe(spec: str) -> Recipe:
         else:
             data = yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise RecipeError(f"{spec} is not valid {path.suffix[1:].upper()}: {e}") from None
+        mark = getattr(e, "problem_mark", None)  # PyYAML's message runs to 4 lines with a caret
+        what = f"{e.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None \
+            else " ".join(str(e).split())
+        raise RecipeError(f"{spec} is not valid {path.suffix[1:].upper() or 'YAML'}: {what}") from None
     return Recipe.from_dict(data, name=path.stem)

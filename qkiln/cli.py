@@ -4,16 +4,18 @@ Every user-facing failure is a `QkilnError`, printed as one `error: ...` line wi
 exit code; anything else is a bug and keeps its traceback.
 """
 
+import errno
 import json
 import os
 import signal
 import socket
 import sys
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
@@ -21,7 +23,43 @@ from qkiln.errors import ArtifactError, CalibrationDataError, QkilnError, exit_w
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
-app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True,
+
+try:  # typer 0.29 vendors click; before, it used click itself
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
+
+class _OneLineUsageError(UsageError):
+    def show(self, file=None) -> None:
+        command = f" (see '{self.ctx.command_path} --help')" if self.ctx is not None else ""
+        print(f"error: {self.format_message()}{command}", file=file or sys.stderr)
+
+
+@contextmanager
+def _one_line_usage_errors():
+    try:
+        yield
+    except UsageError as e:
+        if isinstance(e, (_OneLineUsageError, NoArgsIsHelpError)):
+            raise
+        raise _OneLineUsageError(e.format_message(), e.ctx) from None
+
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """A malformed command line gets one `error:` line and exit 2, as every other refusal does
+    (click printed a usage block with `Error:` on its fourth line, which `grep ^error:` missed)."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+app = typer.Typer(help="qkiln: calibrate, quantize, compile and serve LLMs.", no_args_is_help=True, cls=_OneLineErrors,
                   pretty_exceptions_enable=False, rich_markup_mode=None)  # help texts say [default: ...]
 
 
@@ -254,19 +292,22 @@ def generate_cmd(
             tok = llm.tokenizer
             ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
             llm.engine.add_request(ids, params)
-            while llm.engine.has_unfinished():
-                for out in llm.engine.step():
-                    print(out.new_text, end="", flush=True)
+            try:
+                while llm.engine.has_unfinished():
+                    for out in llm.engine.step():
+                        print(out.new_text, end="", flush=True)
+                print()
+            except BrokenPipeError:  # the reader left (`| head`): stop generating, a success under pipefail
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     except QkilnError as e:
         exit_with(e)
-    print()
 
 
 @app.command("serve")
 def serve_cmd(
     model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
     host: Annotated[str, typer.Option(help="address to bind (loopback by default)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar="QKILN_API_KEY", help="require 'Authorization: Bearer KEY'")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="requests batched together at most")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per engine step")] = 1024,
@@ -313,10 +354,15 @@ def serve_cmd(
 def _check_port_free(host: str, port: int) -> None:
     try:  # the address family the host resolves to (an IPv6 host, a name), SO_REUSEADDR as uvicorn binds
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except OSError as e:
+        exit_with(QkilnError(f"cannot resolve --host {host} ({e.strerror or e}); give an address of this machine "
+                             "(127.0.0.1, 0.0.0.0, ::1) or a name that resolves to one"))
+    try:
         socket.create_server((host, port), family=family).close()
     except OSError as e:
-        exit_with(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or stop "
-                         "what holds it"))
+        hint = "pick another --port or stop what holds it" if e.errno == errno.EADDRINUSE else \
+            "pick another --port, or a --host address of this machine"
+        exit_with(QkilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); {hint}"))
 
 
 app.command("verify")(verify_cmd)

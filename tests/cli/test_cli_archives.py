@@ -56,6 +56,20 @@ def _serve(path, tmpdir, *args):
         time.sleep(0.2)
 
 
+def test_generate_into_a_pipe_closed_early_succeeds(archive, tmp_path):
+    """`qkiln generate ... | head -c 1` exited 1 (click's broken-pipe exit), failing a pipefail script."""
+    path, _ = archive
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    command = (f"{sys.executable} -m qkiln generate {path} --prompt hello --max-tokens 200 --temperature 1 "
+               "--seed 1 | head -c 1")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], env={**os.environ, "TMPDIR": str(tmpdir)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and len(result.stdout) == 1, result
+    assert "Traceback" not in result.stderr and "error" not in result.stderr
+    assert list(tmpdir.iterdir()) == []  # the unpacked copy is gone
+
+
 def test_generate_inspect_and_eval_take_an_archive(archive, tmp_path):
     path, text = archive
     tmpdir = tmp_path / "tmp"

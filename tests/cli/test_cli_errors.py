@@ -52,6 +52,28 @@ def test_serve_on_a_taken_port_says_so_before_loading_anything(tmp_path, host):
     _check_port_free(host, port)  # free again: passes (an IPv6 host was refused as "address family")
 
 
+@pytest.mark.parametrize("args, needle", [
+    (("build", "m", "--recipe", "w4a16-rtn", "-o", "x", "--bogus-flag"), "No such option: --bogus-flag (see '"),
+    (("bench", "throughput"), "Missing argument 'model'. (see '"),
+    (("nosuchcommand",), "No such command 'nosuchcommand'"),
+    (("serve", "m", "--port", "70000"), "'--port'"),  # was an OverflowError traceback, exit 1
+    (("serve", "m", "--host", "nosuch.invalid"), "cannot resolve --host nosuch.invalid"),
+])
+def test_a_malformed_command_line_is_one_error_line(args, needle):
+    """click printed a usage block with `Error:` on its fourth line, which `grep ^error:` missed."""
+    result = run_cli(*args)
+    assert_one_line_error(result, needle, code=2)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_recipe_that_is_not_yaml_is_one_error_line(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("name: x\nscheme: {weights: [\n")
+    result = run_cli("build", str(tmp_path), "--recipe", str(recipe), "-o", str(tmp_path / "out"))
+    assert_one_line_error(result, "bad.yaml is not valid YAML: expected the node content", "line 3, column 1", code=4)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_a_folder_that_is_neither_artifact_nor_model(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     assert_one_line_error(run_cli("generate", str(tmp_path), "--prompt", "hi"), "neither a qkiln artifact", code=3)
