@@ -30,7 +30,18 @@ Int8Activations = Annotated[bool, typer.Option(
 
 def _run(module: str, options: dict) -> None:
     with exit_on_error():
+        _check_outputs(options.get("json_out"), options.get("plot"))
         importlib.import_module(f"qkiln.bench.{module}").main(**options)
+
+
+def _check_outputs(json_out: Path | None, plot: Path | None) -> None:
+    """Found out before the benchmark runs (minutes), not when its report is lost at the end."""
+    from qkiln.compile.artifact_writer import check_output_file, check_writable_dir
+
+    if json_out is not None:
+        check_output_file(json_out, "--json")
+    if plot is not None:  # a directory of charts
+        check_writable_dir(plot)
 
 
 @bench_app.command("throughput")
@@ -206,6 +217,7 @@ def kernels_command(
     from qkiln.bench.throughput import parse_int_list
 
     with exit_on_error():
+        _check_outputs(json_out, None)
         from qkiln.bench.cpu_kernels import run_cpu_kernels
 
         run_cpu_kernels(json_out, threads, repeats, tuple(parse_int_list(rows, "--rows")), num_layers,
@@ -237,4 +249,5 @@ def quality_command(
     argv += ["--llmcompressor-python", str(llmcompressor_python)] if llmcompressor_python else []
     argv += ["--llmc-workdir", str(llmc_workdir)] if llmc_workdir else []
     with exit_on_error():
+        _check_outputs(json_out, None)
         importlib.import_module("qkiln.bench.quant_quality").main(argv)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from qkiln.errors import ArtifactError
+
 _ROOT = Path(__file__).resolve().parents[1]
 _PACKAGES = ("qkiln", "torch", "numpy", "transformers", "tokenizers", "triton", "llama_cpp_python",
              "onnxruntime-genai", "httpx", "matplotlib")
@@ -141,8 +143,12 @@ def write_report(path: str | Path | None, report: dict) -> None:
     if path is None:
         return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:  # checked before the run (bench/cli.py): something changed since
+        raise ArtifactError(f"--json {path}: cannot write the report ({e.strerror or e}); the table above has "
+                            "its numbers") from None
     log(f"wrote {path}")
 
 

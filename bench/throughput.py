@@ -126,6 +126,7 @@ _FIGURES = ("elapsed_s", "num_steps", "requests_per_s", "input_tokens_per_s", "o
 def run_throughput(engine: LLMEngine, workload: Workload, num_repeats: int = 3, sampling: dict | None = None,
                    warmup: bool = True, label: str = "qkiln") -> dict:
     """`num_repeats` timed passes of `workload` -> summaries of every figure, plus peak memory."""
+    check_fits(engine, workload)  # the workload's lengths named, not the warm-up's shorter outputs
     if warmup:
         head = Workload(workload.prompts[:2], [min(4, n) for n in workload.output_lens[:2]])
         drive(engine, head, sampling)

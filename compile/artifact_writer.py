@@ -168,6 +168,13 @@ def check_writable_dir(directory: Path) -> None:
                             "choose another output path") from None
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """Before minutes of work (an evaluation, a benchmark): a report file can be written at `path`."""
+    if path.is_dir():
+        raise ArtifactError(f"{option} {path} is a directory: the output path is taken; give a file name")
+    check_writable_dir(path.absolute().parent)
+
+
 def _has_qkiln_manifest(path: Path) -> bool:
     """A manifest.json of qkiln's (with a format_version), not any file of that name (a web project's):
     stricter than artifact.is_artifact_dir, as refusing to write inside a folder must not misfire."""

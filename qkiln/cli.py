@@ -19,7 +19,7 @@ import typer.core
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
-from qkiln.errors import ArtifactError, CalibrationDataError, QkilnError, exit_with
+from qkiln.errors import CalibrationDataError, QkilnError, exit_with
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -131,12 +131,10 @@ def _check_eval_options(data: str, json_out: Path | None, int8_activations: bool
                         ort_accuracy_level: int, served: bool, dtype: str, reference: str | None) -> None:
     """Refuse what eval cannot do before the model loads (~20 s for SmolLM2), not after."""
     from qkiln.calib_data import eval_data_file
-    from qkiln.compile.artifact_writer import check_writable_dir
+    from qkiln.compile.artifact_writer import check_output_file
 
     if json_out is not None:  # found out now, not after the whole evaluation
-        if json_out.is_dir():
-            raise ArtifactError(f"--json {json_out} is a directory: the output path is taken; give a file name")
-        check_writable_dir(json_out.absolute().parent)
+        check_output_file(json_out, "--json")
     data_file = eval_data_file(data)[0]
     if not data_file.is_file():
         raise CalibrationDataError(f"--data {data_file} {'is not a file' if data_file.exists() else 'does not exist'}"

@@ -302,6 +302,13 @@ def test_cli_wiring_and_errors(tiny):
     for option, value in (("--max-num-batched-tokens", "0"), ("--threads", "-1"), ("--num-kv-blocks", "-5")):
         bad = runner.invoke(app, ["bench", "throughput", str(tiny), "--num-requests", "2", option, value])
         assert bad.exit_code == 2 and f"error: {option} must be >= 1" in bad.output, bad.output
+    long = runner.invoke(app, ["bench", "throughput", str(tiny), "--num-requests", "2", "--input-len", "1020",
+                               "--output-len", "8", "--repeats", "1"])
+    assert long.exit_code == 2 and "1020 prompt + 8 output tokens" in long.output, long.output  # not the warm-up's 4
+    unwritable = tiny / "model.safetensors" / "report.json"  # a file where a folder should be
+    for command in (["throughput", str(tiny), "--num-requests", "2"], ["kernels"]):
+        lost = runner.invoke(app, ["bench", *command, "--json", str(unwritable)])
+        assert lost.exit_code == 6 and "cannot write there" in lost.output and "tok/s" not in lost.output, lost.output
     assert runner.invoke(app, ["bench", "cpu-compare", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "kv-dtypes", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "prefill", "--help"]).exit_code == 0
