@@ -222,6 +222,8 @@ def build_cmd(
     """Calibrate, quantize, evaluate and write a verified artifact."""
     import dataclasses
 
+    from tqdm import tqdm
+
     from qkiln.compile.artifact_archive import check_archive_path, write_archive
     from qkiln.compile.build import build
     from qkiln.compile.recipe import load_recipe
@@ -231,7 +233,8 @@ def build_cmd(
         cal = {k: v for k, v in (("source", calib), ("num_samples", num_samples)) if v is not None}
         ev = {k: v for k, v in (("data", eval_data), ("max_tokens", eval_tokens), ("seq_len", eval_seq_len))
               if v is not None}
-        log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+        # a warning while a progress bar is drawn (the layer cache's) goes on a line of its own
+        log = lambda msg: tqdm.write(msg, file=sys.stderr)  # noqa: E731
         if (eval_tokens, eval_seq_len) != (None, None) and r.evaluation.data is None and eval_data is None:
             log("note: --eval-tokens / --eval-seq-len apply with --eval-data (or the recipe's evaluation.data); "
                 "no accuracy report")
