@@ -347,9 +347,11 @@ def serve_cmd(
             print(f"note: the KV cache holds {engine.max_request_len} tokens, fewer than the model's context of "
                   f"{engine.max_model_len}: a request (prompt and output) is limited to that; raise --kv-cache-mb "
                   "to serve the whole context", file=sys.stderr)
-        print(f"serving {engine.name!r} on http://{host}:{port}/v1", file=sys.stderr)
+        url_host = f"[{host}]" if ":" in host else host
         serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
-              allowed_origins=allowed_origin, max_concurrent_requests=max_concurrent_requests)
+              allowed_origins=allowed_origin, max_concurrent_requests=max_concurrent_requests,
+              on_listening=lambda bound: print(f"serving {engine.name!r} on http://{url_host}:{bound}/v1",
+                                               file=sys.stderr, flush=True))
 
 
 def _check_port_free(host: str, port: int) -> None:

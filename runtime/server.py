@@ -25,6 +25,7 @@ Invariants:
 """
 
 import asyncio
+import copy
 import json
 import logging
 import signal
@@ -497,8 +498,11 @@ def _param(loc) -> str | None:
 
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0,
-          allowed_origins: list[str] | None = None, max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS) -> None:
+          allowed_origins: list[str] | None = None, max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
+          on_listening=None) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
+    `on_listening(port)` is called once it accepts connections, with the port it bound (port 0:
+    the one the system picked).
 
     SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn stops accepting, requests in flight
     get `shutdown_timeout` seconds to finish, then the engine stops and the rest end with a 503 (a
@@ -512,7 +516,7 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
         # uvicorn's own bound is a backstop: by then every handler has had its EngineError
         app = create_app(engine, model_name, api_key, allowed_origins, max_concurrent_requests)
         config = _uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_timeout + 5)
-        server = _DrainingServer(config, engine, shutdown_timeout)
+        server = _DrainingServer(config, engine, shutdown_timeout, on_listening)
         server.run()
         if not server.started:  # the port was taken, say: uvicorn has logged why
             raise SystemExit(3)
@@ -524,9 +528,13 @@ def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api
 
 def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, timeout_graceful_shutdown: float,
                     read_timeout: float = REQUEST_READ_TIMEOUT_S) -> uvicorn.Config:
-    """h11 with a deadline on reading each request (http_guard.py), whatever else is installed."""
+    """h11 with a deadline on reading each request (http_guard.py), whatever else is installed; every
+    log line on stderr (uvicorn's access log went to stdout, alone)."""
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=GuardedH11Protocol.with_timeout(read_timeout),
-                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown)
+                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown,
+                          log_config=log_config)
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -538,10 +546,15 @@ class _DrainingServer(uvicorn.Server):
     with the engine's EngineError, which their handlers answer (503, or an error event in a
     stream), rather than being cancelled by uvicorn into bare 500s with tracebacks."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float, on_listening=None):
         super().__init__(config)
-        self.engine, self.grace = engine, grace
+        self.engine, self.grace, self.on_listening = engine, grace, on_listening
         self._stopping_engine = False
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_listening is not None:
+            self.on_listening(self.servers[0].sockets[0].getsockname()[1])
 
     async def shutdown(self, sockets=None) -> None:
         stop = asyncio.get_running_loop().call_later(self.grace, self._stop_engine)

@@ -114,6 +114,33 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
     assert list(tmpdir.iterdir()) == []
 
 
+def test_serve_on_port_0_names_the_port_it_bound_and_logs_only_to_stderr(archive, tmp_path):
+    """--port 0 announced http://127.0.0.1:0/v1, and uvicorn's access log went to stdout alone."""
+    import queue
+    import re
+    import threading
+
+    path, _ = archive
+    server = _cli(["serve", str(path), "--port", "0"], tmp_path)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
+    try:
+        said = []
+        while not (match := re.search(r"on http://127\.0\.0\.1:(\d+)/v1", said[-1] if said else "")):
+            said.append(lines.get(timeout=120))
+        port = int(match[1])
+        assert port != 0 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0
+        time.sleep(0.5)  # the reader thread drains the rest
+        said += list(lines.queue)
+        assert server.stdout.read() == ""
+        assert any('"GET /health HTTP/1.1" 200' in line for line in said), said
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
 def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
     """uvicorn's force exit (Ctrl-C twice) had cancelled the requests in flight: bare 500s, streams
     cut without an error event, a traceback each. They get the engine's 503 / error event instead."""
