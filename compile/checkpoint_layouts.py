@@ -85,7 +85,9 @@ def _check_bits(name: str, bits, group_size: int | None) -> None:
     if not isinstance(bits, int) or isinstance(bits, bool):
         raise SourceModelError(f"linear {name}: num_bits must be an integer, got {bits!r}; fix the quantization_config")
     if bits not in (4, 8):
-        raise SourceModelError(f"linear {name}: {bits}-bit weights are not supported (4 or 8 bits)")
+        raise SourceModelError(f"linear {name}: {bits}-bit weights are not supported; qkiln serves 4- or 8-bit "
+                               "integer weights: re-quantize the model with 4 or 8 bits, or build from the "
+                               "unquantized model (qkiln build)")
     if bits == 8 and group_size is not None:
         raise SourceModelError(f"linear {name}: grouped int8 weights (group_size {group_size}) are not supported; "
                                "qkiln's int8 is per channel: re-quantize with group_size -1")

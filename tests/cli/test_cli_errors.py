@@ -66,6 +66,20 @@ def test_a_malformed_command_line_is_one_error_line(args, needle):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_model_folder_given_where_an_artifact_belongs_is_named_with_what_to_do(tmp_path):
+    """export / verify of an HF folder said the build had not completed and to rerun qkiln build."""
+    import json
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert_one_line_error(run_cli("verify", str(model)), "a Hugging Face model, not a qkiln artifact",
+                          f"qkiln build {model} --recipe RECIPE", code=6)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {}}))
+    assert_one_line_error(run_cli("export", str(model), "-o", str(tmp_path / "e")),
+                          "a Hugging Face quantized checkpoint", f"qkiln import {model} -o ARTIFACT", code=6)
+
+
 def test_a_recipe_that_is_not_yaml_is_one_error_line(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text("name: x\nscheme: {weights: [\n")
