@@ -210,16 +210,16 @@ def read_manifest(path) -> Manifest:
     if not root.is_dir():
         raise ArtifactError(f"{root}: not a directory; pass the directory that qkiln build wrote, or its archive "
                             "named .tar, .tar.gz or .tgz")
-    if not mpath.is_file() and (root / "config.json").is_file():
-        try:
-            quantized = "quantization_config" in json.loads((root / "config.json").read_text())
-        except (OSError, ValueError, TypeError):
-            quantized = False
-        raise ArtifactError(f"{root}: a Hugging Face {'quantized checkpoint' if quantized else 'model'}, not a qkiln "
-                            f"artifact (no {MANIFEST_NAME}); "
-                            + (f"`qkiln import {root} -o ARTIFACT` turns it into one" if quantized else
-                               f"`qkiln build {root} --recipe RECIPE -o ARTIFACT` makes one"))
     if not mpath.is_file():
+        if (root / "config.json").is_file():
+            try:
+                quantized = "quantization_config" in json.loads((root / "config.json").read_text())
+            except (OSError, ValueError, TypeError):
+                quantized = False
+            raise ArtifactError(f"{root}: a Hugging Face {'quantized checkpoint' if quantized else 'model'}, not a "
+                                f"qkiln artifact (no {MANIFEST_NAME}); "
+                                + (f"`qkiln import {root} -o ARTIFACT` turns it into one" if quantized else
+                                   f"`qkiln build {root} --recipe RECIPE -o ARTIFACT` makes one"))
         raise ArtifactError(f"{root}: not a finished artifact (no {MANIFEST_NAME}); "
                             "the build did not complete or this is the wrong directory, rerun qkiln build")
     try:

@@ -14,11 +14,11 @@ import triton
 import triton.language as tl
 
 from qkiln.errors import RecipeError
-from qkiln.plugins.kv_cache import FP8_MAX, kv_dtype_of
+from qkiln.plugins.kv_cache import FP8_MAX, FP16_MAX, kv_dtype_of
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _EPS = tl.constexpr(torch.finfo(torch.float32).eps)
-_FP16_MAX = tl.constexpr(65504.0)
+_FP16_MAX = tl.constexpr(FP16_MAX)
 KV_MODES = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8": 1, "int4": 2}
 
 

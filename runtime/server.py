@@ -33,7 +33,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -499,7 +499,7 @@ def _param(loc) -> str | None:
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0,
           allowed_origins: list[str] | None = None, max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
-          on_listening=None) -> None:
+          on_listening: Callable[[int], None] | None = None) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
     `on_listening(port)` is called once it accepts connections, with the port it bound (port 0:
     the one the system picked).
@@ -546,7 +546,8 @@ class _DrainingServer(uvicorn.Server):
     with the engine's EngineError, which their handlers answer (503, or an error event in a
     stream), rather than being cancelled by uvicorn into bare 500s with tracebacks."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float, on_listening=None):
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float,
+                 on_listening: Callable[[int], None] | None = None):
         super().__init__(config)
         self.engine, self.grace, self.on_listening = engine, grace, on_listening
         self._stopping_engine = False
