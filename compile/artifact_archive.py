@@ -23,7 +23,7 @@ from qkiln.errors import ArtifactError
 
 from .artifact import ARCHIVE_SUFFIXES, MANIFEST_NAME, verify_artifact, verify_contents
 from .artifact_writer import (check_destination, check_writable_dir, fresh_partial_dir, fsync_dirs, move_into_place,
-                              remove_stale_partials, source_date_epoch, unfinished_prefix)
+                              output_path, remove_stale_partials, source_date_epoch, unfinished_prefix)
 
 
 def _archive_mode(path: Path) -> str:
@@ -36,7 +36,7 @@ def _archive_mode(path: Path) -> str:
 def check_archive_path(path, overwrite: bool = False) -> None:
     """Raise ArtifactError now for an archive path write_archive would refuse (after a whole build),
     or one that holds a file `overwrite` does not allow replacing."""
-    path = Path(path).absolute()
+    path = output_path(path)
     _archive_mode(path)
     if path.is_dir():
         raise ArtifactError(f"{path}: is a directory; give the archive a file name")
@@ -48,7 +48,7 @@ def check_archive_path(path, overwrite: bool = False) -> None:
 def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
     """Verify, then pack manifest.json first (a registry can read it without scanning) and the
     rest sorted, with fixed metadata. `mtime` defaults to $SOURCE_DATE_EPOCH, else 0."""
-    root, archive = Path(artifact_dir), Path(archive_path).absolute()
+    root, archive = Path(artifact_dir), output_path(archive_path)
     mode = _archive_mode(archive)
     rels = verify_artifact(root, check_target=False)
     if mtime is None:
@@ -90,7 +90,7 @@ def write_archive(artifact_dir, archive_path, mtime: int | None = None) -> Path:
 def extract_archive(archive_path, dest, overwrite: bool = False, check_target: bool = False) -> Path:
     """Unpack into `dest` (atomically, like write_artifact) and verify. Only regular files with
     plain relative names are accepted: absolute paths, '..', links and devices are refused."""
-    archive, out = Path(archive_path), Path(dest).absolute()
+    archive, out = Path(archive_path), output_path(dest)
     _archive_mode(archive)
     if not archive.is_file():
         raise ArtifactError(f"{archive}: archive not found")

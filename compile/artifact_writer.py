@@ -51,7 +51,7 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
     the complete artifact before it takes `out_dir`'s name; what it raises aborts the write.
     Returns the path.
     """
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     check_destination(out, overwrite)
     replace(manifest, files={}).to_json()  # schema errors before any work
     blobs = _collect_blobs(tokenizer_files, reports, engines or {})
@@ -121,6 +121,7 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
     web project's manifest.json, a Hugging Face checkpoint's config.json), nor an output a user
     added files to (deploy notes, a .git). The parent must be writable: found out now, not after
     minutes of calibration."""
+    _check_not_working_directory(out)
     inside = next((p for p in out.parents if _has_qkiln_manifest(p)), None)
     if inside is not None:  # its verify would then fail on files the manifest does not list
         raise ArtifactError(f"{out}: is inside the artifact {inside}; choose an output path outside it")
@@ -150,10 +151,27 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
     check_writable_dir(out.parent)
 
 
+def _check_not_working_directory(out: Path) -> None:
+    """`-o .` (or `-o ""`, which is the same path) names no new folder: the output would be named
+    after nothing, and --force would delete the folder a shell stands in. Refused before any work."""
+    here = Path.cwd()
+    target = output_path(out)
+    if target == here or target in here.parents:
+        where = "the current directory" if target == here else "a folder holding the current directory"
+        raise ArtifactError(f"output path {str(out)!r} is {where}; give the path of a new directory "
+                            "(e.g. -o ./my-artifact)")
+
+
 def _files_under(root: Path) -> set[str]:
     """Every file (and link) below `root` as a posix relpath; directories alone do not count."""
     return {(Path(d) / n).relative_to(root).as_posix() for d, dirs, files in os.walk(root)
             for n in files + [x for x in dirs if (Path(d) / x).is_symlink()]}
+
+
+def output_path(path) -> Path:
+    """An output path made absolute and without `..`: `-o b/x/..` means b (the OS would need b/x to
+    exist, and the folder would be named "..")."""
+    return Path(os.path.abspath(path))
 
 
 def check_writable_dir(directory: Path) -> None:

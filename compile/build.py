@@ -22,7 +22,7 @@ from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
-from .artifact_writer import check_destination, source_date_epoch, write_artifact
+from .artifact_writer import check_destination, output_path, source_date_epoch, write_artifact
 from .calibrate import linear_shapes, quantize_model
 from .evaluate import check_window, evaluate
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
@@ -51,7 +51,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     """engines: ("onnx",) also writes engines/onnx/, checked against the artifact before it is
     published (compile/export_onnx.py)."""
     start = time.perf_counter()
-    check_destination(Path(out).absolute(), overwrite)  # a taken path fails now, not after calibration
+    check_destination(output_path(out), overwrite)  # a taken path fails now, not after calibration
     source_date_epoch()  # a malformed one, too
     _check_evaluation_data(recipe)
     _check_engines(engines, recipe)
@@ -196,7 +196,7 @@ def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: P
                      if not (source.config.tie_word_embeddings and k == "lm_head.weight"))
     kv = recipe.scheme.kv_cache
     return Manifest(
-        name=Path(out).name,
+        name=output_path(out).name,
         architecture=source.config.to_dict(),
         target={"device": recipe.target, "min_compute_capability": "8.0" if recipe.target == "cuda" else None},
         recipe=recipe.to_dict() | {"fallbacks": qm.fallbacks},

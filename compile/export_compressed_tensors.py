@@ -45,7 +45,7 @@ from qkiln.runtime.model import CausalLM
 
 from .artifact import load_tensors, read_manifest
 from .artifact_tensors import from_tensors
-from .artifact_writer import check_replaceable, read_json_object, staged_directory
+from .artifact_writer import check_replaceable, output_path, read_json_object, staged_directory
 from .quantized_model import QuantizedModel
 
 INSTALL_HINT = "install the interop extra: pip install 'qkiln[interop]' (compressed-tensors==0.20.0)"
@@ -76,7 +76,7 @@ def export_compressed_tensors(artifact, out_dir, *, drop_kv: bool = False, overw
     compressed-tensors and compared bit for bit with the artifact (`check_export`).
     """
     _require_compressed_tensors()
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     recheck = lambda: check_replaceable(out, overwrite, "a checkpoint qkiln exported", _export_files)  # noqa: E731
     recheck()
     kv = read_manifest(artifact).kv_cache  # refused before the weights load (~20 s for SmolLM2)

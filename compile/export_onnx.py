@@ -18,7 +18,8 @@ from qkiln.plugins import onnx_nodes
 
 from .artifact import (UNCHECKED_MARKER, Manifest, check_not_unchecked, load_tensors, read_manifest, sha256_file,
                        verify_artifact)
-from .artifact_writer import check_replaceable, mark_checked, mark_unchecked, read_json_field, staged_directory
+from .artifact_writer import (check_replaceable, mark_checked, mark_unchecked, output_path, read_json_field,
+                              staged_directory)
 from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory, read_engine_contract,
                          require_engine_matches)
 from .onnx_contract import read_engine_model, rewrite_hint
@@ -48,7 +49,7 @@ def export_onnx(artifact, out_dir, *, overwrite: bool = False, verify: bool = Tr
     """Write the artifact's ONNX engine into `out_dir`: complete and checked, or not at all.
     A check that would not fit in memory is skipped and said so (`log`); verify=False skips it."""
     require_onnx()
-    out = Path(out_dir).absolute()
+    out = output_path(out_dir)
     recheck = lambda: check_replaceable(out, overwrite, "an ONNX engine qkiln exported", _engine_files)  # noqa: E731
     recheck()
     verify_artifact(artifact, check_target=False)  # an engine may be built anywhere

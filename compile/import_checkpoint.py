@@ -34,7 +34,7 @@ from qkiln.runtime.tokenizer import Tokenizer
 
 from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import to_tensors
-from .artifact_writer import source_date_epoch, write_artifact
+from .artifact_writer import output_path, source_date_epoch, write_artifact
 from .checkpoint_layouts import decode_awq, decode_compressed_tensors, decode_gptq, decode_kv
 from .quantized_model import QuantizedModel
 
@@ -61,7 +61,8 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
         num_params = sum(p.numel() for p in CausalLM(config).parameters())
     kv = ckpt.qm.scheme.kv_cache
     manifest = Manifest(
-        name=Path(out).name, architecture=config.to_dict(),
+        name=output_path(out).name,
+        architecture=config.to_dict(),
         target={"device": target, "min_compute_capability": "8.0" if target == "cuda" else None},
         recipe={"name": f"import:{ckpt.format}", "scheme": ckpt.qm.scheme.to_dict(), "target": target,
                 "imported_from": {"format": ckpt.format, "quantization_config": ckpt.quantization_config},

@@ -59,6 +59,7 @@ def write_cache_file(path: Path, write, warn=None) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write(tmp)
+        os.chmod(tmp, 0o644)  # safetensors creates 0600; a cache shared by a team's users must be readable
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -148,7 +149,8 @@ class LayerCache:
                 path.unlink(missing_ok=True)  # damaged: recomputed and stored again
                 raise ValueError("payload does not match its sha256")
             meta = json.loads(metadata["report"])
-            os.utime(path)  # recently used: evicted last
+            with contextlib.suppress(OSError):  # only the owner may touch it: another user's entry is still a hit
+                os.utime(path)  # recently used: evicted last
         except Exception:  # missing or corrupt: recompute
             self.num_misses += 1
             return None

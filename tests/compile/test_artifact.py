@@ -436,6 +436,19 @@ def test_unwritable_destinations_fail_before_any_work(tmp_path):
     check_archive_path(tmp_path / "old.tar", overwrite=True)
 
 
+def test_the_working_directory_is_not_an_output(tmp_path, monkeypatch):
+    """`-o .` or `-o ""` named the artifact "" (refused after the whole build) and --force would
+    have replaced the folder the shell stands in."""
+    from qkiln.compile.artifact_writer import check_destination
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    for out, where in ((Path(""), "the current directory"), (Path("a/.."), "the current directory"),
+                       (Path(".."), "holding the current directory")):
+        with pytest.raises(ArtifactError, match=where):
+            check_destination(out, overwrite=True)
+
+
 def test_an_archive_write_clears_what_killed_writes_left(tmp_path):
     out = build(tmp_path / "a")
     dead = tmp_path / ".a.tar.partial-999999999"  # no such process

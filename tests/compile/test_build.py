@@ -83,6 +83,17 @@ def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_pat
     assert w_c != a["weights/model-00001-of-00001.safetensors"]  # KV scales differ, weights reused
 
 
+def test_an_output_path_through_dot_dot_is_named_after_its_folder(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    result = build(str(model), _recipe("w4a16-rtn", text), Path("b/x/.."), progress=False, log=lambda m: None)
+    # it was named "..", built in a folder b/x made on the way
+    assert json.loads((result.path / "manifest.json").read_text())["name"] == "b"
+    assert result.path == tmp_path / "b" and not (tmp_path / "b" / "x").exists()
+
+
 def test_kv_only_recipe_keeps_weights_in_high_precision(tiny, tmp_path, monkeypatch):
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))

@@ -6,6 +6,9 @@ import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -91,6 +94,30 @@ def test_the_cache_evicts_the_least_recently_used_entries(tmp_path):
     assert cache.get("a") is not None  # used: now the newest
     cache.put("d", entry, {})
     assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["a", "c", "d"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_another_user_s_entries_are_hits(tmp_path):
+    """A cache shared by a team (QKILN_CACHE_DIR on a common volume): entries were 0600, as
+    safetensors creates them, and touching another user's file failed too; both were misses."""
+    shared = Path(tempfile.mkdtemp(prefix="qkiln-shared-cache-"))
+    try:
+        shared.chmod(0o755)
+        LayerCache(shared).put("a", {"w": torch.arange(4.0)}, {"ok": 1})
+        assert (shared / "a.safetensors").stat().st_mode & 0o777 == 0o644
+        read = ("import sys; from pathlib import Path\n"
+                "try: from qkiln.compile.layer_cache import LayerCache\n"
+                "except (ImportError, OSError): print('cannot import'); sys.exit()\n"
+                "hit = LayerCache(Path(sys.argv[1])).get('a'); print(hit[0]['w'].tolist() if hit else None)")
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        out = subprocess.run([*as_nobody, sys.executable, "-c", read, str(shared)], cwd="/",
+                             capture_output=True, text=True, timeout=120)
+        if out.stdout.strip() == "cannot import" or out.returncode == 126:  # 126: python not executable
+            pytest.skip("this checkout cannot be read by another user")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == "[0.0, 1.0, 2.0, 3.0]"
+    finally:
+        shutil.rmtree(shared)
 
 
 def test_a_damaged_cache_entry_is_a_miss_not_an_artifact_s_weights(tmp_path, monkeypatch):
