@@ -46,7 +46,7 @@ def _check_outputs(json_out: Path | None, plot: Path | None) -> None:
 
 @bench_app.command("throughput")
 def throughput_command(
-    model: Annotated[str, typer.Argument(help="artifact directory or source model (alias, HF dir, .gguf)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
     num_requests: Annotated[int, typer.Option(help="requests submitted at once")] = 64,
     input_len: Annotated[str, typer.Option(help="prompt tokens: 128, or a uniform range 64:256")] = "128",
     output_len: Annotated[str, typer.Option(help="output tokens: 128, or a uniform range 64:256")] = "128",
@@ -74,7 +74,7 @@ def throughput_command(
 
 @bench_app.command("latency")
 def latency_command(
-    model: Annotated[str, typer.Argument(help="artifact directory or source model (alias, HF dir, .gguf)")],
+    model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
     input_len: Annotated[int, typer.Option(help="prompt tokens")] = 128,
     output_len: Annotated[int, typer.Option(help="generated tokens (>= 2)")] = 128,
     batch_size: Annotated[str, typer.Option(help="sequences decoded together; a list 1,16 sweeps")] = "1",

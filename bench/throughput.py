@@ -66,7 +66,12 @@ def parse_int_list(spec: str, what: str) -> list[int]:
 
 
 def load_model(model: str, dtype: str = "auto", int8_activations: bool = False) -> ServingModel:
-    return load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
+    """`model` may be an artifact archive, as every other command takes it: unpacked and verified
+    into a folder that is gone once the model is in memory."""
+    from qkiln.compile.artifact_cli import unpacked
+
+    with unpacked(model) as path:
+        return load_for_serving(path, dtype=dtype, int8_activations=int8_activations)
 
 
 def make_engine(loaded: ServingModel, **engine_kwargs) -> LLMEngine:

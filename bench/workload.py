@@ -138,13 +138,15 @@ def _jsonl_prompts(path: Path, tokenizer, num_requests: int, rng: random.Random)
 
 
 def load_tokenizer(model: str):
-    """The served model's tokenizer without loading its weights where the layout allows."""
+    """The served model's tokenizer without loading its weights where the layout allows (an
+    artifact archive is unpacked and verified for it, as every command takes one)."""
     from qkiln.compile.artifact import is_artifact_dir
+    from qkiln.compile.artifact_cli import unpacked
     from qkiln.runtime.source import load_source, resolve_source
     from qkiln.runtime.tokenizer import Tokenizer
 
-    path = Path(model)
-    if is_artifact_dir(path):
-        return Tokenizer.from_dir(path / "tokenizer")
+    with unpacked(model) as unpacked_path:
+        if is_artifact_dir(Path(unpacked_path)):
+            return Tokenizer.from_dir(Path(unpacked_path) / "tokenizer")
     path = resolve_source(model)
     return Tokenizer.from_dir(path) if path.is_dir() else load_source(path).tokenizer

@@ -241,6 +241,22 @@ def test_prefill_tiny(tiny, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("qkiln.runtime.server") is None, reason="runtime/server.py absent")
+def test_an_artifact_archive_is_benchmarked_as_it_is(tiny, tmp_path):
+    """`bench throughput A.tar` took the archive for a source model and was refused."""
+    from qkiln.bench.workload import load_tokenizer
+    from qkiln.compile.artifact_archive import write_archive
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+
+    built = build(str(tiny), preset("w4a16-rtn"), tmp_path / "a", use_cache=False, progress=False, log=lambda m: None)
+    archive = str(write_archive(built.path, tmp_path / "a.tar"))
+    report = throughput.main(archive, num_requests=2, input_len="4", output_len="3", max_num_seqs="2", repeats=1,
+                             threads=1)
+    assert report["config"]["model"] == archive  # the report names what was given, not a temporary folder
+    assert report["results"]["runs"][0]["num_output_tokens"]["median"] == 6
+    assert load_tokenizer(archive).encode("hello") == load_tokenizer(str(built.path)).encode("hello")
+
+
 def test_serve_against_a_started_server(tiny, tmp_path):
     report = serve.main(str(tiny), num_requests=3, input_len="4:6", output_len="3", concurrency="1,0",
                         goodput="ttft:600000,e2el:600000", repeats=1, json_out=tmp_path / "s.json",
