@@ -282,7 +282,29 @@ def verify_artifact(path, check_target: bool = True) -> list[str]:
     """
     root = Path(path)
     check_finished_name(root)
-    return verify_contents(root, check_target)
+    retries = _REPLACED_RETRIES
+    while True:
+        before = _folder_identity(root)
+        try:
+            return verify_contents(root, check_target)
+        except ArtifactError:
+            # a `build --force` replaced the folder while it was read (the old manifest against the
+            # new weights): check the new one, as a reader arriving a moment later would
+            if retries == 0 or _folder_identity(root) == before:
+                raise
+            retries -= 1
+
+
+_REPLACED_RETRIES = 3
+
+
+def _folder_identity(root: Path) -> tuple[int, int] | None:
+    """Which directory `root` names now: a replace renames another one into its place."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def check_finished_name(root: Path) -> None:
