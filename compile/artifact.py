@@ -200,6 +200,16 @@ def _check_file_entry(rel, entry, where: str) -> None:
         raise ArtifactError(f"{where}: files[{rel!r}] must be {{'sha256': 64 hex chars, 'size': int >= 0}}")
 
 
+def quantization_method(hf_config) -> str | None:
+    """A Hugging Face config.json's quantization method ("gptq", "compressed-tensors", ...) when its
+    tensors are codes and scales, else None. Build refuses such a source, import takes it."""
+    if not isinstance(hf_config, dict) or "quantization_config" not in hf_config:
+        return None
+    qc = hf_config["quantization_config"]
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return method if isinstance(method, str) and method else "quantized"
+
+
 def read_manifest(path) -> Manifest:
     """The manifest of the artifact at `path`, validated; no weights are read."""
     root = Path(path)
@@ -213,8 +223,8 @@ def read_manifest(path) -> Manifest:
     if not mpath.is_file():
         if (root / "config.json").is_file():
             try:
-                quantized = "quantization_config" in json.loads((root / "config.json").read_text())
-            except (OSError, ValueError, TypeError):
+                quantized = quantization_method(json.loads((root / "config.json").read_text())) is not None
+            except (OSError, ValueError):
                 quantized = False
             raise ArtifactError(f"{root}: a Hugging Face {'quantized checkpoint' if quantized else 'model'}, not a "
                                 f"qkiln artifact (no {MANIFEST_NAME}); "

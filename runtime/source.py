@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from qkiln.compile.artifact import MANIFEST_NAME, WEIGHTS_DIR, is_artifact_dir
+from qkiln.compile.artifact import MANIFEST_NAME, WEIGHTS_DIR, is_artifact_dir, quantization_method
 from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
@@ -123,9 +123,8 @@ def _load_hf_dir(path: Path) -> SourceModel:
                                "(no config.json); give an artifact, a model directory, a .gguf file or an alias")
     try:
         hf = json.loads(config_path.read_text())
-        if isinstance(hf, dict) and "quantization_config" in hf:  # its tensors are codes and scales
-            qc = hf["quantization_config"]
-            method = qc.get("quant_method", "quantized") if isinstance(qc, dict) else "quantized"
+        method = quantization_method(hf)
+        if method is not None:
             raise SourceModelError(f"{path} is a quantized checkpoint ({method}): `qkiln import {path} -o ARTIFACT` "
                                    "turns it into an artifact to serve or evaluate; to quantize it yourself, build "
                                    "from the unquantized model")
