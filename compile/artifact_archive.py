@@ -17,6 +17,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
@@ -124,7 +125,7 @@ class _UnpackWriteError(Exception):
 
 def _extract_members(archive: Path, into: Path) -> None:
     try:
-        with tarfile.open(archive, mode="r:*") as tar:
+        with _decompressed(archive) as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
             seen = set()
             for m in tar:
                 parts = PurePosixPath(m.name).parts
@@ -140,12 +141,57 @@ def _extract_members(archive: Path, into: Path) -> None:
                 with tar.extractfile(m) as src, _created(target) as dst:
                     while chunk := src.read(1 << 20):
                         _write_all(dst, chunk)
+            _check_nothing_after_the_end(archive, tar, stream)
     except _UnpackWriteError as e:
         reason = e.args[0].strerror or e.args[0]
         raise ArtifactError(f"{archive}: cannot unpack it into {into.parent} ({reason}); free space there, or "
                             "unpack it elsewhere (TMPDIR, for a command given the archive)") from None
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
         raise ArtifactError(f"{archive}: cannot read archive ({e}); re-fetch it") from None
+
+
+class _Stream:
+    """The tar bytes (a .tar.gz decompressed), remembering where the last read began and what it
+    returned: tar stops at the block that ends the archive, and a gzip stream cannot seek back to
+    it without decompressing everything again."""
+
+    def __init__(self, raw):
+        self.raw, self.last_read = raw, (0, b"")
+
+    def read(self, size=-1) -> bytes:
+        start = self.raw.tell()
+        data = self.raw.read(size)
+        self.last_read = start, data
+        return data
+
+    def seek(self, offset, whence=0):
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+
+@contextmanager
+def _decompressed(archive: Path):
+    with open(archive, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    with (gzip.open(archive, "rb") if gzipped else open(archive, "rb")) as raw:
+        yield _Stream(raw)
+
+
+def _check_nothing_after_the_end(archive: Path, tar: tarfile.TarFile, stream: _Stream) -> None:
+    """tar stops at the first block that is not a member's header (its end-of-archive zeros) and
+    never reads what follows: a second archive joined on (`cat a.tar b.tar`), or a damaged tail,
+    passed unseen. Only zeros, the end blocks and record padding, may follow the last member (in a
+    .tar.gz, gzip refuses a damaged tail itself)."""
+    start, block = stream.last_read
+    if start != tar.offset:  # tar stopped at the end of the file, reading nothing
+        return
+    while block:
+        if block.count(0) != len(block):
+            raise ArtifactError(f"{archive}: holds data after the end of its tar archive (a damaged tail, or "
+                                "two files joined); re-fetch it")
+        block = stream.read(1 << 20)
 
 
 def _write_all(dst, chunk: bytes) -> None:

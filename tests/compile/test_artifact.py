@@ -538,6 +538,29 @@ def test_tampered_archive_fails_to_extract(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_data_after_the_end_of_an_archive_is_refused(tmp_path, suffix):
+    """tar never reads past its end blocks: a second archive joined on, or a damaged tail, verified."""
+    a = build(tmp_path / "a")
+    archive = write_archive(a, tmp_path / f"a{suffix}")
+    raw = archive.read_bytes()
+    archive.write_bytes(raw + bytes(10240))  # more zero padding, as some tools write: still the same archive
+    assert verify_artifact(extract_archive(archive, tmp_path / "padded")) == verify_artifact(a)
+    joined = tmp_path / f"joined{suffix}"
+    joined.write_bytes(raw + write_archive(build(tmp_path / "b", tensors=make_tensors(seed=1)),
+                                           tmp_path / f"b{suffix}").read_bytes())
+    with pytest.raises(ArtifactError, match="after the end of its tar archive|cannot read archive"):
+        extract_archive(joined, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    if suffix == ".tar":  # junk where the end blocks belong: tar took it for the end too
+        with tarfile.open(archive) as tar:
+            last = tar.getmembers()[-1]
+        end = last.offset_data + -(-last.size // 512) * 512
+        archive.write_bytes(raw[:end] + b"junk" * 256)
+        with pytest.raises(ArtifactError, match="after the end of its tar archive"):
+            extract_archive(archive, tmp_path / "x")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_cuda_artifact_refused_without_cuda(tmp_path):
     out = build(tmp_path / "a", manifest=make_manifest(device="cuda"))
