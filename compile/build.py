@@ -172,7 +172,6 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
     # the reference's perplexity comes with the KL, from the same logits (a separate cached pass before)
     report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=ref_logits,
                       progress=progress)
-    report["perplexity_change"] = report["perplexity"] / report["reference_perplexity"] - 1
     report["scoring"] = SIMULATION_SCORING
     return report
 

@@ -169,6 +169,8 @@ def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_referenc
         report["kl_divergence"] = totals["kl"] / n  # nats per scored token, KL(reference || model)
         report["top1_agreement"] = totals["agree"] / n  # a fraction
         report["reference_perplexity"] = math.exp(totals["ref_nll"] / n)
+        # as the build's accuracy report has it, so an eval job compares one key with the manifest's
+        report["perplexity_change"] = report["perplexity"] / report["reference_perplexity"] - 1
     return report
 
 

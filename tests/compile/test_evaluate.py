@@ -99,6 +99,8 @@ def test_reference_against_itself_has_zero_kl(tmp_path):
     r = evaluate(m, m.tokenizer, str(tmp_path / "t.txt"), 32, 100, reference=m, progress=False)
     assert r["kl_divergence"] == pytest.approx(0.0, abs=1e-6)
     assert r["top1_agreement"] == 1.0
+    # the keys of a build's accuracy report: an eval job compares them with the manifest's
+    assert r["perplexity_change"] == r["perplexity"] / r["reference_perplexity"] - 1
 
 
 def test_smollm2_perplexity_agrees_with_transformers(smollm2, smollm2_transformers, wiki_test_path):
