@@ -73,10 +73,20 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
             if check is not None:
                 mark_checked(tmp)
             move_into_place(tmp, out, lambda: check_destination(out, overwrite))
-    except BaseException:
+    except BaseException as e:
+        vanished = not tmp.is_dir()
         shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it
+        if vanished and isinstance(e, Exception):
+            raise _vanished(tmp, out) from e
         raise
     return out
+
+
+def _vanished(tmp: Path, out: Path) -> ArtifactError:
+    """Whatever failed because another process deleted our staging folder (a missing tokenizer,
+    a write error) is reported as that, not as a fault in the source or the disk."""
+    return ArtifactError(f"{out}: its staging folder {tmp.name} was deleted while it was being written (by "
+                         "another process cleaning that folder?); nothing was written there: rerun")
 
 
 @contextmanager
@@ -275,8 +285,11 @@ def staged_directory(out: Path, recheck):
                 if f.is_file():
                     f.chmod(0o644)
             move_into_place(tmp, out, recheck)
-    except BaseException:
+    except BaseException as e:
+        vanished = not tmp.is_dir()
         shutil.rmtree(tmp, ignore_errors=True)
+        if vanished and isinstance(e, Exception):
+            raise _vanished(tmp, out) from e
         raise
 
 
@@ -417,7 +430,7 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
         os.rename(out, trash / "old")
         os.rename(tmp, out)
         _fsync_dir(out.parent)
-        shutil.rmtree(trash)
+        shutil.rmtree(trash, ignore_errors=True)  # what stays is a dead writer's: the next one removes it
     else:
         os.rename(tmp, out)
         _fsync_dir(out.parent)

@@ -427,6 +427,26 @@ def test_a_build_in_another_pid_namespace_of_this_host_keeps_its_partial(tmp_pat
     assert theirs.is_dir()
 
 
+def test_a_staging_folder_deleted_by_another_process_is_said(tmp_path):
+    """Another build's cleanup took our partial for a dead one's: the check then failed as a source
+    model without a tokenizer (exit 3, "copy the tokenizer files there")."""
+    from qkiln.runtime.tokenizer import Tokenizer
+
+    def deleted_meanwhile(tmp):
+        shutil.rmtree(tmp)
+        Tokenizer.from_dir(tmp / "tokenizer")
+
+    with pytest.raises(ArtifactError, match="staging folder .* was deleted while it was being written"):
+        build(tmp_path / "a", check=deleted_meanwhile)
+    assert siblings(tmp_path / "a") == [] and not (tmp_path / "a").exists()
+
+    def fails(tmp):
+        raise ArtifactError("the engine does not match")
+
+    with pytest.raises(ArtifactError, match="^the engine does not match$"):  # a failure of its own stays itself
+        build(tmp_path / "a", check=fails)
+
+
 def test_an_output_that_appears_while_writing_is_not_replaced(tmp_path):
     from qkiln.compile.artifact_writer import check_replaceable, staged_directory
 
