@@ -191,6 +191,8 @@ def serve_cmd(
     max_num_seqs: Annotated[int, typer.Option(help="requests batched together at most")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="token budget per engine step")] = 1024,
     long_prefill_token_threshold: Annotated[int, typer.Option(help="cap one prompt's chunk per step at this many tokens, so requests behind a long prompt start sooner (0: no cap)")] = 0,
+    enable_chunked_prefill: Annotated[bool, typer.Option(help="cut prompts where the step's budget runs out; off: only at fixed positions, so a prompt's logprobs repeat whatever else runs (evaluation jobs; a decode may then wait a step for prompts)")] = True,
+    enable_prefix_caching: Annotated[bool, typer.Option(help="reuse the KV of prompt prefixes seen before; off: a prompt's first answer is its answer every time (evaluation jobs)")] = True,
     max_model_len: Annotated[Optional[int], typer.Option(help="context length, at most the model's (default: the model's)")] = None,
     kv_cache_mb: Annotated[int, typer.Option("--kv-cache-mb", "--kv-cache-mib", help="KV cache pool size in MiB")] = 512,
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
@@ -214,7 +216,8 @@ def serve_cmd(
                                                int8_activations=int8_activations, max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                long_prefill_token_threshold=long_prefill_token_threshold,
-                                               kv_dtype=kv_dtype, generation_config=generation_config,
+                                               enable_chunked_prefill=enable_chunked_prefill,
+                                               enable_prefix_caching=enable_prefix_caching, kv_dtype=kv_dtype, generation_config=generation_config,
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             exit_with(e)

@@ -58,6 +58,9 @@ class EngineConfig:
     # > 0: one sequence's prefill chunk per step is at most this many tokens, so a long prompt
     # leaves budget for requests behind it (0: as vLLM's default, a prompt takes what is left)
     long_prefill_token_threshold: int = 0
+    # False: prompts are split only at fixed positions, so scores repeat whatever else runs
+    # (scheduler.py, "Fixed chunks"); vLLM's --no-enable-chunked-prefill
+    enable_chunked_prefill: bool = True
     # "auto": a request's unset sampling values default to the model's generation_config.json
     # (vLLM's default); "vllm": to SamplingParams' own, whatever the model recommends
     generation_config: str = "auto"
@@ -184,7 +187,7 @@ class LLMEngine:
         self.max_request_len = min(self.max_model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.long_prefill_token_threshold,
-                            max_model_len=self.max_model_len),
+                            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer),
             primary_eos_token_id=getattr(tokenizer, "eos_token_id", None))
         if str(config.device).startswith("cuda") and not config.enforce_eager:  # decode steps replay CUDA graphs

@@ -25,6 +25,13 @@ in a step keeps its blocks through it. Each sequence's blocks that the step fill
 the prefix cache as it is scheduled, so a sequence admitted after it in the same step can hit
 them; a step that fails is undone with `rollback()`.
 
+Fixed chunks (`enable_chunked_prefill=False`, vLLM's `--no-enable-chunked-prefill`, for evaluation
+jobs): a chunk is cut where the budget ran out, so where a prompt is split depends on what else
+arrived, and a split prompt's logprobs differ in the last bits (bf16 logits: up to 0.19 nats a
+token on SmolLM2). With it off, a sequence's chunks end only at multiples of the chunk size (or
+its end) and wait whole for a step with room; a chunk that found no room makes the next step
+prefill-only (no decodes), as vLLM's scheduler without chunked prefill puts prompts first.
+
 Invariants (`check_integrity()`): every unfinished sequence is either running or waiting;
 waiting ones hold no blocks and have nothing computed; running ones hold blocks for all their
 computed tokens and have at least one token left to compute.
@@ -47,6 +54,15 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # The model's context length; sequences stop ("length") when they reach it. None: no limit.
     max_model_len: int | None = None
+    # False: a prompt's chunks end only at fixed positions (multiples of the chunk size), so its
+    # prompt logprobs do not depend on what else shared the step (see "Fixed chunks" above).
+    enable_chunked_prefill: bool = True
+
+    @property
+    def chunk_size(self) -> int:
+        """The longest chunk one sequence gets in a step."""
+        threshold = self.long_prefill_token_threshold
+        return min(threshold, self.max_num_batched_tokens) if threshold > 0 else self.max_num_batched_tokens
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1 and self.max_num_batched_tokens >= 1, self
@@ -121,6 +137,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._seqs: dict = {}  # seq_id -> unfinished Sequence
         self.num_preemptions = 0
+        self._prefill_first = False  # chunked prefill off: a fixed chunk found no room last step
 
     # ----------------------------------------------------------------- queue
     @property
@@ -185,28 +202,46 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
     def schedule(self) -> StepPlan:
+        prefill_only, self._prefill_first = self._prefill_first, False
+        plan = self._schedule(prefill_only)
+        if plan.is_empty and prefill_only and not plan.preempted_seq_ids:
+            plan = self._schedule(False)  # no prompt could start after all (no blocks): decode
+        return plan
+
+    def _schedule(self, prefill_only: bool) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
+            if prefill_only and seq.num_tokens - seq.num_computed_tokens == 1:
+                continue  # a decode waits one step for the prompts
             num_new = self._num_tokens_to_schedule(seq, seq.num_computed_tokens, budget)
+            if num_new == 0:
+                continue  # its fixed chunk does not fit in what is left
             if not self._allocate_or_preempt(seq, num_new, plan):
                 break  # it preempted itself: it was the newest, nothing runs after it
             self.kv.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
             plan.scheduled.append(self._entry(seq, num_new))
             budget -= num_new
-            i += 1
         if not plan.preempted_seq_ids:
             self._admit_waiting(plan, budget)
         return plan
 
     def _num_tokens_to_schedule(self, seq: Sequence, num_computed: int, budget: int) -> int:
-        num_new = seq.num_tokens - num_computed
-        assert num_new > 0, f"sequence {seq.seq_id!r} has nothing to compute"
-        if self.config.long_prefill_token_threshold > 0:
-            num_new = min(num_new, self.config.long_prefill_token_threshold)
-        return min(num_new, budget)
+        """How many tokens `seq` computes this step; 0 when its fixed chunk does not fit `budget`
+        (chunked prefill off), which makes the next step prefill-only."""
+        num_left = seq.num_tokens - num_computed
+        assert num_left > 0, f"sequence {seq.seq_id!r} has nothing to compute"
+        chunk = self.config.chunk_size
+        if self.config.enable_chunked_prefill:
+            return min(num_left, chunk, budget)
+        num_new = min(num_left, chunk - num_computed % chunk)  # up to the next fixed boundary
+        if num_new > budget:
+            self._prefill_first = True
+            return 0
+        return num_new
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, plan: StepPlan) -> bool:
         while self.kv.allocate_slots(seq, num_new) is None:
@@ -234,7 +269,7 @@ class Scheduler:
             seq = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(seq, lookup=not seq.needs_prompt_logprobs)
             num_new = self._num_tokens_to_schedule(seq, num_cached, budget)
-            if self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
+            if num_new == 0 or self.kv.allocate_slots(seq, num_new, computed_blocks) is None:
                 break  # FCFS: later arrivals do not overtake the head of the queue
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached

@@ -328,3 +328,41 @@ def test_staggered_random_workload_matches_reference(prefix):
         assert s.output_token_ids == reference_output(s.prompt_token_ids, s.sampling_params)[0][:s.num_output_tokens]
     if prefix:
         assert sched.kv.prefix_cache_hits > 0
+
+
+def _chunk_ends(plans, seq_id) -> list[int]:
+    return [e.num_computed_tokens + e.num_scheduled_tokens for p in plans for e in p.scheduled
+            if e.seq_id == seq_id and not e.is_sampling]
+
+
+@pytest.mark.parametrize("threshold", [0, 6])
+def test_fixed_chunks_do_not_depend_on_what_else_runs(threshold):
+    """Chunked prefill off: a prompt is cut at the same positions alone and under load (with it on,
+    where the budget ran out: the cut moved with the other requests, and its logprobs with it)."""
+    chunk = threshold or 8
+    alone_sched, model = make(max_num_batched_tokens=8, long_prefill_token_threshold=threshold,
+                              enable_chunked_prefill=False)
+    alone = seq("p", range(30), max_tokens=2)
+    _, plans = run(alone_sched, model, {0: [alone]})
+    expected = list(range(chunk, 30, chunk))  # the last chunk, to 30, samples
+    assert _chunk_ends(plans, "p") == expected
+    for others in ([seq(f"d{i}", range(50 + i, 53 + i), max_tokens=12) for i in range(3)],
+                   [seq("early", range(70, 75), max_tokens=20), seq("late", range(80, 91), max_tokens=3)]):
+        sched, model = make(max_num_batched_tokens=8, long_prefill_token_threshold=threshold,
+                            enable_chunked_prefill=False)
+        loaded = seq("p", range(30), max_tokens=2)
+        finished, plans = run(sched, model, {0: others[:1], 1: [loaded], 2: others[1:]})
+        assert _chunk_ends(plans, "p") == expected
+        for p in plans:  # a chunk that waited for room made the next step prefill-only: nothing starved
+            assert p.num_batched_tokens <= 8
+        assert_matches_reference([loaded, *others])
+
+
+def test_fixed_chunks_start_at_a_prefix_hit_and_end_on_the_fixed_positions():
+    sched, model = make(block_size=4, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    a, b = seq("a", range(10, 30), max_tokens=2), seq("b", list(range(10, 22)) + [1, 2, 3, 4, 5], max_tokens=2)
+    _, plans = run(sched, model, {0: [a], 5: [b]})
+    first_b = next(e for p in plans for e in p.scheduled if e.seq_id == "b")
+    assert first_b.num_computed_tokens == 12  # three cached blocks
+    assert _chunk_ends(plans, "b") == [16]  # then 16..17 in the sampling step: the fixed positions hold
+    assert_matches_reference([a, b])
