@@ -181,7 +181,21 @@ def _attend(q, k, v, masked):
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B, Hkv, R, T]
     if masked is not None:
         scores.masked_fill_(masked, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)
+    finite = torch.isfinite(v).all(-1)  # [B, Hkv, T]
+    if masked is None or bool(finite.all()):
+        return torch.matmul(probs, v)
+    return _attend_past_non_finite(probs, v, masked, finite)
+
+
+def _attend_past_non_finite(probs, v, masked, finite):
+    """probs @ v where some values are NaN / inf (one request's overflow): a hidden key has
+    probability 0, but 0 * NaN is NaN, so a later position's overflow made the earlier rows of its
+    chunk NaN too; their KV then went into the prefix cache under clean tokens' hashes, and every
+    request sharing that prefix failed. Rows that see such a value stay non-finite."""
+    out = torch.matmul(probs, torch.where(finite[..., None], v, 0.0))
+    sees_non_finite = (~finite[:, :, None, :] & ~masked).any(-1)  # [B, Hkv, R]
+    return out.masked_fill(sees_non_finite[..., None], float("nan"))
 
 
 def cpu_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_scale, k_group_min,

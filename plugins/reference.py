@@ -89,9 +89,15 @@ def reference_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group
             q = query[q_begin + r0:q_begin + r1].double()  # [rows, Hq, D]
             scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, rows, ctx]
             q_pos = torch.arange(ctx_len - q_len + r0, ctx_len - q_len + r1)[:, None]
-            scores.masked_fill_(torch.arange(ctx_len)[None, :] > q_pos, float("-inf"))
+            hidden = torch.arange(ctx_len)[None, :] > q_pos  # [rows, ctx]
+            scores.masked_fill_(hidden, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            out[q_begin + r0:q_begin + r1] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+            # a hidden key's NaN / inf value must not reach the rows it is hidden from (0 * NaN is
+            # NaN); a row that sees one stays non-finite
+            finite = torch.isfinite(v).all(-1)  # [ctx, H]
+            rows = torch.einsum("hqk,khd->qhd", probs, torch.where(finite[..., None], v, 0.0))
+            sees = (~finite.t()[:, None, :] & ~hidden[None]).any(-1).t()  # [rows, H]
+            out[q_begin + r0:q_begin + r1] = rows.masked_fill(sees[..., None], float("nan")).to(query.dtype)
     return out
 
 

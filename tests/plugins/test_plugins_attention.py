@@ -31,6 +31,27 @@ def test_cpu_long_prefill_is_chunked_and_causal():
     assert rel_error(paged_attention(args[0], cache, *args[10:]), expected) < 2e-5
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(kernels, monkeypatch):
+    """One position's overflowed V (NaN) made every row of its prefill chunk NaN, the earlier ones
+    too (their probability for it is 0, but 0 * NaN is NaN); the prefix cache then kept them."""
+    from qkiln.plugins import cpu_attention, cpu_native
+
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_attention, "_native_for", lambda *a: None)
+    elif cpu_native.native_extension() is None:
+        pytest.skip("qkiln's native CPU kernels are not built here")
+    cache = make_cache("fp32", 8, 2, 32)
+    batch = PagedBatch([(20, 12), (9, 1)], cache, num_heads=4)  # a chunk after 8 cached tokens, a decode
+    bad = int(batch.block_tables[0, 15 // 16]) * 16 + 15  # position 15 of the chunk's sequence
+    cache.v[bad // 16, bad % 16, 1] = float("nan")  # kv head 1 only
+    args = batch.attention_args(cache, torch.float32)
+    for out in (reference_paged_attention(*args), paged_attention(args[0], cache, *args[10:])):
+        rows_before, rows_after = out[:15 - 8], out[15 - 8:12]  # query rows of positions 8..14, 15..19
+        assert torch.isfinite(rows_before).all() and torch.isfinite(out[12:]).all()
+        assert torch.isnan(rows_after[:, 2:]).all() and torch.isfinite(rows_after[:, :2]).all()  # heads of kv 1
+
+
 def test_cpu_attention_rows_depend_only_on_their_sequence():
     cache = make_cache("bf16", 24, 2, 32)
     batch = PagedBatch(MIXED, cache, num_heads=4)

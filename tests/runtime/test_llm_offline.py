@@ -45,6 +45,36 @@ def test_nan_logits_raise_instead_of_answering(tmp_path):
         assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 5
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_an_overflowing_prompt_leaves_no_nan_in_a_shared_prefix(tmp_path, monkeypatch, kernels):
+    """A NaN at one position of a prefill chunk reached the chunk's earlier rows (a hidden key has
+    probability 0, but 0 * NaN is NaN), whose KV the prefix cache then kept under clean tokens:
+    every later request sharing that prefix failed too, until the block was evicted."""
+    from safetensors.torch import load_file, save_file
+
+    from qkiln.plugins import cpu_attention, cpu_native
+    from qkiln.runtime.engine import NonFiniteLogitsError
+
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_attention, "_native_for", lambda *a: None)
+    elif cpu_native.native_extension() is None:
+        pytest.skip("qkiln's native CPU kernels are not built here")
+    model = write_tiny_hf_model(tmp_path, "llama3")
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.embed_tokens.weight"][200] = float("nan")  # stands in for an fp16 overflow
+    save_file(tensors, str(model / "model.safetensors"))
+    llm = LLM(str(model), dtype="fp32", num_kv_blocks=64, max_num_batched_tokens=24)
+    shared = list(range(10, 26))  # one block: a system prompt, say
+    bad, good = shared + [30, 31, 32, 200] + list(range(40, 60)), shared + list(range(100, 130))
+    expected = llm.generate([{"prompt_token_ids": good}], GREEDY)[0].outputs[0].token_ids
+    llm.engine.kv_manager.reset_prefix_cache()
+    with pytest.raises(NonFiniteLogitsError):
+        llm.generate([{"prompt_token_ids": bad}], GREEDY)  # computes the shared block, in one chunk with 200
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": good}], GREEDY)[0]
+        assert out.num_cached_tokens >= 16 and out.outputs[0].token_ids == expected  # the bad one's block, then its own
+
+
 def test_a_non_finite_prompt_logprob_raises(tmp_path):
     """Logits that overflow at one prompt position only (the sampled row is finite) were returned as
     a NaN prompt logprob of rank 0."""
