@@ -247,9 +247,13 @@ def _completion_budget(requested: int | None, field: str | None, prompt_len: int
     holder = (f"model's {limit}-token context" if limit == engine.max_model_len
               else f"{limit}-token limit the KV cache sets (serve --kv-cache-mb)")
     room, takes = limit - prompt_len, "takes" if what.startswith("prompt") else "take"
+    score_alone = "; max_tokens: 0 with echo scores it alone" if what.startswith("prompt") else ""
+    if room == 0 and prompt_len and requested is not None and field is not None:  # the field asked for room
+        raise InvalidRequestError(f"{field} {requested} does not fit: the {what} {takes} all {prompt_len} tokens of "
+                                  f"the {holder}; shorten the {what}{score_alone}", param=field)
     if room < 1 and prompt_len:
         raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
-                                  "shorten it", param=what)
+                                  f"shorten it{score_alone}", param=what)
     if requested is None or (field is None and requested > room):
         return max(room, 1)  # an empty prompt is refused by the engine, with its own message
     if requested > room:

@@ -284,6 +284,10 @@ def test_echo_only_scores_a_prompt_that_fills_the_context(client, engine, model)
     torch.testing.assert_close(torch.tensor(scored[1:]), torch.tensor(teacher_forced(model, ids)), atol=2e-4, rtol=1e-4)
     r = post(client, prompt=ids + [7], max_tokens=0, echo=True, logprobs=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-    r = post(client, prompt=ids, max_tokens=1)  # generating needs room after the prompt
+    r = post(client, prompt=ids, max_tokens=1)  # generating needs room after the prompt: the field asked for it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "max_tokens: 0 with echo scores it alone" in r.json()["error"]["message"]
+    r = post(client, prompt=ids, echo=True, logprobs=0)  # max_tokens left out: the rest of the context is none
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "max_tokens: 0 with echo scores it alone" in r.json()["error"]["message"]
     assert engine.call(lambda e: (e.has_unfinished(), e.kv_manager.num_free_blocks)).result(30) == (False, 64)
