@@ -26,11 +26,13 @@ the prefix cache as it is scheduled, so a sequence admitted after it in the same
 them; a step that fails is undone with `rollback()`.
 
 Fixed chunks (`enable_chunked_prefill=False`, vLLM's `--no-enable-chunked-prefill`, for evaluation
-jobs): a chunk is cut where the budget ran out, so where a prompt is split depends on what else
-arrived, and a split prompt's logprobs differ in the last bits (bf16 logits: up to 0.19 nats a
-token on SmolLM2). With it off, a sequence's chunks end only at multiples of the chunk size (or
-its end) and wait whole for a step with room; a chunk that found no room makes the next step
-prefill-only (no decodes), as vLLM's scheduler without chunked prefill puts prompts first.
+jobs): a chunk is cut where the budget ran out, so how a prompt is split, and how many rows each
+of its steps holds, depend on what else arrived; an int4 linear takes another kernel for a few rows
+than for many, so the prompt's logprobs moved (0.14 nats apart on a SmolLM2 W4A16 artifact). With
+it off, a sequence's chunks end only at multiples of the chunk size (or its end) and wait whole for
+a step with room; a chunk that found no room makes the next step prefill-only (no decodes), as
+vLLM's scheduler without chunked prefill puts prompts first. (A last chunk of at most 8 rows can
+still share its step with decodes and cross that kernel threshold.)
 
 Invariants (`check_integrity()`): every unfinished sequence is either running or waiting;
 waiting ones hold no blocks and have nothing computed; running ones hold blocks for all their
