@@ -164,7 +164,10 @@ def check_replaceable(out: Path, overwrite: bool, kind: str, files_written) -> N
 def _check_not_working_directory(out: Path) -> None:
     """`-o .` (or `-o ""`, which is the same path) names no new folder: the output would be named
     after nothing, and --force would delete the folder a shell stands in. Refused before any work."""
-    here = Path.cwd()
+    try:
+        here = Path.cwd()
+    except OSError:  # the shell's folder was deleted: no output can be it
+        return
     target = output_path(out)
     if target == here or target in here.parents:
         where = "the current directory" if target == here else "a folder holding the current directory"
