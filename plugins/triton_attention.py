@@ -56,7 +56,12 @@ def _attend_tiles(q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, bt_row, kv_head, s
                   CAUSAL: tl.constexpr, KV_MODE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Online-softmax accumulation over context positions [start, end) of one sequence."""
+    """Online-softmax accumulation over context positions [start, end) of one sequence. CAUSAL:
+    also which rows saw a NaN / inf value (`sees_bad`, 1 or 0): a key hidden from a row has p = 0,
+    but 0 * NaN is NaN, so one position's overflow made the earlier rows of its tile NaN too (and
+    the prefix cache then kept their KV); non-finite values enter the product as 0 instead, and the
+    caller makes the rows that saw one NaN."""
+    sees_bad = tl.zeros_like(l_i)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_mask = t < end
@@ -81,12 +86,17 @@ def _attend_tiles(q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, bt_row, kv_head, s
         v = load_kv_tile(V, VGS, VGM, block_ids, offsets, kv_head, t_mask, stride_cb, stride_cs,
                          stride_ch, stride_gb, stride_gs, stride_gh, KV_MODE, HEAD_DIM, BLOCK_D,
                          GROUP_SIZE)
+        if CAUSAL:
+            finite = (v == v) & (tl.abs(v.to(tl.float32)) != float("inf"))  # [BLOCK_N, BLOCK_D]
+            bad_key = tl.max(tl.where(finite, 0.0, 1.0), 1)  # [BLOCK_N]
+            sees_bad = tl.maximum(sees_bad, tl.max(tl.where(valid, bad_key[None, :], 0.0), 1))
+            v = tl.where(finite, v, 0.0).to(v.dtype)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, m_i, l_i, sees_bad
 
 
 @triton.jit
@@ -113,10 +123,10 @@ def _decode_kernel(Q, K, V, KS, VS, KGS, KGM, VGS, VGM, KCS, BT, SL, PartO, Part
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, BT + seq * stride_bt,
-                                  kv_head, start, end, g, stride_cb, stride_cs, stride_ch,
-                                  stride_gb, stride_gs, stride_gh, False, KV_MODE, HEAD_DIM,
-                                  BLOCK_D, BLOCK_SIZE, BLOCK_N, GROUP_SIZE, DOT_FP32)
+    acc, m_i, l_i, _ = _attend_tiles(
+        q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, BT + seq * stride_bt, kv_head, start, end, g,
+        stride_cb, stride_cs, stride_ch, stride_gb, stride_gs, stride_gh, False, KV_MODE, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, GROUP_SIZE, DOT_FP32)
     if NUM_PARTITIONS == 1:
         out = acc / l_i[:, None]
         if KV_MODE == 1:
@@ -189,11 +199,12 @@ def _prefill_kernel(Q, K, V, KS, VS, KGS, KGM, VGS, VGM, KCS, BT, SL, QSL, Out, 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), -float("inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc, m_i, l_i = _attend_tiles(q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, BT + seq * stride_bt,
-                                  kv_head, 0, end, q_pos, stride_cb, stride_cs, stride_ch,
-                                  stride_gb, stride_gs, stride_gh, True, KV_MODE, HEAD_DIM,
-                                  BLOCK_D, BLOCK_SIZE, BLOCK_N, GROUP_SIZE, DOT_FP32)
+    acc, m_i, l_i, sees_bad = _attend_tiles(
+        q, acc, m_i, l_i, K, V, KGS, KGM, VGS, VGM, BT + seq * stride_bt, kv_head, 0, end, q_pos,
+        stride_cb, stride_cs, stride_ch, stride_gb, stride_gs, stride_gh, True, KV_MODE, HEAD_DIM,
+        BLOCK_D, BLOCK_SIZE, BLOCK_N, GROUP_SIZE, DOT_FP32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = tl.where(sees_bad[:, None] > 0, float("nan"), out)
     if KV_MODE == 1:
         out = out * tl.load(VS + kv_head)
     d = tl.arange(0, BLOCK_D)

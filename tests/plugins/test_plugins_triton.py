@@ -49,6 +49,21 @@ def test_triton_attention_matches_reference(kernels, kv_dtype, group):
             assert rel_error(out.cpu(), expected) < TOLERANCE[query_dtype]
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_triton_a_non_finite_value_reaches_only_the_rows_that_see_it(kernels, kv_dtype):
+    """One position's overflowed V (NaN) made the earlier rows of its prefill tile NaN too (their p
+    for it is 0, but 0 * NaN is NaN), and the prefix cache kept their KV."""
+    cache = make_cache(kv_dtype, 8, 2, 32)
+    batch = PagedBatch([(20, 12), (9, 1)], cache, num_heads=4, device=DEVICE)  # a chunk after 8 cached, a decode
+    bad = int(batch.block_tables[0, 0]) * 16 + 15  # position 15 of the chunk's sequence
+    cache.v[bad // 16, bad % 16, 1] = float("nan")  # kv head 1 only
+    args = batch.attention_args(cache, QUERY_DTYPE[kv_dtype])
+    out = kernels[0].triton_paged_attention(*args).cpu()
+    rows_before, rows_after = out[:15 - 8], out[15 - 8:12]  # query rows of positions 8..14, 15..19
+    assert torch.isfinite(rows_before).all() and torch.isfinite(out[12:]).all()
+    assert torch.isnan(rows_after[:, 2:]).all() and torch.isfinite(rows_after[:, :2]).all()  # heads of kv 1
+
+
 def test_triton_int4_attention_with_non_power_of_two_head_dim(kernels):
     """head_dim 48 (3 groups of 16) takes the general tile loader, not the reshape one."""
     cache = make_cache("int4", 8, 1, 48, with_channel_scale=True)
