@@ -154,6 +154,7 @@ class AsyncLLMEngine:
         self.snapshot = EngineSnapshot()
         self._num_step_errors = 0
         self._open: set[RequestStream] = set()  # submitted, not yet ended; guarded by `_open_lock`
+        self._aborted: set[RequestStream] = set()  # of those, the ones abort() asked to end
         self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
         self._thread.start()
@@ -176,9 +177,12 @@ class AsyncLLMEngine:
 
     @property
     def num_open_requests(self) -> int:
-        """Requests submitted and not yet ended (waiting, running, or on their way to the engine):
-        exact at any moment, unlike the snapshot's counts, so a server can bound them."""
-        return len(self._open)
+        """Requests submitted and not yet ended (waiting, running, or on their way to the engine),
+        less those aborted and about to end: exact at any moment, unlike the snapshot's counts, so a
+        server can bound them (a client that hung up and retried at once had got a 429 while the
+        engine was still finishing a step with its first request)."""
+        with self._open_lock:
+            return len(self._open) - len(self._aborted)
 
     # ---- public API (any thread / the event loop) -------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -201,6 +205,7 @@ class AsyncLLMEngine:
     def _request_ended(self, stream: RequestStream) -> None:
         with self._open_lock:
             self._open.discard(stream)
+            self._aborted.discard(stream)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           request_id: str | None = None) -> RequestStream:
@@ -230,6 +235,8 @@ class AsyncLLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
+        with self._open_lock:
+            self._aborted.update(s for s in self._open if s.request_id == request_id)
         try:
             self._send(("abort", request_id))
         except EngineError:

@@ -66,6 +66,28 @@ def test_stream_matches_offline_llm(engine, model_dir):
     wait_idle(engine)
 
 
+def test_an_aborted_request_stops_counting_at_once(engine):
+    """A server's capacity counts open requests; one whose client hung up counted until the engine
+    ended it after the step in progress, so a retry at once could get a 429."""
+    import threading
+
+    gate = threading.Event()
+
+    async def main():
+        stream = await engine.add_request("a prompt", SamplingParams(max_tokens=200, **GREEDY))
+        await stream.__anext__()  # running
+        busy = engine.call(lambda e: gate.wait(30))  # the engine thread in a long step, say
+        engine.abort(stream.request_id)
+        counted = engine.num_open_requests
+        gate.set()
+        busy.result(30)
+        last = [out async for out in stream][-1]
+        return counted, last.finish_reason
+
+    assert asyncio.run(main()) == (0, "abort")
+    wait_idle(engine)
+
+
 def test_leaving_the_loop_aborts_and_frees_blocks(engine):
     async def main():
         seen = 0
