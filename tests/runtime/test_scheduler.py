@@ -306,10 +306,12 @@ def test_max_model_len_and_engine_finish():
     assert full.finish_reason == "length" and full.num_output_tokens == 1
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("prefix", [True, False])
-def test_staggered_random_workload_matches_reference(prefix):
+def test_staggered_random_workload_matches_reference(prefix, chunked):
     rng = random.Random(1234 + prefix)
-    sched, model = make(num_blocks=12, block_size=4, prefix=prefix, max_num_batched_tokens=10, max_num_seqs=4)
+    sched, model = make(num_blocks=12, block_size=4, prefix=prefix, max_num_batched_tokens=10, max_num_seqs=4,
+                        enable_chunked_prefill=chunked)
     shared = [rng.randrange(VOCAB - 1) for _ in range(9)]
     arrivals, aborts, seqs = {}, {}, []
     for i in range(14):
@@ -319,7 +321,10 @@ def test_staggered_random_workload_matches_reference(prefix):
         seqs.append(s)
     for s in rng.sample(seqs, 3):
         aborts.setdefault(rng.randrange(40), []).append(s.seq_id)
-    finished, _ = run(sched, model, arrivals, aborts)
+    finished, plans = run(sched, model, arrivals, aborts)
+    if not chunked:  # a chunk that does not sample ends on a fixed position, preempted and all
+        assert all((e.num_computed_tokens + e.num_scheduled_tokens) % 10 == 0
+                   for p in plans for e in p.scheduled if not e.is_sampling)
     aborted = [s for s in seqs if s.finish_reason == "abort"]
     completed = [s for s in seqs if s.finish_reason != "abort"]
     assert len(completed) >= 11 and all(s.seq_id in finished for s in completed)
