@@ -132,23 +132,27 @@ def main(model: str, *,
         raise BenchConfigError(f"--prompt-format must be ids or text, got {prompt_format!r}")
     levels = parse_concurrency(concurrency)
     slos = parse_goodput(goodput)
-    tokenizer = load_tokenizer(model)
-    make = lambda s: make_workload(tokenizer, num_requests, input_len, output_len,  # noqa: E731
-                                   prompts_jsonl=prompts_jsonl, shared_prefix_len=shared_prefix_len, seed=s)
-    server = None if base_url else ServerProcess(model, shlex.split(server_args))
-    try:
-        url = base_url or server.base_url
-        name = served_model_name(url, model)
-        warmup_server(url, name, make(seed + 10_000).prompts[0], prompt_format, tokenizer)
-        # each level its own prompts: the same ones again were answered from the server's prefix cache
-        # (a second level of the same concurrency measured TTFT 9x lower)
-        level_seeds = [seed + LEVEL_SEED_STRIDE * (k + 1) for k in range(len(levels))]
-        runs = [{"concurrency": c, "seed": s, **run_serve_level(url, name, make, tokenizer, c, request_rate, repeats,
-                                                                 slos, prompt_format, s)}
-                for c, s in zip(levels, level_seeds)]
-    finally:
-        if server is not None:
-            server.close()
+    from qkiln.compile.artifact_cli import unpacked
+
+    # an artifact archive is unpacked and verified once, for the tokenizer and the server both
+    with unpacked(model) as path:
+        tokenizer = load_tokenizer(path)
+        make = lambda s: make_workload(tokenizer, num_requests, input_len, output_len,  # noqa: E731
+                                       prompts_jsonl=prompts_jsonl, shared_prefix_len=shared_prefix_len, seed=s)
+        server = None if base_url else ServerProcess(path, shlex.split(server_args))
+        try:
+            url = base_url or server.base_url
+            name = served_model_name(url, model)
+            warmup_server(url, name, make(seed + 10_000).prompts[0], prompt_format, tokenizer)
+            # each level its own prompts: the same ones again were answered from the server's prefix
+            # cache (a second level of the same concurrency measured TTFT 9x lower)
+            level_seeds = [seed + LEVEL_SEED_STRIDE * (k + 1) for k in range(len(levels))]
+            runs = [{"concurrency": c, "seed": s, **run_serve_level(url, name, make, tokenizer, c, request_rate,
+                                                                     repeats, slos, prompt_format, s)}
+                    for c, s in zip(levels, level_seeds)]
+        finally:
+            if server is not None:
+                server.close()
     shape = make(seed)  # describes the workload (lengths, source) for the config and the table
     config = {"model": model, "base_url": base_url, "server_args": server_args, "request_rate": request_rate,
               "goodput_slos_s": slos, "prompt_format": prompt_format, "repeats": repeats,
