@@ -182,17 +182,20 @@ def _attend(q, k, v, masked):
     if masked is not None:
         scores.masked_fill_(masked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    finite = torch.isfinite(v).all(-1)  # [B, Hkv, T]
-    if masked is None or bool(finite.all()):
-        return torch.matmul(probs, v)
-    return _attend_past_non_finite(probs, v, masked, finite)
+    out = torch.matmul(probs, v)
+    # a NaN / inf value makes every row of its head non-finite, so a finite result (the common
+    # case, checked on the output: smaller than v for decodes) proves v had none
+    if masked is None or bool(torch.isfinite(out).all()):
+        return out
+    return _attend_past_non_finite(probs, v, masked)
 
 
-def _attend_past_non_finite(probs, v, masked, finite):
+def _attend_past_non_finite(probs, v, masked):
     """probs @ v where some values are NaN / inf (one request's overflow): a hidden key has
     probability 0, but 0 * NaN is NaN, so a later position's overflow made the earlier rows of its
     chunk NaN too; their KV then went into the prefix cache under clean tokens' hashes, and every
     request sharing that prefix failed. Rows that see such a value stay non-finite."""
+    finite = torch.isfinite(v).all(-1)  # [B, Hkv, T]
     out = torch.matmul(probs, torch.where(finite[..., None], v, 0.0))
     sees_non_finite = (~finite[:, :, None, :] & ~masked).any(-1)  # [B, Hkv, R]
     return out.masked_fill(sees_non_finite[..., None], float("nan"))
