@@ -73,20 +73,21 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
             if check is not None:
                 mark_checked(tmp)
             move_into_place(tmp, out, lambda: check_destination(out, overwrite))
-    except BaseException as e:
-        vanished = not tmp.is_dir()
-        shutil.rmtree(tmp, ignore_errors=True)  # a Python-level failure cleans up; a kill leaves it
-        if vanished and isinstance(e, Exception):
-            raise _vanished(tmp, out) from e
+    except BaseException as e:  # a Python-level failure cleans up; a kill leaves it
+        _discard_partial(tmp, out, e)
         raise
     return out
 
 
-def _vanished(tmp: Path, out: Path) -> ArtifactError:
-    """Whatever failed because another process deleted our staging folder (a missing tokenizer,
-    a write error) is reported as that, not as a fault in the source or the disk."""
-    return ArtifactError(f"{out}: its staging folder {tmp.name} was deleted while it was being written (by "
-                         "another process cleaning that folder?); nothing was written there: rerun")
+def _discard_partial(tmp: Path, out: Path, error: BaseException) -> None:
+    """Remove a failed write's staging folder. A failure caused by another process deleting it
+    first (a missing tokenizer, a write error) is raised as that, not as a fault in the source or
+    the disk."""
+    vanished = not tmp.is_dir()
+    shutil.rmtree(tmp, ignore_errors=True)
+    if vanished and isinstance(error, Exception):
+        raise ArtifactError(f"{out}: its staging folder {tmp.name} was deleted while it was being written (by "
+                            "another process cleaning that folder?); nothing was written there: rerun") from error
 
 
 @contextmanager
@@ -289,10 +290,7 @@ def staged_directory(out: Path, recheck):
                     f.chmod(0o644)
             move_into_place(tmp, out, recheck)
     except BaseException as e:
-        vanished = not tmp.is_dir()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if vanished and isinstance(e, Exception):
-            raise _vanished(tmp, out) from e
+        _discard_partial(tmp, out, e)
         raise
 
 
