@@ -55,15 +55,15 @@ def int4_gemv_rows(dequantized: torch.Tensor | None, amx_tables: torch.Tensor | 
 
 
 def dense_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_features: int | None = None) -> torch.Tensor:
+                 out_features: int | None = None, fp32_out: bool = False) -> torch.Tensor:
     """bf16 rows [M, in] @ weight^T (+ bias) -> bf16 [M, out]; weight bf16 [out, in], plain or
     oneDNN-packed (F.linear's bits either way), int32 bf16 panels (pack_dense; out_features
     needed, as the panels pad it; the bias is added to the rounded product), or a bf16 weight
     widened to fp32 (pack_dense without a fast bf16 GEMM: the products are exact either way, the
-    fp32 sum is rounded once)."""
+    fp32 sum is rounded once, or with fp32_out not at all: the other forms ignore it)."""
     if weight.dtype == torch.float32:
         out = torch.nn.functional.linear(rows.float(), weight, None if bias is None else bias.float())
-        return out.to(torch.bfloat16)
+        return out if fp32_out else out.to(torch.bfloat16)
     if weight.dtype == torch.int32:
         if out_features is None:
             raise ValueError("bf16 panels pad the output channels to 48: pass out_features")
@@ -91,8 +91,10 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
                                         out_features)
         return _finish(out, x, bias, out_features)
     if dequantized is not None and rows.shape[0] > gemv_rows:
-        return _finish(dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features),
-                       x, bias, out_features)
+        # fp32 activations keep the fp32 sums where the copy is fp32, as the GEMV's output does
+        out = dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features,
+                           fp32_out=x.dtype == torch.float32)
+        return _finish(out, x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):
         out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)
         return out.reshape(*x.shape[:-1], out_features)
@@ -109,7 +111,10 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None, amx_codes=F
     amx_codes: many rows read `weight` through the AMX codes GEMM instead (same bits)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
-    if rows.shape[0] <= SMALL_M and scales.dtype == torch.float32:  # native layout
+    # Native layout: few rows, and fp32 activations at any row count. The forms below round the
+    # activations and the product to bf16: an fp32 model's int8 lm_head scored prompts with logits
+    # up to 0.27 off its decode logits (SmolLM2 W4A16), which this kernel computes exactly.
+    if scales.dtype == torch.float32 and (rows.shape[0] <= SMALL_M or x.dtype == torch.float32):
         return cpu_native.w8a16_gemm(rows, weight, scales, bias).reshape(*x.shape[:-1],
                                                                           out_features)
     rows = rows.to(torch.bfloat16)

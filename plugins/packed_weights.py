@@ -167,13 +167,15 @@ def pack_dense(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [out, in] copy for the many-row CPU GEMM (cpu_linear.dense_linear): qkiln's own
     panels (int32, cpu_native.pack_bf16_panels; csrc/cpu_gemm_bf16*.cpp, 1.36x oneDNN at 64 rows
     without AMX) where cpu_native.bf16_panels_available says, else oneDNN's packing (onednn_pack)
-    where oneDNN has a bf16 GEMM, else the same values widened to fp32 (exact; 4 bytes a weight):
-    on a CPU without AVX512-BF16 / AMX (an AVX2 EPYC, 2 threads, 3072 x 576) aten's bf16 GEMM ran
-    at 10-12 GMAC/s from 16 to 512 rows against 32-53 for its fp32 one."""
+    where oneDNN has a bf16 GEMM, else the values in fp32 (4 bytes a weight): on a CPU without
+    AVX512-BF16 / AMX (an AVX2 EPYC, 2 threads, 3072 x 576) aten's bf16 GEMM ran at 10-12 GMAC/s
+    from 16 to 512 rows against 32-53 for its fp32 one. `weight` bf16, or fp32 where the exact
+    values are known (a dequantized int4 weight): rounded to bf16 for the bf16 forms, kept as they
+    are for the fp32 one."""
     if cpu_native.bf16_panels_available(weight.shape[1]):
-        return cpu_native.pack_bf16_panels(weight.contiguous())
+        return cpu_native.pack_bf16_panels(weight.to(torch.bfloat16).contiguous())
     if onednn_bf16_available():
-        return onednn_pack(weight)
+        return onednn_pack(weight.to(torch.bfloat16))
     return weight.float().contiguous()
 
 
@@ -323,7 +325,10 @@ def _prepare_w4a16_native(q, scales, zero_point, group_size: int, keep_dequantiz
         z = 8.0 if zero_point is None else \
             zero_point.float().repeat_interleave(group_size, dim=1)[:, :in_features]
         s = scales.float().repeat_interleave(group_size, dim=1)[:, :in_features]
-        weight.dequantized = pack_dense(((q.float() - z) * s).to(torch.bfloat16))  # [out, in]
+        # fp32: where the copy stays fp32 (no fast bf16 GEMM) it holds the weights the GEMV computes
+        # with, not their bf16 rounding, so a prompt's rows give the logits its decode steps do to
+        # fp32 rounding (SmolLM2 W4A16 on AVX2, bf16: 0.14 nats apart with the rounded copy)
+        weight.dequantized = pack_dense((q.float() - z) * s)  # [out, in]
     return weight
 
 

@@ -26,12 +26,13 @@ def _weight(out_features, in_features, group_size, asymmetric, seed=0):
     return q, scales, zeros
 
 
-def _dense(q, scales, zeros, group_size):
-    """The dense copy's formula (packed_weights._prepare_w4a16_native)."""
+def _dense(q, scales, zeros, group_size, dtype=torch.bfloat16):
+    """The dense copy's formula (packed_weights._prepare_w4a16_native), in fp32 as the copy is
+    computed (pack_dense rounds it to bf16 for the bf16 forms), or rounded to bf16 as the tables are."""
     in_features = q.shape[1]
     z = 8.0 if zeros is None else zeros.repeat_interleave(group_size, 1)[:, :in_features]
     return ((q.float() - z) * scales.float().repeat_interleave(group_size, 1)[:, :in_features]
-            ).to(torch.bfloat16)
+            ).to(dtype)
 
 
 @pytest.fixture
@@ -107,7 +108,7 @@ def test_native_int4_weights_carry_tables_instead_of_a_dense_copy_where_opted_in
     x = torch.randn(2, 24, 576).to(torch.bfloat16)  # 48 rows > INT4_GEMV_ROWS
     assert x.shape[0] * x.shape[1] > INT4_GEMV_ROWS
     reference = cpu_w4a16_linear(x, weight.packed, weight.scales, weight.zeros, 128, 576, 96,
-                                 dequantized=pack_dense(_dense(q, scales, zeros, 128)))
+                                 dequantized=pack_dense(_dense(q, scales, zeros, 128, torch.float32)))
     y = cpu_w4a16_linear(x, weight.packed, weight.scales, weight.zeros, 128, 576, 96,
                          dequantized=weight.dequantized, amx_tables=weight.amx_tables)
     assert torch.equal(y, reference)

@@ -50,14 +50,59 @@ def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
     assert with_copy.dequantized is not None and many_rows.many_rows_form
     limit = int4_gemv_rows(with_copy.dequantized)
     assert limit == (SMALL_M if with_copy.dequantized.dtype == torch.float32 else INT4_GEMV_ROWS)
+    # An fp32 copy holds the GEMV's own weights (exact), and the GEMM then keeps fp32 activations'
+    # sums: the paths differ in the order of those, which bf16 outputs would mostly round away.
+    dtype = torch.float32 if with_copy.dequantized.dtype == torch.float32 else torch.bfloat16
     for rows in (limit, limit + 1):
-        x = torch.randn(rows, 576, dtype=torch.bfloat16)
+        x = torch.randn(rows, 576, dtype=dtype)
         kernel = w4a16_linear(x, packed_only)
-        dense = dense_linear(x, with_copy.dequantized, out_features=96)
+        dense = dense_linear(x.to(torch.bfloat16), with_copy.dequantized, out_features=96,
+                             fp32_out=dtype == torch.float32).to(dtype)
         assert not torch.equal(kernel, dense)  # the two paths are told apart by their bits
         expected = kernel if rows <= limit else dense
         assert torch.equal(w4a16_linear(x, with_copy), expected)
         assert torch.equal(w4a16_linear(x, many_rows), expected)
+
+
+def test_fp32_rows_past_the_gemv_limit_keep_fp32(monkeypatch):
+    """An fp32 model's int4 linear: the many-row copy, where it is held in fp32 (no fast bf16 GEMM;
+    forced here on any CPU), holds the weights the GEMV computes with, not their bf16 rounding, and
+    its fp32 sums are not rounded to bf16: a prompt's rows and its decode rows agree to fp32
+    rounding (they were ~2^-9 apart, which moved an fp32 SmolLM2 W4A16's prompt logprobs)."""
+    from qkiln.plugins import packed_weights
+
+    monkeypatch.setattr(packed_weights, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(cpu_native, "bf16_panels_available", lambda in_features: False)
+    qweight, scales, zeros = canonical_int4(96, 576, 64, False)
+    with_copy = prepare_w4a16(qweight, scales, zeros, 64, "cpu", keep_dequantized=True)
+    if with_copy.dequantized is None:
+        pytest.skip("no native int4 layout here (the copy is built beside the native kernels)")
+    packed_only = prepare_w4a16(qweight, scales, zeros, 64, "cpu")
+    x = torch.randn(SMALL_M + 4, 576)
+    many = w4a16_linear(x, with_copy)  # the fp32 GEMM
+    gemv = w4a16_linear(x, packed_only)  # the GEMV
+    assert many.dtype == torch.float32 and not torch.equal(many, gemv)  # two paths, two sum orders
+    torch.testing.assert_close(many, gemv, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("keep_dequantized", [False, True])
+def test_fp32_rows_through_an_int8_weight_stay_fp32(keep_dequantized):
+    """fp32 activations through an int8 weight (an fp32 model's lm_head scoring a prompt) are not
+    rounded to bf16 at any row count: many rows agree with the exact product, and with the rows
+    one at a time (decode), to fp32 rounding. The many-row forms had rounded the activations and
+    the product to bf16 (SmolLM2's head: logits up to 0.27 off)."""
+    qweight = torch.randint(-128, 128, (48, 96), dtype=torch.int8)
+    scales = torch.rand(48) * 0.01 + 0.001
+    weight = prepare_w8a16(qweight, scales, "cpu", keep_dequantized=keep_dequantized)
+    if weight.scales.dtype != torch.float32:
+        pytest.skip("no native int8 layout here (QKILN_NATIVE_CPU=0 or no compiler)")
+    x = torch.randn(SMALL_M + 24, 96)
+    many = w8a16_linear(x, weight)
+    one_by_one = torch.cat([w8a16_linear(x[i:i + 1], weight) for i in range(x.shape[0])])
+    exact = x.double() @ (qweight.double() * scales.double()[:, None]).T
+    assert many.dtype == torch.float32
+    assert (many.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    torch.testing.assert_close(many, one_by_one, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_w4a16_keeps_leading_dims_and_bf16():
