@@ -159,6 +159,20 @@ def check_in_vocabulary(token_ids, vocab_size: int, what: str, param: str) -> No
         raise RequestError(f"{what} {bad} is outside the vocabulary: ids must be in [0, {vocab_size})", param)
 
 
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int, bad_words=()) -> None:
+    """A request's token-id fields against the vocabulary: a stop token id or a biased one indexes
+    the logits (a ban, a bias), and one outside them failed the whole step, every request in it.
+    The server runs this before it decides capacity, so such a request is a 400 even when the
+    server is full, not a 429 that clients retry. bad_words: their token ids, where tokenized."""
+    for what, param, token_ids in (("stop_token_ids entry", "stop_token_ids", params.stop_token_ids),
+                                   ("logit_bias token", "logit_bias", params.logit_bias or ()),
+                                   ("allowed_token_ids entry", "allowed_token_ids", params.allowed_token_ids or ()),
+                                   ("bad_words token", "bad_words", itertools.chain.from_iterable(bad_words))):
+        if isinstance(token_ids, TokenIds) and token_ids.largest < vocab_size:
+            continue  # checked >= 0 when made: its largest says it all (a whole vocabulary is 2^18 ids)
+        check_in_vocabulary(token_ids, vocab_size, what, param)
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None):
         config = config or EngineConfig()
@@ -228,17 +242,8 @@ class LLMEngine:
             raise RequestError(f"a prompt is a string or a list of token ids (ints), got {type(prompt).__name__}",
                                "prompt")
         bad_words = bad_words_token_ids(self.tokenizer, params.bad_words)
-        vocab = self.model.config.vocab_size
-        # a stop token id or a biased one indexes the logits (a ban, a bias): one outside them
-        # failed the whole step, every request in it
-        for what, param, token_ids in (("prompt token id", "prompt", ids),
-                                       ("stop_token_ids entry", "stop_token_ids", params.stop_token_ids),
-                                       ("logit_bias token", "logit_bias", params.logit_bias or ()),
-                                       ("allowed_token_ids entry", "allowed_token_ids", params.allowed_token_ids or ()),
-                                       ("bad_words token", "bad_words", itertools.chain.from_iterable(bad_words))):
-            if isinstance(token_ids, TokenIds) and token_ids.largest < vocab:
-                continue  # checked >= 0 when made: its largest says it all (a whole vocabulary is 2^18 ids)
-            check_in_vocabulary(token_ids, vocab, what, param)
+        check_in_vocabulary(ids, self.model.config.vocab_size, "prompt token id", "prompt")
+        check_sampling_token_ids(params, self.model.config.vocab_size, bad_words)
         if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (as in vLLM)
             raise RequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}: shorten it",
                                "prompt")

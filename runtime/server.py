@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from qkiln.errors import QkilnError, RequestError
 
 from .async_engine import AsyncLLMEngine, EngineError, RequestStream
-from .engine import RequestOutput, last_tokens
+from .engine import RequestOutput, check_sampling_token_ids, last_tokens
 from .http_guard import REQUEST_READ_TIMEOUT_S, GuardedH11Protocol
 from .http_middleware import REQUEST_ID_HEADER, ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from .metrics import ServerMetrics
@@ -275,7 +275,10 @@ class _Choice:
 async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Request, choices: list[_Choice],
                    is_stream: bool):
     """Run one request's choices (a completion batch's prompts, n per prompt) and answer with them all."""
-    # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent.
+    # Admission first, so a prompt the engine refuses is a 400 before any byte of a stream is sent;
+    # and what no server state can change before capacity, so it is not a 429 to retry.
+    for c in choices:
+        check_sampling_token_ids(c.params, engine.vocab_size)
     _check_capacity(engine, metrics, len(choices), request.app.state.max_concurrent_requests)
     streams = await _admit(engine, choices)
     builders = [c.builder for c in choices]

@@ -60,6 +60,10 @@ def test_requests_past_the_limit_get_429_and_go_through_once_there_is_room(serve
         assert client.post("/v1/completions", json=body()).status_code == 429  # chat counts too
         too_big = client.post("/v1/completions", json=body(n=4))  # could never fit: not worth a retry
         assert too_big.status_code == 400 and "--max-concurrent-requests" in too_big.json()["error"]["message"]
+        for field, value in (("logit_bias", {"999999": 5}), ("stop_token_ids", [999999]),
+                             ("allowed_token_ids", [1, 999999])):  # invalid whatever the load: a 400, not a 429
+            invalid = client.post("/v1/completions", json=body(**{field: value}))
+            assert invalid.status_code == 400 and invalid.json()["error"]["param"] == field, invalid.text
         assert client.get("/health").status_code == 200  # busy is not down
         gate.set()
         blocked.result(30)
