@@ -111,10 +111,14 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None, amx_codes=F
     amx_codes: many rows read `weight` through the AMX codes GEMM instead (same bits)."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features)
-    # Native layout: few rows, and fp32 activations at any row count. The forms below round the
-    # activations and the product to bf16: an fp32 model's int8 lm_head scored prompts with logits
-    # up to 0.27 off its decode logits (SmolLM2 W4A16), which this kernel computes exactly.
-    if scales.dtype == torch.float32 and (rows.shape[0] <= SMALL_M or x.dtype == torch.float32):
+    # fp32 activations are not rounded at any row count: the bf16 forms below round them and the
+    # product, and an fp32 model's int8 lm_head scored prompts with logits up to 0.27 off its decode
+    # logits (SmolLM2 W4A16). Many rows take the fp32 GEMM where the copy is fp32 (2.2-2.3x the
+    # native kernel at 64 and 256 rows of SmolLM2's head, AVX2, 2 threads), else the native kernel.
+    fp32_rows = x.dtype == torch.float32 and rows.shape[0] > SMALL_M
+    if fp32_rows and dequantized is not None and dequantized.dtype == torch.float32:
+        return _finish(torch.nn.functional.linear(rows, dequantized) * scales, x, bias, out_features)
+    if scales.dtype == torch.float32 and (rows.shape[0] <= SMALL_M or fp32_rows):  # native layout
         return cpu_native.w8a16_gemm(rows, weight, scales, bias).reshape(*x.shape[:-1],
                                                                           out_features)
     rows = rows.to(torch.bfloat16)
