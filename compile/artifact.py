@@ -236,21 +236,40 @@ def read_manifest(path) -> Manifest:
         text = mpath.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ArtifactError(f"{mpath}: not UTF-8 text; the artifact is corrupt, rebuild it") from None
+    except PermissionError as e:
+        raise unreadable(mpath, e) from None
     return Manifest.from_json(text, where=str(mpath))
+
+
+def unreadable(path, error: OSError) -> ArtifactError:
+    """An artifact's file or folder this user may not read (written by another user under a
+    private umask): said as such, not as a traceback or a missing file."""
+    return ArtifactError(f"{path}: cannot be read ({error.strerror}); the artifact's files must be readable by "
+                         "whoever loads it: `chmod -R a+rX` the artifact, or ask its owner to")
 
 
 def sha256_file(path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):  # 1 MiB: shards are GBs, never read whole
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):  # 1 MiB: shards are GBs, never read whole
+                h.update(chunk)
+    except PermissionError as e:
+        raise unreadable(path, e) from None
     return h.hexdigest()
 
 
+def _raise_unreadable(error: OSError):
+    if isinstance(error, PermissionError):
+        raise unreadable(error.filename, error) from None
+    raise error
+
+
 def list_artifact_files(root: Path) -> set[str]:
-    """Every file under `root` as a posix relpath, manifest.json excepted; refuses links."""
+    """Every file under `root` as a posix relpath, manifest.json excepted; refuses links and
+    folders it cannot read (os.walk skips those without a word: their files looked missing)."""
     out = set()
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise_unreadable):
         for name in dirnames + filenames:
             p = Path(dirpath) / name
             rel = p.relative_to(root).as_posix()

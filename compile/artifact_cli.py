@@ -59,8 +59,7 @@ def remove_dead_unpacked() -> list[Path]:
     from .artifact_writer import remove_left_by_gone_processes
 
     unpacked = (p for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*") if p.is_dir())
-    return remove_left_by_gone_processes(unpacked, rf"{_UNPACKED_PREFIX}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-\w+",
-                                         ignore_errors=True)  # a shared temp dir: another user's may resist
+    return remove_left_by_gone_processes(unpacked, rf"{_UNPACKED_PREFIX}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-\w+")
 
 
 def verify_cmd(

@@ -66,6 +66,7 @@ def write_artifact(out_dir, manifest: Manifest, tensors: dict, tokenizer_files: 
             if check is not None:
                 mark_unchecked(tmp)
             _write_file(tmp / MANIFEST_NAME, replace(manifest, files=files).to_json().encode())
+            make_shareable(tmp)
             fsync_dirs(tmp)
         if check is not None:
             check(tmp)
@@ -285,33 +286,46 @@ def staged_directory(out: Path, recheck):
     try:
         with writing(out):
             yield tmp
-            for f in tmp.rglob("*"):  # some writers create files owner-only; an export is meant to be shared
-                if f.is_file():
-                    f.chmod(0o644)
+            make_shareable(tmp)
             move_into_place(tmp, out, recheck)
     except BaseException as e:
         _discard_partial(tmp, out, e)
         raise
 
 
+def make_shareable(folder: Path) -> None:
+    """Files 0644 and folders 0755 under `folder`, whatever the umask or the writer (safetensors
+    creates 0600): an artifact or an export is meant to be read by other users, a server running
+    as another one or a team's registry (under umask 077 another user's verify had ended in a
+    traceback). Who may reach it is the parent folder's say."""
+    for path in folder.rglob("*"):
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def remove_stale_partials(out: Path) -> list[Path]:
     """Delete the `.NAME.partial-*` / `.NAME.trash-*` entries beside `out` (directories, or an
     archive's files), whatever their NAME, written on this host by a process that is gone (the
     untagged names earlier versions wrote count as this host's). Any name: a SIGKILLed build of
-    another name left one the size of an artifact, which only a build of that name removed."""
+    another name left one the size of an artifact, which only a build of that name removed.
+    What resists is left (another user's, in a shared folder: a traceback had failed every other
+    user's build there, after its calibration)."""
     return remove_left_by_gone_processes(out.parent.iterdir(), rf"\..+\.{UNFINISHED_SUFFIX}")
 
 
-def remove_left_by_gone_processes(paths, pattern: str, ignore_errors: bool = False) -> list[Path]:
+def remove_left_by_gone_processes(paths, pattern: str) -> list[Path]:
     """Delete the `paths` (directories, or files) whose names match `pattern` (groups `pid` and an
     optional `host` tag) that a process of this host wrote and that is gone: a pid says whether a
     writer lives only on its own host, so another host's are never touched (an untagged name counts
-    as this host's)."""
+    as this host's). Best effort: in a shared folder another user's may resist, and stays."""
     regex, removed = re.compile(pattern), []
     for p in sorted(paths):
         m = regex.fullmatch(p.name)
         if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not pid_alive(int(m["pid"])):
-            shutil.rmtree(p, ignore_errors=ignore_errors) if p.is_dir() else p.unlink()
+            try:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+            except OSError:
+                continue
             removed.append(p)
     return removed
 
@@ -393,7 +407,6 @@ def write_shard(path: Path, tensors: dict) -> None:
         seen.add(t.untyped_storage().data_ptr())
         prepared[name] = t
     save_file(prepared, str(path), metadata=dict(_SAFETENSORS_METADATA))
-    os.chmod(path, 0o644)  # safetensors creates 0600; a server running as another user must read it
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 

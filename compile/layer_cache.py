@@ -7,12 +7,15 @@ layer i depend on layers < i, and those are fixed by the same inputs, so the key
 for the thread count (results can differ across thread counts in the last bits, so a layer cached
 on one machine may differ from one computed on another: both are valid quantizations). The KV
 scheme, target and evaluation are *not* in the key: changing them reuses every layer.
-Entries are safetensors files written atomically (temp file, fsync, rename) with the sha256 of
-their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write, an edit in
-a shared cache) is a miss and is deleted, never an error and never data in an artifact. The folder
+Entries are safetensors files written atomically (temp file, fsync, rename) with their key and the
+sha256 of their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write,
+an edit in a shared cache, an entry copied under another key's name) is a miss and is deleted,
+never an error and never data in an artifact. The folder
 is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least recently used entries go, and temp
 files a killed build left go after a day. The cache only saves time: one that cannot be written (a
-read-only home, a full disk) is said once and switched off for the build, which goes on.
+read-only home, a full disk, another user's private folder) is said once and switched off for the
+build, which goes on. Folders it creates are 0755 and entries 0644 whatever the umask, so a cache
+on a team's volume serves every user.
 """
 
 import contextlib
@@ -30,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from qkiln.errors import QkilnError
 
-CACHE_FORMAT = 3  # 3: entries carry their payload's sha256
+CACHE_FORMAT = 4  # 3: entries carry their payload's sha256; 4: and their key
 DEFAULT_MAX_GB = 8.0
 STALE_TMP_SECONDS = 24 * 3600
 
@@ -57,7 +60,7 @@ def write_cache_file(path: Path, write, warn=None) -> bool:
     written: a cache only saves time, so the build goes on without it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_shared_dirs(path.parent)
         write(tmp)
         os.chmod(tmp, 0o644)  # safetensors creates 0600; a cache shared by a team's users must be readable
         with open(tmp, "rb") as f:
@@ -71,10 +74,21 @@ def write_cache_file(path: Path, write, warn=None) -> bool:
         return False
 
 
-def _say_unwritable(directory: Path, error: BaseException, warn) -> None:
+def _make_shared_dirs(directory: Path) -> None:
+    """mkdir -p, each folder it creates 0755 (the umask would make a team's cache owner-only under
+    077, and every other user's build then missed)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()][::-1]
+    for d in missing:
+        d.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            d.chmod(0o755)
+
+
+def _say_unwritable(directory: Path, error: BaseException, warn, doing: str = "written") -> None:
+    remedy = ("ask its owner for access" if isinstance(error, PermissionError) else "free space there")
     (warn or (lambda msg: print(msg, file=sys.stderr)))(
-        f"warning: the build cache {directory} cannot be written ({error}); this build goes on without it "
-        "(free space there, or point QKILN_CACHE_DIR elsewhere)")
+        f"warning: the build cache {directory} cannot be {doing} ({error}); this build goes on without it "
+        f"({remedy}, or point QKILN_CACHE_DIR elsewhere)")
 
 
 # Beside quant/: the modules that compute a layer's inputs and outputs during calibration (the
@@ -142,15 +156,24 @@ class LayerCache:
         try:
             from safetensors import safe_open
 
+            # safetensors says "No such file or directory" for a folder this user may not read
+            if path.parent.is_dir() and not os.access(path.parent, os.R_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied", str(path.parent))
             with safe_open(str(path), "pt") as f:
                 metadata = f.metadata()
             tensors = load_file(str(path))
-            if payload_sha256(tensors, metadata["report"]) != metadata["sha256"]:
-                path.unlink(missing_ok=True)  # damaged: recomputed and stored again
-                raise ValueError("payload does not match its sha256")
+            if metadata.get("key") != key or payload_sha256(tensors, metadata["report"]) != metadata["sha256"]:
+                with contextlib.suppress(OSError):  # another user's entry stays: still a miss
+                    path.unlink(missing_ok=True)  # damaged or misfiled: recomputed and stored again
+                raise ValueError("payload does not match its key and sha256")
             meta = json.loads(metadata["report"])
             with contextlib.suppress(OSError):  # only the owner may touch it: another user's entry is still a hit
                 os.utime(path)  # recently used: evicted last
+        except PermissionError as e:  # another user's private folder: said once, then no cache
+            _say_unwritable(self.directory, e, self._warn, doing="read")
+            self.directory = None
+            self.num_misses += 1
+            return None
         except Exception:  # missing or corrupt: recompute
             self.num_misses += 1
             return None
@@ -162,7 +185,7 @@ class LayerCache:
             return
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         report_json = json.dumps(report, sort_keys=True)
-        metadata = {"report": report_json, "sha256": payload_sha256(tensors, report_json)}
+        metadata = {"key": key, "report": report_json, "sha256": payload_sha256(tensors, report_json)}
         if not write_cache_file(self.directory / f"{key}.safetensors",
                                 lambda tmp: save_file(tensors, str(tmp), metadata=metadata), self._warn):
             self.directory = None  # said once; the rest of the build runs without it

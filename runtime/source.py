@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,9 @@ def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor
 
     tensors, origin = {}, {}
     for f in files:
+        if not os.access(f, os.R_OK):  # safetensors says "No such file or directory" for EACCES
+            raise SourceModelError(f"{f}: cannot be read (permission denied; transformers saves weights 0600): "
+                                   "make it readable by this user (chmod a+r) or ask its owner to")
         try:
             loaded = load_file(str(f))
         except Exception as e:  # safetensors raises SafetensorError / OSError on damage

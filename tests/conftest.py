@@ -1,5 +1,11 @@
-"""Shared fixtures: the real SmolLM2 model (skips when absent) and tiny random HF models."""
+"""Shared fixtures: the real SmolLM2 model (skips when absent), tiny random HF models, and another
+user of a shared host."""
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +52,37 @@ def wiki_test_path():
     if not WIKI_TEST.is_file():
         pytest.skip("../shared/data/wikitext-2-raw is absent")
     return WIKI_TEST
+
+
+class OtherUser:
+    """uid / gid 65534 on this host, and `folder`: a fresh world-writable (1777) folder both may use,
+    as a team's volume (pytest's tmp_path is owner-only)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def python(self, code: str, *args) -> subprocess.CompletedProcess:
+        """`python -c code args...` run as that user from /, its qkiln imported first."""
+        prelude = ("import sys\ntry:\n    import qkiln.compile.artifact\n"
+                   "except (ImportError, OSError):\n    print('cannot import'); sys.exit()\n")
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                              prelude + code, *map(str, args)], cwd="/", capture_output=True, text=True, timeout=300)
+        if out.stdout.strip() == "cannot import" or out.returncode == 126:  # 126: python not executable
+            pytest.skip("this checkout cannot be read by another user")
+        return out
+
+
+@pytest.fixture
+def other_user():
+    """Another user of this host (needs root and setpriv, else the test skips)."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv")
+    folder = Path(tempfile.mkdtemp(prefix="qkiln-shared-"))
+    folder.chmod(0o1777)
+    try:
+        yield OtherUser(folder)
+    finally:
+        shutil.rmtree(folder)
 
 
 def pytest_configure(config):

@@ -766,3 +766,48 @@ def test_the_digest_is_checked_on_the_manifest_s_bytes_without_python(tmp_path):
     run = subprocess.run(f"grep -v '^  \"digest\": ' {out / 'manifest.json'} | head -c -1 | sha256sum",
                          shell=True, capture_output=True, text=True, check=True)
     assert run.stdout.split()[0] == json.loads(text)["digest"] == read_manifest(out).digest
+
+
+def test_another_user_s_leftover_partial_does_not_fail_my_build(other_user):
+    """A SIGKILLed build of one user leaves its partial in a shared folder; every other user's
+    build there then failed with a traceback (PermissionError), after its whole calibration."""
+    import subprocess
+    import sys
+
+    from qkiln.compile.artifact_writer import HOST_TAG
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid that has exited
+    leftover = other_user.folder / f".theirs.partial-{HOST_TAG}-{gone}-x1"
+    (leftover / "weights").mkdir(parents=True)
+    (leftover / "weights" / "model-00001-of-00001.safetensors").write_bytes(b"half")
+    mine = ("from pathlib import Path; from qkiln.compile.artifact_writer import fresh_partial_dir\n"
+            "print(fresh_partial_dir(Path(sys.argv[1])).is_dir())")
+    out = other_user.python(mine, other_user.folder / "mine")
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    assert leftover.is_dir()  # theirs to clean: a build of their own removes it
+    build(other_user.folder / "rebuilt")  # and the owner's next build does
+    assert not leftover.exists()
+
+
+def test_an_artifact_written_under_a_private_umask_is_readable_by_other_users(other_user):
+    """Only the weight shards were made 0644: under umask 077 the manifest, tokenizer and reports
+    were owner-only and another user's verify ended in a traceback. What it cannot read is an
+    ArtifactError naming the file, not a traceback, and not a file said to be missing."""
+    old_umask = os.umask(0o077)
+    try:
+        out = build(other_user.folder / "a", engines={"onnx/model.onnx": b"onnx-bytes"})
+    finally:
+        os.umask(old_umask)
+    assert all(p.stat().st_mode & 0o777 == (0o755 if p.is_dir() else 0o644) for p in [out, *out.rglob("*")])
+    verify = ("from qkiln.compile.artifact import verify_artifact; from qkiln.errors import ArtifactError\n"
+              "try: print(len(verify_artifact(sys.argv[1])))\n"
+              "except ArtifactError as e: print('ArtifactError', e)")
+    ok = other_user.python(verify, out)
+    assert ok.returncode == 0 and ok.stdout.strip() == str(len(read_manifest(out).files)), ok.stderr
+    for private in (out / "tokenizer" / "tokenizer.json", out / "reports", out / "manifest.json"):
+        private.chmod(0o700 if private.is_dir() else 0o600)
+        said = other_user.python(verify, out)
+        private.chmod(0o755 if private.is_dir() else 0o644)
+        assert said.returncode == 0 and said.stdout.startswith("ArtifactError"), said.stderr
+        assert f"{private}: cannot be read (Permission denied)" in said.stdout and "chmod -R a+rX" in said.stdout

@@ -200,3 +200,16 @@ def test_a_quantized_checkpoint_as_a_source_names_qkiln_import(tmp_path):
     edit_json(model_dir / "config.json", quantization_config={"quant_method": "compressed-tensors"})
     with pytest.raises(SourceModelError, match=r"is a quantized checkpoint \(compressed-tensors\): `qkiln import"):
         load_source(str(model_dir))
+
+
+def test_a_checkpoint_another_user_cannot_read_is_said_so(other_user):
+    """transformers saves model.safetensors 0600, and safetensors reports EACCES as "No such file or
+    directory": a teammate's checkpoint was 'not a valid safetensors file ...; re-download it'."""
+    model_dir = write_tiny_hf_model(other_user.folder / "theirs", "llama")
+    (model_dir / "model.safetensors").chmod(0o600)
+    load = ("from qkiln.runtime.source import load_source; from qkiln.errors import SourceModelError\n"
+            "try: load_source(sys.argv[1])\n"
+            "except SourceModelError as e: print(e)")
+    out = other_user.python(load, model_dir)
+    assert out.returncode == 0, out.stderr
+    assert "model.safetensors: cannot be read (permission denied" in out.stdout and "chmod a+r" in out.stdout
