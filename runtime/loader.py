@@ -6,6 +6,7 @@ The artifact path imports only `compile.artifact` (the schema leaf), never `tran
 
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,42 +107,64 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
     # one it was built under
     name = Path(os.path.normpath(Path(path).absolute())).name or read_manifest(path).name
     path = Path(os.path.realpath(path))  # read from one folder, whatever the link points to meanwhile
-    folder = os.stat(path)
-    verify_artifact(path)  # hashes, version, target: refuse before loading anything
-    manifest = read_manifest(path)
-    config = ModelConfig.from_dict(manifest.architecture)
-    tensors = load_tensors(path, manifest, verify=False)
-    linears = dict(manifest.quantization.get("linears", {}))
-    fused = fuse_tensors(tensors, linears, config.num_hidden_layers, projection_out_sizes(config)) if fuse \
-        else frozenset()
-    target = "cuda" if str(device).startswith("cuda") else "cpu"
+    with _read_as_one(path):
+        verify_artifact(path)  # hashes, version, target: refuse before loading anything
+        manifest = read_manifest(path)
+        config = ModelConfig.from_dict(manifest.architecture)
+        tensors = load_tensors(path, manifest, verify=False)
+        linears = dict(manifest.quantization.get("linears", {}))
+        fused = fuse_tensors(tensors, linears, config.num_hidden_layers, projection_out_sizes(config)) if fuse \
+            else frozenset()
+        target = "cuda" if str(device).startswith("cuda") else "cpu"
 
-    def make_linear(name, in_features, out_features, bias):
-        if name not in linears:
-            return torch.nn.Linear(in_features, out_features, bias=bias)
-        b = tensors.get(name + ".bias")
-        return make_quantized_linear(name, linears[name], tensors, target, dtype,
-                                     None if b is None else b.to(dtype), int8_activations)
+        def make_linear(name, in_features, out_features, bias):
+            if name not in linears:
+                return torch.nn.Linear(in_features, out_features, bias=bias)
+            b = tensors.get(name + ".bias")
+            return make_quantized_linear(name, linears[name], tensors, target, dtype,
+                                         None if b is None else b.to(dtype), int8_activations)
 
-    plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
-    model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)
-    if model.lm_head is None and "lm_head" in linears:
-        # A tied head quantized as its own copy: logits use it, embedding lookups stay exact.
-        model.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
-    model = model.to(device)
-    pack_dense_linears(model)  # layers left unquantized (recipe `ignore`), a tied bf16 head
-    # The decode GEMVs' weights in one buffer, in layer order: huge pages (weight_arena.py)
-    gather_gemv_weights([m.packed for m in model.modules() if isinstance(m, QuantizedLinear)])
-    kv = manifest.kv_cache
-    kv_scales = _kv_scales(tensors, config, kv) if kv else None
-    tokenizer = Tokenizer.from_dir(path / "tokenizer")
-    now = os.stat(path)
-    if (now.st_dev, now.st_ino) != (folder.st_dev, folder.st_ino):  # build --force renames a new one in
-        raise ArtifactError(f"the artifact at {path} was replaced while it loaded (a rebuild?): what was read may "
-                            "mix the two; load it again")
+        plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
+        model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)
+        if model.lm_head is None and "lm_head" in linears:
+            # A tied head quantized as its own copy: logits use it, embedding lookups stay exact.
+            model.lm_head = make_linear("lm_head", config.hidden_size, config.vocab_size, False)
+        model = model.to(device)
+        pack_dense_linears(model)  # layers left unquantized (recipe `ignore`), a tied bf16 head
+        # The decode GEMVs' weights in one buffer, in layer order: huge pages (weight_arena.py)
+        gather_gemv_weights([m.packed for m in model.modules() if isinstance(m, QuantizedLinear)])
+        kv = manifest.kv_cache
+        kv_scales = _kv_scales(tensors, config, kv) if kv else None
+        tokenizer = Tokenizer.from_dir(path / "tokenizer")
     return ServingModel(name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
                         kv_group_size=kv.get("group_size", 32) if kv else 32, kv_scales=kv_scales,
                         manifest=manifest)
+
+
+@contextmanager
+def _read_as_one(path: Path):
+    """The block reads the artifact at `path`; `build --force` may rename a new one in meanwhile,
+    and what was read may then mix the two. Said as such (exit 6: load it again) after the block,
+    and also when the block fails: the mix had failed as a recipe error (exit 4, 'int4 scales
+    have shape ...'), which a deploy script retrying on 6 did not retry."""
+    folder = os.stat(path)
+
+    def check_same_folder():
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) != (folder.st_dev, folder.st_ino):
+            raise ArtifactError(f"the artifact at {path} was replaced while it loaded (a rebuild?): what was read "
+                                "may mix the two; load it again")
+
+    try:
+        yield
+    except (QkilnError, OSError) as e:
+        try:
+            check_same_folder()
+        except (ArtifactError, OSError):
+            raise ArtifactError(f"the artifact at {path} was replaced while it loaded (a rebuild?), which "
+                                f"failed it ({e}); load it again") from e
+        raise
+    check_same_folder()
 
 
 def _is_kv_tensor(name: str) -> bool:

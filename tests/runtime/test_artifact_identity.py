@@ -74,3 +74,25 @@ def test_a_folder_replaced_while_it_loads_is_refused(built, monkeypatch):
     monkeypatch.undo()
     assert json.loads((served / "manifest.json").read_text())["recipe"]["name"] == "w4a16-rtn"
     assert LLM(str(served), **ENGINE_KW).name == "served"  # loaded again, it is whole
+
+
+def test_a_mix_that_fails_to_load_is_said_to_be_a_replaced_folder(built, monkeypatch):
+    """A rebuild landing between the manifest and the weights (fp8 manifest, int4 tensors) failed the
+    load as a recipe error (exit 4: 'fix the recipe'); a deploy script retrying on 6 gave up."""
+    root, a, b = built
+    served, spare = root / "served2", root / "spare2"
+    shutil.copytree(a, served)
+    shutil.copytree(b, spare)
+    real_load_tensors = loader.load_tensors
+
+    def swap_then_load(path, manifest, **kw):
+        shutil.rmtree(served)
+        os.rename(spare, served)
+        return real_load_tensors(path, manifest, **kw)
+
+    monkeypatch.setattr(loader, "load_tensors", swap_then_load)
+    with pytest.raises(ArtifactError, match="was replaced while it loaded .*, which failed it") as failed:
+        LLM(str(served), **ENGINE_KW)
+    assert failed.value.exit_code == 6
+    monkeypatch.undo()
+    assert LLM(str(served), **ENGINE_KW).name == "served2"
