@@ -348,17 +348,17 @@ class AsyncLLMEngine:
             self._num_step_errors += 1
             if isinstance(e, NonFiniteLogitsError):  # those requests only; the rest run the step again
                 print(f"warning: {e}", file=sys.stderr)
-                error, in_step = EngineError(str(e)), e.request_ids
+                message, in_step = e.for_request, e.request_ids
             else:
                 traceback.print_exc()
-                error = EngineError(f"the engine failed while running this request ({e!r}); it was aborted")
-                in_step = self.engine.last_step_request_ids
+                failure = f"the engine failed while running this request ({e!r}); it was aborted"
+                message, in_step = (lambda _: failure), self.engine.last_step_request_ids
             for request_id in list(self._streams) if in_step is None else in_step:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
-                    stream.put(error)
+                    stream.put(EngineError(message(request_id)))
             # a sequence nobody waits for would fail every later step the same way: drop it too
             scheduler = self.engine.scheduler
             for seq in [*scheduler.waiting, *scheduler.running]:

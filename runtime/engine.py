@@ -36,11 +36,22 @@ PROMPT_SCORE_ROWS = 256
 
 class NonFiniteLogitsError(QkilnError):
     """The model's logits for some of a step's requests hold NaN or inf: their tokens would be
-    garbage. The step is rolled back; the caller fails `request_ids` and may go on with the rest."""
+    garbage. The step is rolled back; the caller fails `request_ids` and may go on with the rest,
+    telling each one `for_request(id)` (the message names them all: a server's ids carry its
+    clients' x-request-id, a gateway's trace id, which no other client is to see)."""
 
-    def __init__(self, message: str, request_ids: tuple[str, ...]):
-        super().__init__(message)
-        self.request_ids = request_ids
+    def __init__(self, request_ids: tuple[str, ...], where: str, dtype_name: str):
+        self.request_ids, self._where, self._dtype_name = request_ids, where, dtype_name
+        more = f" and {len(request_ids) - 1} more" if len(request_ids) > 1 else ""
+        super().__init__(self._message(f"request {request_ids[0]!r}", more))
+
+    def for_request(self, request_id: str) -> str:
+        return self._message(f"request {request_id!r}", "")
+
+    def _message(self, which: str, more: str) -> str:
+        return (f"the model's logits are not finite (NaN or inf) for {which} at {self._where}{more}: its "
+                f"activations overflowed {self._dtype_name} or the weights hold NaN; the request was stopped "
+                "rather than answered with garbage (with --dtype fp16, try bf16 or fp32)")
 
 
 @dataclass
@@ -142,14 +153,6 @@ def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
     as in vLLM, the tokenizer's EOS: a fine-tune's end-of-turn token is often named only there."""
     tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
     return tuple(dict.fromkeys([*config.eos_token_ids, *([] if tokenizer_eos is None else [tokenizer_eos])]))
-
-
-def _non_finite(request_ids: list[str], where: str, dtype_name: str) -> NonFiniteLogitsError:
-    more = f" and {len(request_ids) - 1} more" if len(request_ids) > 1 else ""
-    return NonFiniteLogitsError(
-        f"the model's logits are not finite (NaN or inf) for request {request_ids[0]!r} at {where}{more}: its "
-        f"activations overflowed {dtype_name} or the weights hold NaN; the request was stopped "
-        "rather than answered with garbage (with --dtype fp16, try bf16 or fp32)", tuple(request_ids))
 
 
 def check_in_vocabulary(token_ids, vocab_size: int, what: str, param: str) -> None:
@@ -322,8 +325,8 @@ class LLMEngine:
         bad = [row for row, value in enumerate(chosen) if not math.isfinite(value)]
         if bad:
             seqs = [sampling[row].seq for row in bad]
-            raise _non_finite([s.seq_id for s in seqs], f"output token {seqs[0].num_output_tokens + 1}",
-                              self.dtype_name)
+            raise NonFiniteLogitsError(tuple(s.seq_id for s in seqs),
+                                       f"output token {seqs[0].num_output_tokens + 1}", self.dtype_name)
 
     def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted
@@ -344,7 +347,8 @@ class LLMEngine:
                 chosen, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
                 bad = next((k for k, value in enumerate(chosen) if not math.isfinite(value)), None)
                 if bad is not None:  # an overflow at one position only: the sampled row can be fine
-                    raise _non_finite([s.seq_id], f"prompt token {part[bad] + 2} (its prompt logprob)", self.dtype_name)
+                    raise NonFiniteLogitsError((s.seq_id,), f"prompt token {part[bad] + 2} (its prompt logprob)",
+                                               self.dtype_name)
                 for k, (position, target) in enumerate(zip(part, targets)):
                     top = {} if n == 0 else dict(zip(scores.top_token_ids[k].tolist(), scores.top_logprobs[k].tolist()))
                     entries[position + 1] = {"token_id": target, "logprob": chosen[k], "rank": ranks[k], "top": top}

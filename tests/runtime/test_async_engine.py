@@ -251,6 +251,32 @@ def test_nan_logits_fail_that_request_only(tmp_path):
         eng.shutdown()
 
 
+def test_requests_failed_together_are_each_told_only_their_own_id(tmp_path):
+    """Two overflowing requests in one step: each client was told 'request <the other's id> ... and
+    1 more', and a server's ids carry its clients' x-request-id (a gateway's trace id)."""
+    eng = AsyncLLMEngine.from_model(str(poisoned_model(tmp_path, 7)), dtype="fp32", **ENGINE_KW)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+
+    async def failure(stream):
+        try:
+            async for _ in stream:
+                pass
+        except EngineError as e:
+            return str(e)
+
+    async def main():
+        streams = [eng.submit([5, 7, 9], params, name) for name in ("alice-1", "bob-1")]
+        return await asyncio.gather(*(failure(s) for s in streams))
+
+    try:
+        told = asyncio.run(main())
+        assert eng.snapshot.num_step_errors == 1  # one step failed them both
+        for mine, theirs, message in (("alice-1", "bob-1", told[0]), ("bob-1", "alice-1", told[1])):
+            assert f"request '{mine}' at output token 1:" in message and theirs not in message
+    finally:
+        eng.shutdown()
+
+
 def test_idle_engine_thread_sleeps(engine):
     asyncio.run(collect(engine, "warm", SamplingParams(max_tokens=2)))
     wait_idle(engine)
