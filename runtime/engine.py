@@ -44,6 +44,8 @@ class NonFiniteLogitsError(QkilnError):
         self.request_ids, self._where, self._dtype_name = request_ids, where, dtype_name
         more = f" and {len(request_ids) - 1} more" if len(request_ids) > 1 else ""
         super().__init__(self._message(f"request {request_ids[0]!r}", more))
+        # LLM.generate: every prompt's output, None for those that failed (the others ran to the end)
+        self.outputs: list | None = None
 
     def for_request(self, request_id: str) -> str:
         return self._message(f"request {request_id!r}", "")
@@ -306,14 +308,23 @@ class LLMEngine:
         step = self.runner.run(plan, argmax=self.sampler.is_plain_argmax(params, banned))
         if step.prompt_hidden is not None:
             self._score_prompts(plan, step.prompt_hidden)
+        saved = []
         if step.argmax is not None:
             out = SamplerOutput(step.argmax)
         else:
             history = [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling] \
                 if any(p.has_penalties for p in params) else None
-            out = self.sampler.sample(step.logits, params, [self.requests[s.seq_id].generator for s in sampling],
-                                      banned, history)
-        self._check_finite(step.logits, out.token_ids, sampling)
+            generators = [self.requests[s.seq_id].generator for s in sampling]
+            # A step failed by non-finite rows is run again without them: seeded requests draw again
+            # what they drew (their outputs had changed with a failed neighbour). ~1 us a request.
+            saved = [(g, g.get_state()) for g in generators if g is not None]
+            out = self.sampler.sample(step.logits, params, generators, banned, history)
+        try:
+            self._check_finite(step.logits, out.token_ids, sampling)
+        except NonFiniteLogitsError:
+            for generator, state in saved:
+                generator.set_state(state)
+            raise
         return out
 
     def _check_finite(self, logits: torch.Tensor, token_ids: torch.Tensor, sampling) -> None:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from qkiln.errors import RequestError, SourceModelError
 
-from .engine import EngineConfig, RequestOutput, is_token_ids
+from .engine import EngineConfig, NonFiniteLogitsError, RequestOutput, is_token_ids
 from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import load_for_serving
 from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
@@ -158,10 +158,18 @@ class LLM:
         prompt_logprobs: dict[str, list | None] = {}  # from a request's first output
         prompt_of = {i: k for k, ids in enumerate(request_ids) for i in ids}
         unfinished = [len(ids) for ids in request_ids]  # choices per prompt: the bar counts prompts, as vLLM's
+        failed: list[NonFiniteLogitsError] = []
         progress = use_tqdm if callable(use_tqdm) else tqdm
         with progress(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except NonFiniteLogitsError as e:  # the step was rolled back: those requests end, the rest go on
+                    failed.append(e)
+                    for request_id in e.request_ids:
+                        self.engine.abort_request(request_id)
+                    continue
+                for out in outputs:
                     if logprobs[out.request_id] is not None:
                         logprobs[out.request_id] += out.logprobs
                     prompt_logprobs.setdefault(out.request_id, out.prompt_logprobs)
@@ -171,6 +179,9 @@ class LLM:
                         bar.update(unfinished[prompt_of[out.request_id]] == 0)
         results, convert = [], LogprobConverter(self.tokenizer)
         for prompt, ids, detokenize in zip(prompts, request_ids, detokenizes):
+            if any(i not in finished for i in ids):  # a choice failed
+                results.append(None)
+                continue
             outs = [finished[i] for i in ids]
             choices = []
             for j, o in enumerate(outs):
@@ -181,6 +192,14 @@ class LLM:
             results.append(PromptOutput(ids[0], prompt if isinstance(prompt, str) else None, outs[0].prompt_token_ids,
                                         choices, convert.all(prompt_logprobs[ids[0]], detokenize),
                                         num_cached_tokens=outs[0].num_cached_tokens))
+        if failed:  # one prompt's overflow had thrown away a whole batch's outputs
+            error = failed[0]
+            error.outputs = results
+            bad = [k for k, out in enumerate(results) if out is None]
+            error.add_note(f"prompt(s) {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''} of "
+                           f"{len(results)} failed; the others ran to the end: their outputs are in this error's "
+                           ".outputs (None for a failed prompt)")
+            raise error
         return results
 
 

@@ -39,10 +39,16 @@ def test_nan_logits_raise_instead_of_answering(tmp_path):
     save_file(tensors, str(model / "model.safetensors"))
     llm = LLM(str(model), dtype="fp32", num_kv_blocks=32, max_model_len=128)
     for params in (GREEDY, SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=2)):
-        with pytest.raises(NonFiniteLogitsError, match=r"not finite \(NaN or inf\) for request '[^']+' at output token 1:"):
-            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, 7]}], params)
+        with pytest.raises(NonFiniteLogitsError, match=r"not finite \(NaN or inf\) for request '[^']+' at output token 1:") \
+                as failed:
+            llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [5, 7]}, [6, 5]], params)
         assert not llm.engine.has_unfinished() and llm.engine.kv_manager.usage == 0.0
-        assert len(llm.generate([{"prompt_token_ids": [5, 6]}], params)[0].outputs[0].token_ids) == 5
+        # the overflowing prompt threw the batch's other outputs away; they ran to the end
+        good, bad, other = failed.value.outputs
+        assert bad is None and "prompt(s) 1 of 3 failed" in failed.value.__notes__[0]
+        alone = llm.generate([{"prompt_token_ids": [5, 6]}, [6, 5]], params)
+        assert [good.outputs[0].token_ids, other.outputs[0].token_ids] == [a.outputs[0].token_ids for a in alone]
+        assert len(good.outputs[0].token_ids) == 5
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
