@@ -21,6 +21,7 @@ Invariants:
 - Never pickle: weights are safetensors, reports JSON or bytes given by the caller.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -322,11 +323,10 @@ def remove_left_by_gone_processes(paths, pattern: str) -> list[Path]:
     for p in sorted(paths):
         m = regex.fullmatch(p.name)
         if m and not p.is_symlink() and m["host"] in (None, HOST_TAG) and not pid_alive(int(m["pid"])):
-            try:
+            with contextlib.suppress(OSError):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
-            except OSError:
-                continue
-            removed.append(p)
+            if not os.path.lexists(p):
+                removed.append(p)
     return removed
 
 

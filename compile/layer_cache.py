@@ -10,9 +10,8 @@ scheme, target and evaluation are *not* in the key: changing them reuses every l
 Entries are safetensors files written atomically (temp file, fsync, rename) with their key and the
 sha256 of their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write,
 an edit in a shared cache, an entry copied under another key's name) is a miss and is deleted,
-never an error and never data in an artifact. The folder
-is bounded (QKILN_CACHE_MAX_GB, default 8): past it, the least recently used entries go, and temp
-files a killed build left go after a day. The cache only saves time: one that cannot be written (a
+never an error and never data in an artifact. The folder is bounded (QKILN_CACHE_MAX_GB, default
+8): past it, the least recently used entries go, and temp files a killed build left go after a day. The cache only saves time: one that cannot be written (a
 read-only home, a full disk, another user's private folder) is said once and switched off for the
 build, which goes on. Folders it creates are 0755 and entries 0644 whatever the umask, so a cache
 on a team's volume serves every user.

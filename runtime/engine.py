@@ -40,20 +40,22 @@ class NonFiniteLogitsError(QkilnError):
     telling each one `for_request(id)` (the message names them all: a server's ids carry its
     clients' x-request-id, a gateway's trace id, which no other client is to see)."""
 
-    def __init__(self, request_ids: tuple[str, ...], where: str, dtype_name: str):
-        self.request_ids, self._where, self._dtype_name = request_ids, where, dtype_name
-        more = f" and {len(request_ids) - 1} more" if len(request_ids) > 1 else ""
-        super().__init__(self._message(f"request {request_ids[0]!r}", more))
+    def __init__(self, where: dict[str, str], dtype_name: str):
+        """where: request id -> the token whose logits are not finite ("output token 3")."""
+        self.request_ids, self._where, self._dtype_name = tuple(where), where, dtype_name
+        more = f" and {len(where) - 1} more" if len(where) > 1 else ""
+        super().__init__(self._message(self.request_ids[0], more))
         # LLM.generate: every prompt's output, None for those that failed (the others ran to the end)
         self.outputs: list | None = None
 
     def for_request(self, request_id: str) -> str:
-        return self._message(f"request {request_id!r}", "")
+        return self._message(request_id, "")
 
-    def _message(self, which: str, more: str) -> str:
-        return (f"the model's logits are not finite (NaN or inf) for {which} at {self._where}{more}: its "
-                f"activations overflowed {self._dtype_name} or the weights hold NaN; the request was stopped "
-                "rather than answered with garbage (with --dtype fp16, try bf16 or fp32)")
+    def _message(self, request_id: str, more: str) -> str:
+        return (f"the model's logits are not finite (NaN or inf) for request {request_id!r} at "
+                f"{self._where[request_id]}{more}: its activations overflowed {self._dtype_name} or the weights "
+                "hold NaN; the request was stopped rather than answered with garbage (with --dtype fp16, try bf16 "
+                "or fp32)")
 
 
 @dataclass
@@ -336,8 +338,8 @@ class LLMEngine:
         bad = [row for row, value in enumerate(chosen) if not math.isfinite(value)]
         if bad:
             seqs = [sampling[row].seq for row in bad]
-            raise NonFiniteLogitsError(tuple(s.seq_id for s in seqs),
-                                       f"output token {seqs[0].num_output_tokens + 1}", self.dtype_name)
+            raise NonFiniteLogitsError({s.seq_id: f"output token {s.num_output_tokens + 1}" for s in seqs},
+                                       self.dtype_name)
 
     def _score_prompts(self, plan, hidden: torch.Tensor) -> None:
         """Record the logprob of each prompt token the step's prompt rows predict (a preempted
@@ -358,7 +360,7 @@ class LLMEngine:
                 chosen, ranks = scores.logprobs.tolist(), scores.ranks.tolist()
                 bad = next((k for k, value in enumerate(chosen) if not math.isfinite(value)), None)
                 if bad is not None:  # an overflow at one position only: the sampled row can be fine
-                    raise NonFiniteLogitsError((s.seq_id,), f"prompt token {part[bad] + 2} (its prompt logprob)",
+                    raise NonFiniteLogitsError({s.seq_id: f"prompt token {part[bad] + 2} (its prompt logprob)"},
                                                self.dtype_name)
                 for k, (position, target) in enumerate(zip(part, targets)):
                     top = {} if n == 0 else dict(zip(scores.top_token_ids[k].tolist(), scores.top_logprobs[k].tolist()))
