@@ -12,6 +12,7 @@ no KL.
 import torch
 
 from qkiln.plugins import cpu_native
+from qkiln.plugins.packed_weights import W4A16Weight
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.loader import resolve_dtype
 from qkiln.runtime.quantized_linear import QuantizedLinear
@@ -26,10 +27,11 @@ class ServedScorer:
         self.tokenizer = self.llm.tokenizer
         self.config = self.llm.engine.model.config
         dtype_name = str(resolve_dtype(dtype)).removeprefix("torch.")
-        # On a CPU, quantized linears compute prompts (many rows) with bf16 activations whatever the
-        # dtype (plugins/cpu_linear.py): "float32" alone read as an fp32 score of the recipe.
-        quantized = any(isinstance(m, QuantizedLinear) for m in self.llm.engine.model.modules())
-        caveat = " (quantized linears with bf16 activations)" if quantized and dtype_name == "float32" else ""
+        # On a CPU, int4 linears take bf16 activations whatever the dtype (W4A16; plugins/cpu_linear.py;
+        # int8 ones keep fp32): "float32" alone read as an fp32 score of the recipe.
+        int4 = any(isinstance(m, QuantizedLinear) and isinstance(m.packed, W4A16Weight)
+                   for m in self.llm.engine.model.modules())
+        caveat = " (int4 linears with bf16 activations)" if int4 and dtype_name == "float32" else ""
         self.description = {"scoring": f"served: qkiln's runtime engine in {dtype_name}{caveat}"
                                        f"{' with int8 activations' if int8_activations else ''}, paged KV cache "
                                        f"{self.llm.engine.kv_dtype}, prompt logprobs"}
