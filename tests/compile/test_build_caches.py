@@ -6,9 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
