@@ -271,6 +271,7 @@ def test_requests_failed_together_are_each_told_only_their_own_id(tmp_path):
     try:
         told = asyncio.run(main())
         wait_idle(eng)
+        eng.call(lambda e: None).result(30)  # the loop published a snapshot after wait_idle's call
         assert eng.snapshot.num_step_errors == 1  # one step failed them both
         for mine, theirs, message in (("alice-1", "bob-1", told[0]), ("bob-1", "alice-1", told[1])):
             assert f"request '{mine}' at output token 1:" in message and theirs not in message
