@@ -47,7 +47,7 @@ def check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
 
 def kept_prompt_tokens(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:
     """How many of its last tokens a prompt keeps (SamplingParams.truncate_prompt_tokens), None: all."""
-    return truncation(truncate_prompt_tokens, engine.max_model_len)
+    return truncation(truncate_prompt_tokens, engine.max_model_len, engine.max_request_len)
 
 
 async def encode_text(engine: AsyncLLMEngine, text: str, what: str, add_special_tokens: bool = True,
@@ -76,5 +76,13 @@ def check_text_length(engine: AsyncLLMEngine, num_chars: int, what: str) -> None
     without tokenizing (a 16 MB prompt took 10 s and 2 GB to refuse)."""
     limit = engine.max_request_len * engine.tokenizer.max_token_chars * 4
     if num_chars > limit:
-        raise InvalidRequestError(f"the {what} is {num_chars} characters long, more than the model's "
-                                  f"{engine.max_request_len}-token limit can hold; shorten it", param=what)
+        raise InvalidRequestError(f"the {what} is {num_chars} characters long, more than the {request_limit(engine)} "
+                                  "can hold; shorten it, or send truncate_prompt_tokens to keep its last tokens",
+                                  param=what)
+
+
+def request_limit(engine: AsyncLLMEngine) -> str:
+    """The tokens a request may reach, and what sets them: the model's context, or the KV cache."""
+    limit = engine.max_request_len
+    return (f"model's {limit}-token context" if limit == engine.max_model_len
+            else f"{limit}-token limit the KV cache sets (serve --kv-cache-mb)")

@@ -53,7 +53,7 @@ from .metrics import ServerMetrics
 from .openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidRequestError,
                               SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, error_body)
 from .openai_responses import ChatResponse, CompletionResponse, ResponseBuilder, batch_response, usage_chunk
-from .request_prompts import chat_prompt_ids, check_token_ids, encode_text, kept_prompt_tokens
+from .request_prompts import chat_prompt_ids, check_token_ids, encode_text, kept_prompt_tokens, request_limit
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("qkiln.server")
@@ -155,8 +155,13 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
             ids = await chat_prompt_ids(engine, body, body.add_special_tokens, check_length=False)
         else:
             ids = await encode_text(engine, body.prompt, "prompt", body.add_special_tokens, check_length=False)
-        strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids, "token_strs": strs}
+
+        def reply() -> bytes:  # off the event loop: a 1 MB text's reply held every other client for seconds
+            strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
+            return json.dumps({"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids,
+                               "token_strs": strs}, ensure_ascii=False).encode()
+
+        return Response(await asyncio.to_thread(reply), media_type="application/json")
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -243,17 +248,17 @@ def _completion_budget(requested: int | None, field: str | None, prompt_len: int
     """The tokens a completion may generate: what was asked, or (null) the rest of the context, or
     of what the KV cache holds when that is less. A max_tokens the request set that cannot fit is
     refused, as OpenAI's and vLLM's servers do, rather than cut short; a default one is cut to fit."""
-    limit = engine.max_request_len
-    holder = (f"model's {limit}-token context" if limit == engine.max_model_len
-              else f"{limit}-token limit the KV cache sets (serve --kv-cache-mb)")
+    limit, holder = engine.max_request_len, request_limit(engine)
     room, takes = limit - prompt_len, "takes" if what.startswith("prompt") else "take"
     score_alone = "; max_tokens: 0 with echo scores it alone" if what.startswith("prompt") else ""
     if room == 0 and prompt_len and requested is not None and field is not None:  # the field asked for room
         raise InvalidRequestError(f"{field} {requested} does not fit: the {what} {takes} all {prompt_len} tokens of "
-                                  f"the {holder}; shorten the {what}{score_alone}", param=field)
+                                  f"the {holder}; shorten the {what} (truncate_prompt_tokens below {limit} keeps its "
+                                  f"last tokens){score_alone}", param=field)
     if room < 1 and prompt_len:
         raise InvalidRequestError(f"the {what} {takes} {prompt_len} tokens but the {holder} cannot hold more; "
-                                  f"shorten it{score_alone}", param=what)
+                                  f"shorten it (truncate_prompt_tokens below {limit} keeps its last tokens)"
+                                  f"{score_alone}", param=what)
     if requested is None or (field is None and requested > room):
         return max(room, 1)  # an empty prompt is refused by the engine, with its own message
     if requested > room:

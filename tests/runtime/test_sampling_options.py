@@ -137,6 +137,33 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm, model_dir):
         one(llm, text, max_tokens=1, truncate_prompt_tokens=129)
 
 
+def test_truncation_to_minus_one_keeps_what_a_small_kv_cache_holds(model_dir):
+    """A KV cache holding less than the context (here 48 of 128 tokens): -1 kept the context's 128,
+    and such a server (which reports 48 as its max_model_len) then refused the request with
+    "shorten it", though the client had asked it to cut the prompt."""
+    small = dict(ENGINE_KW, num_kv_blocks=3)  # 3 blocks of 16 tokens
+    llm = LLM(str(model_dir), dtype="fp32", **small)
+    assert llm.engine.max_request_len == 48 < llm.engine.max_model_len == 128
+    ids = list(range(3, 103))  # 100 tokens
+    out = one(llm, {"prompt_token_ids": ids}, max_tokens=None, truncate_prompt_tokens=-1)
+    assert out.prompt_token_ids == ids[-48:] and len(out.outputs[0].token_ids) == 1
+    with pytest.raises(RequestError, match="more than the 48 tokens a request may hold here") as e:
+        one(llm, {"prompt_token_ids": ids}, max_tokens=1, truncate_prompt_tokens=60)
+    assert e.value.param == "truncate_prompt_tokens"
+    with serving_client(model_dir, **small) as client:
+        scored = client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": -1, "max_tokens": 0,
+                                                      "echo": True, "logprobs": 0})  # lm-eval's rolling windows
+        assert scored.status_code == 200 and scored.json()["usage"]["prompt_tokens"] == 48, scored.text
+        full = client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": -1, "max_tokens": 4})
+        assert full.status_code == 400 and "truncate_prompt_tokens below 48" in full.json()["error"]["message"]
+        cut = client.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 44, "max_tokens": 4})
+        assert cut.status_code == 200 and cut.json()["usage"]["completion_tokens"] == 4, cut.text
+        too_long = client.post("/v1/completions", json={"prompt": "ab " * 400, "max_tokens": 1})
+        message = too_long.json()["error"]["message"]
+        assert too_long.status_code == 400 and "48-token limit the KV cache sets" in message, message
+        assert "truncate_prompt_tokens" in message
+
+
 def test_truncation_keeps_the_bos_in_front(tmp_path):
     """Left truncation keeps the special tokens the tokenizer adds, as transformers' does."""
     tok = Tokenizer(trained_byte_level_bpe(["the cat sat on the mat"] * 20), {"bos_token": "<eos>",
