@@ -144,7 +144,9 @@ def build_cmd(
 @app.command("generate")
 def generate_cmd(
     model: Annotated[str, typer.Argument(help="artifact dir or archive (.tar, .tar.gz), or source model (alias, HF dir, .gguf)")],
-    prompt: Annotated[str, typer.Option(help="text to continue (or the user message with --chat)")],
+    prompt: Annotated[Optional[str], typer.Option(help="text to continue (or the user message with --chat)")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="read the prompt from this UTF-8 file ('-': stdin), "
+                                                        "for one too long for a command line")] = None,
     max_tokens: Annotated[int, typer.Option(help="tokens to generate at most")] = 128,
     temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="nucleus sampling threshold (1 = off)")] = 1.0,
@@ -166,11 +168,13 @@ def generate_cmd(
         # a bad option is refused before the model loads
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, repetition_penalty=repetition_penalty, min_p=min_p)
+        prompt = _prompt_text(prompt, prompt_file)
         with unpacked(model) as path:
             llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype)
             tok = llm.tokenizer
             ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
             llm.engine.add_request(ids, params)
+            out = None
             try:
                 while llm.engine.has_unfinished():
                     for out in llm.engine.step():
@@ -178,8 +182,25 @@ def generate_cmd(
                 print()
             except BrokenPipeError:  # the reader left (`| head`): stop generating, a success under pipefail
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+                out = None
+            if out is not None and out.finish_reason == "length" and len(out.token_ids) < max_tokens:
+                print(f"note: stopped after {len(out.token_ids)} of --max-tokens {max_tokens}: with the prompt's "
+                      f"{len(ids)} tokens they fill the {llm.engine.max_request_len} tokens a request may reach",
+                      file=sys.stderr)
     except QkilnError as e:
         exit_with(e)
+
+
+def _prompt_text(prompt: str | None, prompt_file: Path | None) -> str:
+    """--prompt, or --prompt-file's text ('-': stdin); exactly one of them."""
+    if (prompt is None) == (prompt_file is None):
+        raise QkilnError("give the prompt as --prompt TEXT or --prompt-file PATH (one of them)")
+    if prompt_file is None:
+        return prompt
+    try:
+        return sys.stdin.read() if str(prompt_file) == "-" else prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise QkilnError(f"--prompt-file {prompt_file}: cannot be read as UTF-8 text ({e})") from None
 
 
 @app.command("serve")

@@ -291,3 +291,17 @@ def test_int8_activations_without_the_native_kernels_are_refused_not_ignored(tmp
                              "--int8-activations"], capture_output=True, text=True, timeout=300,
                             env=os.environ | {"QKILN_NATIVE_CPU": "0"})
     assert_one_line_error(result, "int8 activations run in qkiln's native CPU kernels", code=2)
+
+
+def test_generate_takes_a_prompt_from_a_file_and_says_when_the_context_cut_it_short(tmp_path):
+    """A document too long for a command line ('Argument list too long') had no way in, and a
+    generation the context cut short ended silently with exit 0."""
+    write_tiny_hf_model(tmp_path / "m")  # a 1024-token context, a byte-level vocabulary
+    (tmp_path / "p.txt").write_text("ab" * 500)  # 1000 tokens
+    cut = run_cli("generate", str(tmp_path / "m"), "--prompt-file", str(tmp_path / "p.txt"), "--max-tokens", "64")
+    assert cut.returncode == 0, cut.stderr
+    assert "note: stopped after 24 of --max-tokens 64: with the prompt's 1000 tokens they fill the 1024" in cut.stderr
+    assert_one_line_error(run_cli("generate", str(tmp_path / "m"), "--prompt", "x", "--prompt-file",
+                                  str(tmp_path / "p.txt")), "--prompt TEXT or --prompt-file PATH", code=2)
+    assert_one_line_error(run_cli("generate", str(tmp_path / "m"), "--prompt-file", str(tmp_path / "none.txt")),
+                          "cannot be read", code=2)
