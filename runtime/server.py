@@ -159,7 +159,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         def reply() -> bytes:  # off the event loop: a 1 MB text's reply held every other client for seconds
             strs = [engine.tokenizer.backend.id_to_token(i) for i in ids] if body.return_token_strs else None
             return json.dumps({"count": len(ids), "max_model_len": engine.max_request_len, "tokens": ids,
-                               "token_strs": strs}, ensure_ascii=False).encode()
+                               "token_strs": strs}, ensure_ascii=False, separators=(",", ":")).encode()
 
         return Response(await asyncio.to_thread(reply), media_type="application/json")
 
