@@ -117,7 +117,7 @@ def cpu_w8a16_linear(x, weight, scales, bias=None, dequantized=None, amx_codes=F
     # native kernel at 64 and 256 rows of SmolLM2's head, AVX2, 2 threads), else the native kernel.
     fp32_rows = x.dtype == torch.float32 and rows.shape[0] > SMALL_M
     if fp32_rows and dequantized is not None and dequantized.dtype == torch.float32:
-        return _finish(torch.nn.functional.linear(rows, dequantized) * scales, x, bias, out_features)
+        return _finish(dense_linear(rows, dequantized, fp32_out=True) * scales, x, bias, out_features)
     if scales.dtype == torch.float32 and (rows.shape[0] <= SMALL_M or fp32_rows):  # native layout
         return cpu_native.w8a16_gemm(rows, weight, scales, bias).reshape(*x.shape[:-1],
                                                                           out_features)

@@ -124,20 +124,18 @@ class RequestOutput:
     num_cached_tokens: int = 0  # the prompt's tokens a prefix-cache hit spared computing (vLLM's field)
 
 
-def truncation(truncate_prompt_tokens: int | None, max_model_len: int,
-               max_request_len: int | None = None) -> int | None:
+def truncation(truncate_prompt_tokens: int | None, max_model_len: int, max_request_len: int) -> int | None:
     """The prompt tokens a request keeps (SamplingParams.truncate_prompt_tokens; -1: as many as a
     request may hold, max_request_len: the context, or less where the KV cache holds less, the
     max_model_len a server reports; -1 had kept the whole context, which such a server refused)."""
-    limit = max_model_len if max_request_len is None else max_request_len
     if truncate_prompt_tokens is not None and truncate_prompt_tokens > max_model_len:  # as vLLM refuses it
         raise RequestError(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than the model's context of "
                            f"{max_model_len}; lower it, or send -1 for the context", "truncate_prompt_tokens")
-    if truncate_prompt_tokens is not None and truncate_prompt_tokens > limit:
-        raise RequestError(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than the {limit} tokens a request "
-                           f"may hold here (the KV cache's size, serve --kv-cache-mb); lower it, or send -1 for that "
-                           "limit", "truncate_prompt_tokens")
-    return limit if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if truncate_prompt_tokens is not None and truncate_prompt_tokens > max_request_len:
+        raise RequestError(f"truncate_prompt_tokens {truncate_prompt_tokens} is more than the {max_request_len} tokens "
+                           "a request may hold here (the KV cache's size, serve --kv-cache-mb); lower it, or send -1 "
+                           "for that limit", "truncate_prompt_tokens")
+    return max_request_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def last_tokens(ids: list[int], keep: int | None) -> list[int]:
