@@ -99,7 +99,7 @@ class KVCache:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[3] * (2 if self.kv_dtype == "int4" else 1)
+        return cache_head_dim(self.k)
 
     def op_tensors(self) -> tuple:
         """The cache as the flat tuple the registered ops take (order matches their schemas)."""
@@ -116,6 +116,17 @@ def check_kv_dtype(kv_dtype: str, head_dim: int, group_size: int) -> None:
             f"int4 kv cache needs an even group_size dividing head_dim={head_dim}, "
             f"got {group_size};"
             " use e.g. group_size=32 or group_size=head_dim")
+
+
+def check_gpu_int4_group(head_dim: int, group_size: int) -> None:
+    """The GPU's int4 cache write (triton_kv.py) quantizes a power-of-two group per program: refuse
+    others when the cache is made, naming the sizes that fit this head_dim."""
+    if group_size & (group_size - 1):
+        fits = [g for g in (16, 32, 64, 128, 256) if head_dim % g == 0] or [2]
+        raise RecipeError(
+            f"the GPU's int4 KV cache needs a power-of-two group size, this artifact has {group_size} "
+            f"(head_dim {head_dim}); serve it on a CPU or rebuild with kv_cache group_size "
+            f"{' or '.join(map(str, fits))}")
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -141,6 +152,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
                       has_k_channel_scale: bool = False, has_k_offset: bool = False) -> list[KVCache]:
     """Zero-filled caches, one per layer; static scales start at 1 (set them after calibration)."""
     check_kv_dtype(kv_dtype, head_dim, group_size)
+    if kv_dtype == "int4" and torch.device(device).type == "cuda":
+        check_gpu_int4_group(head_dim, group_size)
     caches = []
     for _ in range(num_layers):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -189,6 +202,11 @@ def kv_dtype_of(k: torch.Tensor) -> str:
     if k.dtype in _FLOAT_NAMES:
         return _FLOAT_NAMES[k.dtype]
     raise RecipeError(f"kv cache tensor has dtype {k.dtype}; allocate it with allocate_kv_cache")
+
+
+def cache_head_dim(k: torch.Tensor) -> int:
+    """head_dim of a cache tensor [blocks, block_size, kv_heads, last]: int4 packs two a byte."""
+    return k.shape[3] * (2 if k.dtype == torch.uint8 else 1)
 
 
 def float_dtype_name(dtype: torch.dtype) -> str:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from qkiln.plugins.triton_kv import KV_MODES, cache_strides, is_interpreter, load_kv_tile
-from qkiln.plugins.kv_cache import kv_dtype_of
+from qkiln.plugins.kv_cache import cache_head_dim, kv_dtype_of
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -238,11 +238,15 @@ def triton_paged_attention(query, k_cache, v_cache, k_scale, v_scale, k_group_sc
     if num_heads % num_kv_heads:  # the kernels give each kv head num_heads // num_kv_heads query heads
         raise ValueError(f"paged_attention: {num_heads} query heads cannot share {num_kv_heads} kv heads "
                          "(query heads must be a multiple of kv heads)")
+    if head_dim != cache_head_dim(k_cache):  # the kernels read head_dim values a cache row
+        raise ValueError(f"paged_attention: query head_dim {head_dim} but the cache holds "
+                         f"{cache_head_dim(k_cache)} a head")
+    query = query if query.stride(-1) == 1 else query.contiguous()
     if out is None:
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
     if num_tokens == 0:
         return out
-    assert k_cache.stride() == v_cache.stride() and query.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride() and out.stride(-1) == 1
     kv_mode = KV_MODES[kv_dtype_of(k_cache)]
     interpret = is_interpreter()
     group = num_heads // num_kv_heads

@@ -13,8 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qkiln.errors import RecipeError
-from qkiln.plugins.kv_cache import FP8_MAX, FP16_MAX, kv_dtype_of
+from qkiln.plugins.kv_cache import FP8_MAX, FP16_MAX, cache_head_dim, check_gpu_int4_group, kv_dtype_of
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _EPS = tl.constexpr(torch.finfo(torch.float32).eps)
@@ -169,11 +168,16 @@ def triton_cache_write(key, value, k_cache, v_cache, k_scale, v_scale, k_group_s
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert k_cache.stride() == v_cache.stride() and key.stride(-1) == 1 and value.stride(-1) == 1
+    if value.shape != key.shape or key.shape[1:] != (k_cache.shape[2], cache_head_dim(k_cache)):
+        # the kernel addresses rows by the cache's geometry: another shape would write past them
+        raise ValueError(f"cache_write: key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                         f"[tokens, {k_cache.shape[2]}, {cache_head_dim(k_cache)}] for this cache")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    assert k_cache.stride() == v_cache.stride()
     groups = k_group_scale.shape[-1] if kv_mode == 2 else 1
-    if kv_mode == 2 and triton.next_power_of_2(head_dim // groups) != head_dim // groups:
-        raise RecipeError(f"the GPU's int4 KV cache needs a power-of-two group size, this one has "
-                          f"{head_dim // groups}; serve it on a CPU or rebuild with kv_cache group_size 16, 32 or 64")
+    if kv_mode == 2:
+        check_gpu_int4_group(head_dim, head_dim // groups)
     dummy = k_cache  # placeholder pointer for absent optional tensors (never read)
     _cache_write_kernel[(num_tokens, num_kv_heads)](
         key, value, k_cache, v_cache,

@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qkiln.plugins.reference_small_ops import reference_fused_add_rms_norm, reference_rotary_embedding
+from qkiln.plugins.reference_small_ops import (reference_fused_add_rms_norm, reference_rms_norm,
+                                               reference_rotary_embedding, reference_silu_and_mul)
 
 
 @triton.jit
@@ -80,7 +81,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+# Shapes the kernels do not take (a weight that is not [H], a residual unlike x, an odd gate_up,
+# more heads than qkv has) run the reference, which raises where the shapes make no sense: a
+# kernel indexes by x's geometry and would read or write past the other tensors.
+
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if weight.shape != x.shape[-1:]:
+        return reference_rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rows, H = _rows(x.contiguous()), x.shape[-1]
     if rows.shape[0]:
@@ -92,7 +99,8 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def triton_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                               eps: float) -> None:
     """In place (vLLM's semantics): residual = R(x + residual); x = rms_norm(residual)."""
-    if not (x.is_contiguous() and residual.is_contiguous()):
+    if not (x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape
+            and residual.dtype == x.dtype and weight.shape == x.shape[-1:]):
         return reference_fused_add_rms_norm(x, residual, weight, eps)
     rows, res, H = _rows(x), _rows(residual), x.shape[-1]
     if rows.shape[0]:
@@ -101,6 +109,8 @@ def triton_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: t
 
 
 def triton_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.shape[-1] % 2:
+        return reference_silu_and_mul(gate_up)
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -120,7 +130,8 @@ def triton_rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: to
         tokens = qkv.view(-1, *qkv.shape[-2:])  # [N, H, D], still qkv's memory
     except RuntimeError:  # token dims not viewable as one: the reference handles any layout
         return reference_rotary_embedding(qkv, cos, signed_sin, num_heads)
-    if tokens.stride(-1) != 1 or tokens.stride(-2) != head_dim or head_dim & (head_dim - 1):
+    if (tokens.stride(-1) != 1 or tokens.stride(-2) != head_dim or head_dim & (head_dim - 1)
+            or num_heads > tokens.shape[1]):
         return reference_rotary_embedding(qkv, cos, signed_sin, num_heads)
     n = tokens.shape[0]
     cos, signed_sin = cos.reshape(n, head_dim).contiguous(), signed_sin.reshape(n, head_dim).contiguous()

@@ -227,6 +227,8 @@ def triton_wna16_linear(x, weight, scales, zeros, group: int, bits: int, in_feat
     out, if given, is a [..., N] tensor of x's dtype that receives the result. use_gemv: None
     takes the GEMV for <= GEMV_MAX_ROWS rows when the group size allows; True/False force it.
     """
+    if group <= 0:  # the kernels divide k by it; per-channel weights pass group = in_features
+        raise ValueError(f"wna16_linear: group size {group}; per-channel weights use in_features")
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()

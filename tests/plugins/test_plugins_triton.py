@@ -150,3 +150,38 @@ def test_poisoned_cache_reaches_the_output(kernels):
     poison_(cache.k[batch.block_tables[0, 0].long()])  # the sequence's own block
     out = kernels[0].triton_paged_attention(*batch.attention_args(cache, torch.float32))
     assert torch.isnan(out).all()
+
+
+def test_triton_ops_refuse_shapes_that_would_index_past_the_cache(kernels):
+    """A query or key whose head_dim is not the cache's: a ValueError before any launch (on a GPU
+    the kernels would read or write past each cache row), as the reference raises."""
+    cache = make_cache("fp32", 4, 2, 32)
+    batch = PagedBatch([(9, 1), (5, 1)], cache, num_heads=4, device=DEVICE)
+    args = list(batch.attention_args(cache, torch.float32))
+    args[0] = torch.randn(2, 4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 64 but the cache holds 32"):
+        kernels[0].triton_paged_attention(*args)
+    before = cache.k.clone()
+    key = torch.randn(3, 2, 48, device=DEVICE)
+    with pytest.raises(ValueError, match=r"must be \[tokens, 2, 32\]"):
+        kernels[1].triton_cache_write(key, key, *cache.op_tensors(), torch.arange(3, device=DEVICE))
+    assert torch.equal(before.view(torch.uint8), cache.k.view(torch.uint8))
+
+
+def test_triton_attention_takes_a_query_with_strided_channels(kernels):
+    cache = make_cache("fp32", 8, 1, 32)
+    batch = PagedBatch([(11, 3), (6, 1)], cache, num_heads=2, device=DEVICE)
+    args = list(batch.attention_args(cache, torch.float32))
+    expected = reference_paged_attention(*(a.cpu() if torch.is_tensor(a) else a for a in args))
+    args[0] = args[0].transpose(0, 2).contiguous().transpose(0, 2)  # stride(-1) != 1
+    assert rel_error(kernels[0].triton_paged_attention(*args).cpu(), expected) < TOLERANCE[torch.float32]
+
+
+def test_gpu_int4_cache_with_a_group_the_gpu_cannot_write_is_refused_when_made():
+    """Allocated for CUDA (not run: the check is before any tensor exists), a group of 10 in a
+    head_dim 80 is refused naming the power-of-two sizes that divide 80."""
+    from qkiln.errors import RecipeError
+    from qkiln.plugins import allocate_kv_cache
+
+    with pytest.raises(RecipeError, match="group_size 16$"):
+        allocate_kv_cache(1, 2, 16, 1, 80, "int4", 10, device="cuda")

@@ -89,3 +89,26 @@ def test_cuda_bf16_model_takes_the_fused_path_with_the_same_logits(tmp_path, mon
         monkeypatch.setattr(fused_ops, "_gpu_fused_ops", lambda: False)
         plain = model(ids).float()
     assert rel_error(fused, plain) < 2e-2
+
+
+def test_shapes_the_kernels_cannot_take_run_the_reference(kernels):
+    """A residual or weight unlike x, an odd gate_up, more rotary heads than qkv has: the
+    reference's answer or its error, never a kernel indexing past a tensor."""
+    x, weight = torch.randn(3, 64, device=DEVICE), torch.randn(64, device=DEVICE)
+    with pytest.raises(RuntimeError):
+        kernels.triton_fused_add_rms_norm(x, torch.randn(1, 64, device=DEVICE), weight, 1e-6)
+    with pytest.raises(RuntimeError):
+        kernels.triton_rms_norm(x, torch.randn(32, device=DEVICE), 1e-6)
+    residual = torch.randn(3, 64, device=DEVICE, dtype=torch.float64)  # kept in its own dtype
+    x2, r2 = x.clone(), residual.clone()
+    kernels.triton_fused_add_rms_norm(x, residual, weight, 1e-6)
+    reference_fused_add_rms_norm(x2, r2, weight, 1e-6)
+    assert torch.equal(residual, r2) and torch.equal(x, x2)
+    with pytest.raises(RuntimeError):
+        kernels.triton_silu_and_mul(torch.randn(3, 7, device=DEVICE))
+    buffer = torch.randn(4, 3, 16, device=DEVICE)
+    qkv, cos, sin = buffer[:2], torch.randn(2, 16, device=DEVICE), torch.randn(2, 16, device=DEVICE)
+    expected, past = qkv.clone(), buffer[2:].clone()
+    kernels.triton_rotary_embedding(qkv, cos, sin, num_heads=5)
+    reference_rotary_embedding(expected, cos, sin, num_heads=5)
+    assert torch.equal(qkv, expected) and torch.equal(buffer[2:], past)
