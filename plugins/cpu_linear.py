@@ -91,9 +91,11 @@ def cpu_w4a16_linear(x, packed, scales, zeros, group_size: int, in_features: int
                                         out_features)
         return _finish(out, x, bias, out_features)
     if dequantized is not None and rows.shape[0] > gemv_rows:
-        # fp32 activations keep the fp32 sums where the copy is fp32, as the GEMV's output does
-        out = dense_linear(rows.to(torch.bfloat16), dequantized, out_features=out_features,
-                           fp32_out=x.dtype == torch.float32)
+        # fp32 activations keep fp32 where the copy is fp32 (no fast bf16 GEMM: the AVX2 GEMV, which
+        # neither rounds them nor its sums), else bf16 rows as the AVX-512 GEMV rounds them
+        fp32 = x.dtype == torch.float32 and dequantized.dtype == torch.float32
+        out = dense_linear(rows if fp32 else rows.to(torch.bfloat16), dequantized,
+                           out_features=out_features, fp32_out=x.dtype == torch.float32)
         return _finish(out, x, bias, out_features)
     if cpu_native.is_native_w4a16(scales):
         out = cpu_native.w4a16_gemm(rows, packed, scales, zeros, bias, group_size, out_features)

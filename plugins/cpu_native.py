@@ -31,8 +31,8 @@ import torch
 from qkiln.plugins import reference_small_ops
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_int8.cpp", "cpu_gemv_int8_a8.cpp",
-            "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp", "cpu_gemm_bf16_amx.cpp",
+_SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_fixed16.cpp",
+            "cpu_gemv_int8.cpp", "cpu_gemv_int8_a8.cpp", "cpu_gemm_w4a8.cpp", "cpu_gemm_bf16.cpp", "cpu_gemm_bf16_amx.cpp",
             "cpu_gemm_codes_amx.cpp", "cpu_attention.cpp", "cpu_attention_decode_avx2.cpp",
             "cpu_attention_decode_bf16.cpp", "cpu_attention_int4.cpp",
             "cpu_attention_prefill.cpp", "cpu_attention_prefill_amx.cpp", "cpu_kv_write.cpp",

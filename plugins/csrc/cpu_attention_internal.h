@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include "qkiln_cpu.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -64,12 +66,7 @@ struct KVParams;  // qkiln_cpu.h
 
 namespace attention_detail {
 
-// Whether the environment sets `var` to "0": the kernels' comparison switches (QKILN_AMX_PREFILL,
-// QKILN_DECODE_SPLIT, QKILN_TILED_PREFILL), read per call so one process can time both sides.
-inline bool switched_off(const char* var) {
-  const char* value = std::getenv(var);
-  return value && std::strcmp(value, "0") == 0;
-}
+using ::switched_off;  // qkiln_cpu.h
 
 constexpr int64_t kMaxInt4HeadDim = 128;
 

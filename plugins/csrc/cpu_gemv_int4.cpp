@@ -34,7 +34,9 @@
 // there, but per-token int8 activations cost SmolLM2 +3.7% perplexity on top of RTN W4 g128
 // (wiki.test 16384 tokens: 38.48 -> 39.88, simulated), too much for an implicit default.
 //
-// Without AVX512-BF16: fp32 FMAs over the same layout on AVX2 (exact products too), else plain C++.
+// Without AVX512-BF16, on AVX2: bf16 / fp16 activations as 16-bit fixed point through vpmaddwd
+// (cpu_gemv_fixed16.cpp), fp32 ones through fp32 FMAs over the same layout (below; the
+// activations unrounded). Else plain C++.
 
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
@@ -45,12 +47,7 @@
 
 namespace {
 
-// How far ahead of the tile being read the weights are fetched (~3.5 tiles at K = 576),
-// 4 KB as the int8 kernel. 30 layers of SmolLM2's int4 linears from memory, 2 threads,
-// same-process A/B against 1 KB: M = 1 2.28 -> 2.04 ms, M = 4 2.98 -> 2.92, M = 16 13.5 -> 12.7
-// (8 KB no better, 16 KB worse: more of it runs past a thread's last tile).
-constexpr int64_t kPrefetchBytes = 4096;
-
+#ifndef QKILN_FIXED16
 // Activations [M, K] of any float dtype -> bf16 bits xb [M, K_p] (zero padded) and the group sums
 // of the bf16-rounded values xsum [M, num_groups], summed in k order. bf16 input is copied as is;
 // no per-element division (a `k / G` per element cost ~4 us per call at K = 576).
@@ -76,6 +73,7 @@ void prepare_bf16_rows(const at::Tensor& x, int64_t K_p, int64_t G, uint16_t* xb
     }
   });
 }
+#endif
 
 
 #ifdef QKILN_INT4_AVX512
@@ -185,13 +183,16 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QKILN_INT4_AVX2 1
 
-// AVX2 (no bf16 dot product): a row's 32-byte chunk is loaded as its 16 words; nibble set n of
-// all 16 becomes the bf16 bits of 16 + q by the AVX-512 kernel's bit assembly (in 16-bit lanes),
+// AVX2 (no bf16 dot product), fp32 activations (bf16 / fp16 ones: cpu_gemv_fixed16.cpp, faster;
+// this kernel is what it was measured against): a row's 32-byte chunk is loaded as its 16 words;
+// nibble set n of all 16 becomes the bf16 bits of 16 + q by the AVX-512 kernel's bit assembly (in
+// 16-bit lanes),
 // and unpacking those with zero words makes them the high halves of fp32 lanes: 16 + q in fp32.
 // The unpacks work within 128-bit lanes, so the low vector holds words 0-3 and 8-11 and the high
-// one words 4-7 and 12-15; Int4Gemv::prepare widens the bf16-rounded activations to fp32 in that
-// order per 16 (kWideOrder). Every product is exact in fp32 as in the AVX-512 kernel; only the
-// fp32 summation order differs. Per 16 weights: a shift, an AND, an OR, two unpacks, two FMAs.
+// one words 4-7 and 12-15; Int4Gemv::prepare puts the fp32 activations in that order per 16
+// (kWideOrder). Every product is rounded once in fp32 (exact for activations with <= 19
+// significant bits, so for bf16 / fp16 ones). Per 16 weights: a shift, an AND, an OR, two unpacks,
+// two FMAs.
 // Measured against widening the words to 32-bit lanes first (vpmovzxwd, then the same assembly
 // with 32-bit shifts: two of each per 16 weights), 30 layers of SmolLM2's int4 linears, same
 // process (AVX2 EPYC): one row 1.19-1.22x (1 and 2 threads), four rows 1.05x. One pass over 8
@@ -200,6 +201,28 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
 // (MB <= 2), else 2 (two passes per tile, the second reading the tile from L1).
 
 constexpr int kWideOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
+// Activations [M, K] of any float dtype -> fp32 [M, K_p] in kWideOrder per 16 (zero padded) and
+// their group sums xsum [M, num_groups], summed in k order. Widening is exact: fp32 rows keep
+// every bit (the AVX-512 kernel rounds them to bf16).
+void prepare_wide_rows(const at::Tensor& x, int64_t K_p, int64_t G, float* wide, float* xsum) {
+  const int64_t M = x.size(0), K = x.size(1), num_groups = (K + G - 1) / G;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qkiln_x_wide", [&] {
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* row = src + m * K;
+      float* out = wide + m * K_p;
+      for (int64_t b = 0; b < K_p; b += 16)  // K is a multiple of 32, K_p of 64
+        for (int i = 0; i < 16; ++i)
+          out[b + i] = b < K ? static_cast<float>(row[b + kWideOrder[i]]) : 0.f;
+      for (int64_t g = 0, k = 0; g < num_groups; ++g) {
+        float sum = 0.f;
+        for (const int64_t end = std::min(k + G, K); k < end; ++k) sum += static_cast<float>(row[k]);
+        xsum[m * num_groups + g] = sum;
+      }
+    }
+  });
+}
 
 template <int N>
 inline __m256i nibbles_to_bf16(__m256i words) {  // nibble set N of 16 words -> bf16 bits of 16 + q
@@ -319,6 +342,11 @@ void int4_tile_rows(int MB, const uint8_t* w, const float* s, const uint16_t* x,
 
 #endif
 
+// Int4Gemv reads the AVX2 kernel's fp32 rows exactly where the fixed-point kernels take bf16 ones
+#if defined(QKILN_FIXED16) != defined(QKILN_INT4_AVX2)
+#error "QKILN_FIXED16 (qkiln_cpu.h) and the AVX2 int4 kernel need the same build condition"
+#endif
+
 // One tile's dots [MB][4] -> output rows: minus the zero term sum_g c[o,g] * xsum[m,g], plus the
 // bias. c4: this tile's c [num_groups, 4]; xsum at row m0; out at row m0 (row stride N).
 template <typename out_t>
@@ -358,7 +386,8 @@ void finish_tile(const float dots[kMaxMB][kRows], int MB, const float* c4, const
 void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
   if (int8_activations) return tiles_int8(acts, M, begin, end, y);
-#ifdef QKILN_INT4_AVX2
+#ifdef QKILN_FIXED16
+  if (acts.fixed_point) return tiles_fixed(acts, M, begin, end, y);
   const float* xb = acts.wide.data();
 #else
   const uint16_t* xb = acts.bf16.data();
@@ -380,16 +409,16 @@ void Int4Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end
 void Int4Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
   if (int8_activations) return prepare_int8(x, acts);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "w4a16: x must be [M, in_features]");
-  acts.bf16.resize(x.size(0) * K_p);
   acts.f32.resize(x.size(0) * num_groups);
+#ifdef QKILN_FIXED16
+  if (fixed_point_for(x)) return prepare_fixed(x.contiguous(), acts);
+  acts.fixed_point = false;
+  // fp32 rows (or groups too long for the fixed-point kernel): x widened exactly, not rounded
+  acts.wide.resize(x.size(0) * K_p);
+  prepare_wide_rows(x.contiguous(), K_p, G, acts.wide.data(), acts.f32.data());
+#else
+  acts.bf16.resize(x.size(0) * K_p);
   prepare_bf16_rows(x.contiguous(), K_p, G, acts.bf16.data(), acts.f32.data());
-#ifdef QKILN_INT4_AVX2
-  // The bf16-rounded rows widened (exact) for the fp32 FMAs, in the kernel's order per 16.
-  acts.wide.resize(acts.bf16.size());
-  for (size_t b = 0; b < acts.bf16.size(); b += 16)  // K_p is a multiple of 64
-    for (int i = 0; i < 16; ++i)
-      acts.wide[b + i] = static_cast<float>(
-          c10::BFloat16(acts.bf16[b + kWideOrder[i]], c10::BFloat16::from_bits()));
 #endif
 }
 

@@ -15,7 +15,8 @@
 //     route's extra fp32 -> bf16 step measured ~15% slower.
 // Tiles of 4 output rows share each activation load; accumulators per (row, output row) are split
 // to hide the multiply-add latency at small M; the next tile is software-prefetched.
-// Without AVX-512 (BF16, VL, BW): the AVX2 FMA loop, else plain C++.
+// Without AVX-512 (BF16, VL, BW): bf16 / fp16 x as 16-bit fixed point through vpmaddwd on AVX2
+// (cpu_gemv_fixed16.cpp, ~2x faster), fp32 x through the AVX2 FMA loop (below), else plain C++.
 
 #include "gemv_common.h"
 #include "qkiln_cpu.h"
@@ -294,6 +295,10 @@ void Int8Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
   const int64_t M = x.size(0);
   acts.bf16.clear();
   acts.f32.clear();
+#ifdef QKILN_FIXED16
+  if (fixed_point_for(x)) return prepare_fixed(x.contiguous(), acts);
+  acts.fixed_point = false;
+#endif
 #ifdef QKILN_INT8_AVX512
   if (x.scalar_type() == at::kBFloat16 && M >= 2) {
     acts.bf16.resize(M * K);
@@ -313,6 +318,9 @@ void Int8Gemv::prepare(const at::Tensor& x, GemvActs& acts) const {
 void Int8Gemv::tiles(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
                      at::Tensor& y) const {
   if (int8_activations) return tiles_int8(acts, M, begin, end, y);
+#ifdef QKILN_FIXED16
+  if (acts.fixed_point) return tiles_fixed(acts, M, begin, end, y);
+#endif
 #ifdef QKILN_INT8_AVX512
   if (!acts.bf16.empty()) {
     TORCH_CHECK(y.scalar_type() == at::kBFloat16, "w8a16: bf16 activations give bf16 outputs");
@@ -336,7 +344,7 @@ at::Tensor w8a16_gemm(const at::Tensor& x, const at::Tensor& weight, const at::T
 }
 
 // Which int8 kernels this build compiled: "avx512" (vdpbf16ps for bf16 x, fp32 FMA otherwise),
-// or "fallback" (AVX2 FMA when available, else plain C++).
+// or "fallback" (AVX2 fixed point / FMA when available, else plain C++).
 std::string int8_kernel_isa() {
 #ifdef QKILN_INT8_AVX512
   return "avx512";

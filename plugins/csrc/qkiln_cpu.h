@@ -6,8 +6,18 @@
 
 #include "task_stream.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
+
+// Whether the environment sets `var` to "0": the kernels' comparison switches (QKILN_AMX_PREFILL,
+// QKILN_DECODE_SPLIT, QKILN_TILED_PREFILL, QKILN_FIXED16), read per call so one process can
+// time both sides.
+inline bool switched_off(const char* var) {
+  const char* value = std::getenv(var);
+  return value && std::strcmp(value, "0") == 0;
+}
 
 // cpu_gemv_int4.cpp / cpu_gemv_int8.cpp
 at::Tensor w4a16_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -113,7 +123,13 @@ constexpr int64_t kGemvTileRows = 4;
 struct GemvActs {
   std::vector<uint16_t> bf16;
   std::vector<float> f32;
-  std::vector<float> wide;  // int4 on AVX2: the bf16 rows widened [M, K_p], the kernel's order per 16
+  std::vector<float> wide;  // int4 on AVX2, fp32 rows: x as fp32 [M, K_p], the kernel's order per 16
+  // int4 / int8 on AVX2, bf16 / fp16 rows (cpu_gemv_fixed16.cpp): 16-bit codes in k order, int4
+  // [M, K_p] with one power-of-two scale per weight group [M, num_groups] and f32 = the codes'
+  // group sums, scaled; int8 [M, K rounded up to 16] with one scale per 128 channels
+  std::vector<int16_t> fixed;
+  std::vector<float> fixed_scales;
+  bool fixed_point = false;  // which of the two forms prepare made
   std::vector<int8_t> codes;
   std::vector<float> block_scales;
 };
@@ -122,6 +138,14 @@ struct GemvActs {
 // rounded to int8 with scale amax / 127 (plugins/reference.py, quantize_int8_blocks); with G > 0
 // also the zero-term sums of weight groups of G channels (cpu_gemv_int4_a8.cpp).
 void quantize_int8_rows(const at::Tensor& x, int64_t K_p, int64_t G, GemvActs& acts);
+
+// The int4 and int8 GEMVs for bf16 / fp16 activations on AVX2 hosts without AVX512-BF16: 16-bit
+// fixed point (cpu_gemv_fixed16.cpp); fp32 activations and the other hosts use the kernels of
+// cpu_gemv_int4.cpp / cpu_gemv_int8.cpp.
+#if defined(__AVX2__) && defined(__FMA__) && \
+    !(defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512DQ__))
+#define QKILN_FIXED16 1
+#endif
 
 // One int4 linear in the native layout (cpu_gemv_int4.cpp's header), split into the steps a
 // caller that owns the threads (the decode stack) runs itself: prepare the activations once, then
@@ -143,6 +167,12 @@ struct Int4Gemv {
  private:  // the int8-activation forms of prepare and tiles (cpu_gemv_int4_a8.cpp)
   void prepare_int8(const at::Tensor& x, GemvActs& acts) const;
   void tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+  // the 16-bit fixed-point forms (cpu_gemv_fixed16.cpp): groups up to kMaxFixedGroup channels
+  // keep every lane of dot(q, xi) in int32 (G / 8 products of at most 15 * 32767 each)
+  static constexpr int64_t kMaxFixedGroup = 32768;
+  bool fixed_point_for(const at::Tensor& x) const;
+  void prepare_fixed(const at::Tensor& x, GemvActs& acts) const;
+  void tiles_fixed(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 
 // One int8 linear (row-major int8 weight [out, K], fp32 scales [out]; cpu_gemv_int8.cpp), in the
@@ -161,6 +191,12 @@ struct Int8Gemv {
  private:  // the int8-activation forms (cpu_gemv_int8_a8.cpp)
   void prepare_int8(const at::Tensor& x, GemvActs& acts) const;
   void tiles_int8(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
+  // the 16-bit fixed-point forms (cpu_gemv_fixed16.cpp), one activation scale per kFixedBlock
+  // channels (a lane of dot(q, xi) sums 16 products of at most 128 * 32767: int32)
+  static constexpr int64_t kFixedBlock = 128;
+  bool fixed_point_for(const at::Tensor& x) const;
+  void prepare_fixed(const at::Tensor& x, GemvActs& acts) const;
+  void tiles_fixed(const GemvActs& acts, int64_t M, int64_t begin, int64_t end, at::Tensor& y) const;
 };
 std::string int8_kernel_isa();
 

@@ -3,7 +3,7 @@
 import torch
 
 from qkiln.plugins import allocate_kv_cache
-from qkiln.plugins.reference import reference_cache_write
+from qkiln.plugins.reference import dequantize_grouped, reference_cache_write
 
 QUERY_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
                "fp8": torch.float32, "int4": torch.float32}
@@ -84,3 +84,49 @@ def canonical_int4(out_features, in_features, group_size, is_symmetric):
         return torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8), scales, None
     qweight = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
     return qweight, scales, torch.rand(out_features, num_groups) * 15
+
+
+FP32_SLACK = 1e-5  # of sum |w| |x|: a kernel's fp32 scaling, group sums and zero term
+
+
+def half_ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    bits = 8 if dtype == torch.bfloat16 else 11  # significant bits
+    exponent = torch.frexp(v.abs().clamp_min(1e-30))[1].double()  # |v| < 2^exponent
+    return torch.exp2(exponent - 1 - bits)
+
+
+def fixed_point_bound(x: torch.Tensor, weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[rows, out]: sum over activations of half a fixed-point step times |w|."""
+    bound = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float64)
+    for k0 in range(0, x.shape[1], group):
+        seg = x[:, k0:k0 + group].double()
+        exponent = torch.frexp(seg.abs().amax(dim=1))[1].double()  # amax < 2^exponent
+        step = torch.exp2(exponent - 15)
+        bound += (step / 2)[:, None] * weight[:, k0:k0 + group].abs().sum(dim=1)[None, :]
+    return bound
+
+
+def fixed16_compiled(module) -> bool:
+    """Whether a build of the native kernels runs bf16 / fp16 rows as 16-bit fixed point
+    (csrc/cpu_gemv_fixed16.cpp: AVX2 without AVX512-BF16, where the int4 kernel is "avx2")."""
+    return module.int4_kernel_isa() == "avx2"
+
+
+def assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations=False):
+    """actual (a native GEMV's output for x, weight [out, K] in fp64) against the fp64 value:
+    within half an ulp of x's dtype, fp32 slack and, unless exact_activations, the fixed-point
+    bound of groups of `group` channels (cpu_gemv_fixed16.cpp)."""
+    exact = x.double() @ weight.t() + bias.double()
+    allowed = half_ulp(exact, x.dtype) + FP32_SLACK * (x.double().abs() @ weight.abs().t())
+    if not exact_activations:
+        allowed += fixed_point_bound(x, weight, group)
+    error = (actual.double() - exact).abs()
+    worst = (error / allowed).max().item()
+    assert worst <= 1.0, f"an output is {worst:.2f}x its bound off the exact value"
+
+
+def assert_int4_within_bound(actual, x, qweight, scales, zeros, group, bias, exact_activations=False):
+    """assert_within_fixed_point_bound for a canonical int4 weight."""
+    weight = dequantize_grouped(qweight, scales.double(), None if zeros is None else zeros.double(),
+                                group).double()
+    assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations)

@@ -1,8 +1,9 @@
 """qkiln's own CPU kernels (cpu_native.py, csrc/cpu_gemv_int4.cpp, cpu_gemv_int8.cpp) against the fp32 references.
 
-Error bounds: the int4 kernel rounds activations to bf16 and is otherwise exact up to fp32
-summation, so against the reference fed the same bf16-rounded activations it must agree to
-EXACT_TOLERANCE; against unrounded fp32 activations, and with bf16 outputs, to BF16_TOLERANCE.
+Error bounds: the int4 kernel for fp32 rows rounds them to bf16 (AVX-512 BF16, portable) or keeps
+them (AVX2) and is otherwise exact up to fp32 summation, so against the reference fed the same
+activations it must agree to EXACT_TOLERANCE; against unrounded fp32 activations, and with bf16
+outputs, to BF16_TOLERANCE (bf16 rows on AVX2: test_plugins_cpu_fixed16.py).
 The int8 kernel never rounds activations (bf16 ones are used as they are, fp16/fp32 ones widened
 to fp32), so it is exact up to fp32 summation and the output rounding. Skips (saying why) when the extension cannot build.
 """
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from plugins_testlib import canonical_int4, rel_error
+from plugins_testlib import (assert_int4_within_bound, assert_within_fixed_point_bound, canonical_int4,
+                             fixed16_compiled, rel_error)
 
 from qkiln.plugins import cpu_native, prepare_w4a16, prepare_w8a16, w4a16_linear, w8a16_linear
 from qkiln.plugins.reference import reference_w4a16_linear, reference_w8a16_linear
@@ -50,8 +52,8 @@ def test_int4_kernel_is_exact_for_bf16_activations(native_ext, out_features, in_
     bias = torch.randn(out_features)
     for rows in (1, 3, 16):
         x = torch.randn(rows, in_features)
-        x_bf16 = x.to(torch.bfloat16).float()  # what the kernel multiplies
-        expected = reference_w4a16_linear(x_bf16, qweight, scales, zeros, group_size, bias)
+        multiplied = x if native_ext.int4_kernel_isa() == "avx2" else x.to(torch.bfloat16).float()
+        expected = reference_w4a16_linear(multiplied, qweight, scales, zeros, group_size, bias)
         actual = cpu_native.w4a16_gemm(x, packed, tiled, zero_term, bias, group_size,
                                        out_features)
         assert actual.dtype == torch.float32 and actual.shape == (rows, out_features)
@@ -82,8 +84,12 @@ def test_w4a16_op_uses_the_native_layout(native_ext, rows):
 OUTPUT_ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10}
 
 
-def assert_int8_exact(actual, x, qweight, scales, bias):
-    """Elementwise: |actual - reference| <= output rounding + fp32 summation noise."""
+def assert_int8_exact(actual, x, qweight, scales, bias, module=None):
+    """Elementwise: |actual - reference| <= output rounding + fp32 summation noise; bf16 / fp16 rows
+    through a build with the fixed-point kernel: within its bound (test_plugins_cpu_fixed16.py)."""
+    if module is not None and x.dtype != torch.float32 and fixed16_compiled(module):
+        weight = qweight.double() * scales.double()[:, None]
+        return assert_within_fixed_point_bound(actual, x, weight, bias, 128)
     expected = (x.double() @ qweight.double().t()) * scales.double() + bias.double()
     diff = (actual.double() - expected).abs()
     bound = expected.abs() * OUTPUT_ROUNDING[actual.dtype] + 1e-6 * expected.abs().max()
@@ -106,7 +112,7 @@ def test_int8_kernel_is_exact_without_rounding_activations(native_ext, out_featu
     x = torch.randn(rows, in_features).to(dtype)  # fp16/fp32 x is NOT rounded to bf16
     actual = w8a16_linear(x, weight, bias)
     assert actual.dtype == dtype and actual.shape == (rows, out_features)
-    assert_int8_exact(actual, x, qweight, scales, bias)
+    assert_int8_exact(actual, x, qweight, scales, bias, native_ext)
     assert rel_error(actual, reference_w8a16_linear(x.float(), qweight, scales, bias)) < \
         (EXACT_TOLERANCE if dtype == torch.float32 else BF16_TOLERANCE)
 
@@ -132,14 +138,18 @@ def test_portable_build_matches_reference(native_ext):
                                                          group)
         for rows in (1, 2, 3, 4, 7):
             x = torch.randn(rows, K)
-            expected = reference_w4a16_linear(x.to(torch.bfloat16).float(), qweight, scales, zeros, group)
+            multiplied = x if portable.int4_kernel_isa() == "avx2" else x.to(torch.bfloat16).float()
+            expected = reference_w4a16_linear(multiplied, qweight, scales, zeros, group)
             actual = portable.w4a16_gemm(x, packed, tiled, zero_term, None, group, out)
             assert rel_error(actual, expected) < EXACT_TOLERANCE, (out, K, group, rows)
+            x = x.to(torch.bfloat16)  # the fixed-point kernel on AVX2
+            actual = portable.w4a16_gemm(x, packed, tiled, zero_term, None, group, out)
+            assert_int4_within_bound(actual, x, qweight, scales, zeros, group, torch.zeros(out))
     assert portable.int8_kernel_isa() == "fallback"
     q8, s8, b8 = torch.randint(-128, 128, (37, 100), dtype=torch.int8), torch.rand(37), torch.zeros(37)
     for rows, dtype in [(2, torch.float32), (5, torch.bfloat16), (1, torch.float16)]:
         x8 = torch.randn(rows, 100).to(dtype)
-        assert_int8_exact(portable.w8a16_gemm(x8, q8, s8, None), x8, q8, s8, b8)
+        assert_int8_exact(portable.w8a16_gemm(x8, q8, s8, None), x8, q8, s8, b8, portable)
     for logits in argmax_cases():
         assert torch.equal(portable.argmax_rows(logits), logits.argmax(dim=-1))
 

@@ -50,13 +50,15 @@ def test_int4_steps_past_the_gemv_row_limit_take_the_dense_copy(monkeypatch):
     assert with_copy.dequantized is not None and many_rows.many_rows_form
     limit = int4_gemv_rows(with_copy.dequantized)
     assert limit == (SMALL_M if with_copy.dequantized.dtype == torch.float32 else INT4_GEMV_ROWS)
-    # An fp32 copy holds the GEMV's own weights (exact), and the GEMM then keeps fp32 activations'
-    # sums: the paths differ in the order of those, which bf16 outputs would mostly round away.
+    # An fp32 copy holds the GEMV's own weights (exact), and the GEMM then keeps fp32 activations
+    # and their sums: the paths differ in the order of those, which bf16 outputs would mostly
+    # round away.
     dtype = torch.float32 if with_copy.dequantized.dtype == torch.float32 else torch.bfloat16
     for rows in (limit, limit + 1):
         x = torch.randn(rows, 576, dtype=dtype)
         kernel = w4a16_linear(x, packed_only)
-        dense = dense_linear(x.to(torch.bfloat16), with_copy.dequantized, out_features=96,
+        rows_in = x if dtype == torch.float32 else x.to(torch.bfloat16)  # fp32 copy: fp32 rows
+        dense = dense_linear(rows_in, with_copy.dequantized, out_features=96,
                              fp32_out=dtype == torch.float32).to(dtype)
         assert not torch.equal(kernel, dense)  # the two paths are told apart by their bits
         expected = kernel if rows <= limit else dense
@@ -68,7 +70,8 @@ def test_fp32_rows_past_the_gemv_limit_keep_fp32(monkeypatch):
     """An fp32 model's int4 linear: the many-row copy, where it is held in fp32 (no fast bf16 GEMM;
     forced here on any CPU), holds the weights the GEMV computes with, not their bf16 rounding, and
     its fp32 sums are not rounded to bf16: a prompt's rows and its decode rows agree to fp32
-    rounding (they were ~2^-9 apart, which moved an fp32 SmolLM2 W4A16's prompt logprobs)."""
+    rounding (they were ~2^-9 apart, which moved an fp32 SmolLM2 W4A16's prompt logprobs), and
+    neither rounds the fp32 rows themselves."""
     from qkiln.plugins import packed_weights
 
     monkeypatch.setattr(packed_weights, "onednn_bf16_available", lambda: False)
@@ -79,6 +82,8 @@ def test_fp32_rows_past_the_gemv_limit_keep_fp32(monkeypatch):
         pytest.skip("no native int4 layout here (the copy is built beside the native kernels)")
     packed_only = prepare_w4a16(qweight, scales, zeros, 64, "cpu")
     x = torch.randn(SMALL_M + 4, 576)
+    if cpu_native.native_extension().int4_kernel_isa() != "avx2":
+        x = x.bfloat16().float()  # the AVX-512 GEMV rounds fp32 rows to bf16 (the copy does not)
     many = w4a16_linear(x, with_copy)  # the fp32 GEMM
     gemv = w4a16_linear(x, packed_only)  # the GEMV
     assert many.dtype == torch.float32 and not torch.equal(many, gemv)  # two paths, two sum orders
