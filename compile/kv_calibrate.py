@@ -3,7 +3,8 @@
 Observes K (post-RoPE, as the cache stores it) and V of every layer through the dense
 attention backend's observer, keeps running per-(head, channel) statistics (min, max, mean), and
 turns them into static scales with quant.kv (fp8 per-head scales; key smoothing per channel; the
-key offset, which is a mean of post-RoPE keys because that is what the cache stores). Separate
+key offset, which is a mean of post-RoPE keys because that is what the cache stores), widened for
+keys at positions past the samples' length by how far RoPE turns each channel over the context. Separate
 from weight calibration so a KV-only change reuses the cached weights. An int4 cache keeps its
 group parameters in fp16: K or V reaching past that range on the calibration data is refused (the
 cache would saturate them), and a reach within 8x of it is warned about (other prompts may go further).
@@ -16,6 +17,7 @@ from qkiln.errors import RecipeError
 from qkiln.quant import KVCacheScheme, kv
 from qkiln.runtime.attention import DenseAttention
 from qkiln.runtime.model import CausalLM
+from qkiln.runtime.rope import inverse_frequencies
 
 from .quantized_model import QuantizedModel
 
@@ -36,8 +38,9 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
         positions = torch.arange(ids.shape[1]).expand_as(ids)
         model.hidden_states(ids, positions, backend)
     near_limit = []
+    rotation = key_rotation(model.config)
     for i, (k_stats, v_stats) in sorted(stats.items()):
-        qm.kv[i] = (kv.kv_scales_from_stats(k_stats, scheme, is_key=True),
+        qm.kv[i] = (kv.kv_scales_from_stats(k_stats, scheme, is_key=True, rotation=rotation),
                     kv.kv_scales_from_stats(v_stats, scheme, is_key=False))
         if scheme.dtype == "int4":
             near_limit += _int4_reach_near_limit(i, (k_stats, v_stats), qm.kv[i])
@@ -49,6 +52,13 @@ def calibrate_kv(model: CausalLM, qm: QuantizedModel, scheme: KVCacheScheme, inp
              f"calibration data already reaches within 8x of that: {', '.join(near_limit[:4])}"
              f"{', ...' if len(near_limit) > 4 else ''}; prompts with larger K / V would saturate there "
              "(an fp8 KV cache has no such limit)")
+
+
+def key_rotation(config) -> torch.Tensor:
+    """[head_dim] radians each key channel's rotate-half pair turns over the model's context: the
+    calibrated key statistics (positions < the samples' length) are widened by it (quant.kv)."""
+    turn = inverse_frequencies(config) * config.max_position_embeddings
+    return torch.cat((turn, turn))
 
 
 def _int4_reach_near_limit(layer_id: int, stats: tuple, calibrations: tuple) -> list[str]:

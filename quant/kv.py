@@ -50,6 +50,18 @@ FP8 (wiki.test.raw, first 16384 tokens, 512-token windows, unquantized 28.371; K
     +0.49%. The calibration text moves the result as much as the method does.
 The offset is a mean of post-RoPE keys because the cache stores keys after RoPE; quantizing before
 RoPE (KVQuant Sec. 3.2) would need RoPE applied on every read, a kernel change, and was not tried.
+Those figures are 512-token windows, which is also where calibration samples stop.
+
+Positions past calibration (`rotation`): RoPE turns each rotate-half pair (i, i + D/2) of a key by
+position * theta_i, so a statistic of keys seen at positions 0..L_cal holds further out only for
+pairs that barely turn over the model's context. Per pair, with phi_i = theta_i * max_positions
+(radians over the context) and n_i the largest pair norm seen (rotation keeps norms), a key
+component at any position is bounded by min(n_i + |mu_i|, amax_cal|k_i - mu_i| + phi_i * n_i).
+Keys keep an offset channel only where that bound is below the one without it, and the fp8 scale
+and smoothing use the bound, not the calibration amax. Measured before this (SmolLM2 W4A16,
+kv-fp8 calibrated on 16 x 512 tokens, wiki.test 8192-token window): the offset of slowly turning
+pairs, right at positions < 512, pushed k - mu up to 3.6x past the fp8 range further out, ~210k
+clamped key elements between positions 4096 and 8192, perplexity +23% against a bf16 cache.
 """
 
 from __future__ import annotations
@@ -89,6 +101,8 @@ class KVStats:
     maximum: torch.Tensor
     total: torch.Tensor  # fp64 sum, for the mean
     count: int
+    # [H, D/2] largest norm of a rotate-half pair (x_i, x_{i + D/2}); None for an odd head_dim
+    pair_norm: torch.Tensor | None = None
 
     @property
     def amax(self) -> torch.Tensor:
@@ -102,11 +116,16 @@ class KVStats:
 def update_kv_stats(stats: KVStats | None, x: torch.Tensor) -> KVStats:
     """Fold x [..., H, D] into the running statistics."""
     x3 = x.detach().float().reshape(-1, *x.shape[-2:])  # [N, H, D]
-    current = KVStats(x3.amin(dim=0), x3.amax(dim=0), x3.sum(dim=0, dtype=torch.float64), x3.shape[0])
+    half = x3.shape[-1] // 2
+    pair_norm = None if x3.shape[-1] % 2 else \
+        torch.hypot(x3[..., :half], x3[..., half:]).amax(dim=0) if x3.shape[0] else x3.new_zeros(x3.shape[1], half)
+    current = KVStats(x3.amin(dim=0), x3.amax(dim=0), x3.sum(dim=0, dtype=torch.float64), x3.shape[0],
+                      pair_norm)
     if stats is None:
         return current
+    pair_norm = None if stats.pair_norm is None else torch.maximum(stats.pair_norm, current.pair_norm)
     return KVStats(torch.minimum(stats.minimum, current.minimum), torch.maximum(stats.maximum, current.maximum),
-                   stats.total + current.total, stats.count + current.count)
+                   stats.total + current.total, stats.count + current.count, pair_norm)
 
 
 def update_kv_amax(amax: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
@@ -144,13 +163,38 @@ def kv_scales_from_amax(amax: torch.Tensor, scheme: KVCacheScheme, is_key: bool,
     return KVCalibration(scale, channel_scale, offset)
 
 
-def kv_scales_from_stats(stats: KVStats, scheme: KVCacheScheme, is_key: bool) -> KVCalibration:
-    """Static scales (and the key offset, when the scheme asks for it) from calibration statistics."""
+def kv_scales_from_stats(stats: KVStats, scheme: KVCacheScheme, is_key: bool,
+                         rotation: torch.Tensor | None = None) -> KVCalibration:
+    """Static scales (and the key offset, when the scheme asks for it) from calibration statistics.
+
+    rotation [D]: for post-RoPE keys, the angle each channel's pair turns over the model's context
+    (the module doc): the scales and offset then hold at every position, not only calibration's."""
+    if is_key and rotation is not None and stats.pair_norm is not None:
+        return _position_robust_key_scales(stats, scheme, rotation)
     if not (is_key and scheme.key_offset):
         return kv_scales_from_amax(stats.amax, scheme, is_key)
     offset = stats.mean  # [H, D]
     shifted_amax = torch.maximum(stats.maximum - offset, offset - stats.minimum)  # amax of K - offset
     return kv_scales_from_amax(shifted_amax, scheme, is_key, offset)
+
+
+def key_bound_at_any_position(stats: KVStats, rotation: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """[H, D] bound on |k - offset| for keys at any position (the module doc): calibration's amax
+    plus the drift of a pair turning by rotation [D], or the pair's norm plus |offset|."""
+    pair_norm = stats.pair_norm.repeat(1, 2)  # [H, D]: channel i and i + D/2 share their pair's
+    shifted = torch.maximum(stats.maximum - offset, offset - stats.minimum)
+    return torch.minimum(shifted + rotation.float() * pair_norm, pair_norm + offset.abs())
+
+
+def _position_robust_key_scales(stats: KVStats, scheme: KVCacheScheme, rotation: torch.Tensor) -> KVCalibration:
+    plain = key_bound_at_any_position(stats, rotation, torch.zeros_like(stats.minimum))
+    if not scheme.key_offset:
+        return kv_scales_from_amax(plain, scheme, is_key=True)
+    mean = stats.mean
+    with_offset = key_bound_at_any_position(stats, rotation, mean)
+    keep = with_offset < plain  # the offset shrinks this channel wherever the key may be
+    offset = torch.where(keep, mean, torch.zeros_like(mean))
+    return kv_scales_from_amax(torch.where(keep, with_offset, plain), scheme, is_key=True, offset=offset)
 
 
 def int4_cache_reach(stats: KVStats, calibration: KVCalibration) -> float:
