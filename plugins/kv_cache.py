@@ -122,7 +122,7 @@ def check_gpu_int4_group(head_dim: int, group_size: int) -> None:
     """The GPU's int4 cache write (triton_kv.py) quantizes a power-of-two group per program: refuse
     others when the cache is made, naming the sizes that fit this head_dim."""
     if group_size & (group_size - 1):
-        fits = [g for g in (16, 32, 64, 128, 256) if head_dim % g == 0] or [2]
+        fits = [g for g in (2, 4, 8, 16, 32, 64, 128, 256) if head_dim % g == 0][-3:]  # the largest
         raise RecipeError(
             f"the GPU's int4 KV cache needs a power-of-two group size, this artifact has {group_size} "
             f"(head_dim {head_dim}); serve it on a CPU or rebuild with kv_cache group_size "

@@ -183,5 +183,5 @@ def test_gpu_int4_cache_with_a_group_the_gpu_cannot_write_is_refused_when_made()
     from qkiln.errors import RecipeError
     from qkiln.plugins import allocate_kv_cache
 
-    with pytest.raises(RecipeError, match="group_size 16$"):
+    with pytest.raises(RecipeError, match="group_size 4 or 8 or 16$"):
         allocate_kv_cache(1, 2, 16, 1, 80, "int4", 10, device="cuda")
