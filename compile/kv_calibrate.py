@@ -4,8 +4,8 @@ Observes K (post-RoPE, as the cache stores it) and V of every layer through the 
 attention backend's observer, keeps running per-(head, channel) statistics (min, max, mean), and
 turns them into static scales with quant.kv (fp8 per-head scales; key smoothing per channel; the
 key offset, which is a mean of post-RoPE keys because that is what the cache stores), widened for
-keys at positions past the samples' length by how far RoPE turns each channel over the context. Separate
-from weight calibration so a KV-only change reuses the cached weights. An int4 cache keeps its
+keys at positions past the samples' length by how far RoPE turns each channel over the context.
+Separate from weight calibration so a KV-only change reuses the cached weights. An int4 cache keeps its
 group parameters in fp16: K or V reaching past that range on the calibration data is refused (the
 cache would saturate them), and a reach within 8x of it is warned about (other prompts may go further).
 """
