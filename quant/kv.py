@@ -118,9 +118,10 @@ class KVStats:
 def update_kv_stats(stats: KVStats | None, x: torch.Tensor) -> KVStats:
     """Fold x [..., H, D] into the running statistics."""
     x3 = x.detach().float().reshape(-1, *x.shape[-2:])  # [N, H, D]
-    half = x3.shape[-1] // 2
-    pair_norm = None if x3.shape[-1] % 2 else \
-        torch.hypot(x3[..., :half], x3[..., half:]).amax(dim=0) if x3.shape[0] else x3.new_zeros(x3.shape[1], half)
+    half, pair_norm = x3.shape[-1] // 2, None
+    if x3.shape[-1] % 2 == 0:
+        pair_norm = torch.hypot(x3[..., :half], x3[..., half:]).amax(dim=0) if x3.shape[0] else \
+            x3.new_zeros(x3.shape[1], half)  # no tokens: amax of nothing
     current = KVStats(x3.amin(dim=0), x3.amax(dim=0), x3.sum(dim=0, dtype=torch.float64), x3.shape[0],
                       pair_norm)
     if stats is None:

@@ -196,6 +196,30 @@ float fixed_group(const scalar_t* x, int64_t n, int16_t* xi, float* sx) {
   return *sx * static_cast<float>(total);
 }
 
+// x [M, K] bf16 / fp16 (contiguous) -> acts.fixed [M, ldx] (zeros past K) and acts.fixed_scales
+// [M, num_groups], groups of `group` channels; with xsum, also each group's scaled code sum there
+// [M, num_groups] (the int4 zero term's). Both GEMVs' prepare_fixed.
+void fixed_point_rows(const at::Tensor& x, int64_t ldx, int64_t group, GemvActs& acts, float* xsum) {
+  const int64_t M = x.size(0), K = x.size(1), num_groups = (K + group - 1) / group;
+  acts.fixed.resize(M * ldx);
+  acts.fixed_scales.resize(M * num_groups);
+  auto rows = [&](const auto* src) {
+    for (int64_t m = 0; m < M; ++m) {
+      int16_t* xi = acts.fixed.data() + m * ldx;
+      std::fill(xi + K, xi + ldx, int16_t{0});
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const int64_t k0 = g * group;
+        const float sum = fixed_group(src + m * K + k0, std::min(group, K - k0), xi + k0,
+                                      &acts.fixed_scales[m * num_groups + g]);
+        if (xsum) xsum[m * num_groups + g] = sum;
+      }
+    }
+  };
+  if (x.scalar_type() == at::kBFloat16) rows(x.data_ptr<at::BFloat16>());
+  else rows(x.data_ptr<at::Half>());  // fixed_point_dtype admits these two only
+  acts.fixed_point = true;
+}
+
 // ---- int8 weights, row-major [out, K]: one tile of kRows output rows (a contiguous block) x MB
 // activation rows; dots[m][r] = sum_b sx[m,b] dot_b(q[r], xi[m]) over blocks b of kBlock8.
 constexpr int64_t kBlock8 = 128;  // Int8Gemv::kFixedBlock
@@ -265,25 +289,8 @@ bool Int4Gemv::fixed_point_for(const at::Tensor& x) const {
   return !int8_activations && G <= kMaxFixedGroup && fixed_point_dtype(x);
 }
 
-void Int4Gemv::prepare_fixed(const at::Tensor& x, GemvActs& acts) const {
-  const int64_t M = x.size(0);
-  acts.fixed.resize(M * K_p);
-  acts.fixed_scales.resize(M * num_groups);
-  acts.f32.resize(M * num_groups);
-  auto rows = [&](const auto* src) {
-    for (int64_t m = 0; m < M; ++m) {
-      int16_t* xi = acts.fixed.data() + m * K_p;
-      std::fill(xi + K, xi + K_p, int16_t{0});
-      for (int64_t g = 0; g < num_groups; ++g) {
-        const int64_t k0 = g * G, n = std::min(G, K - k0);
-        acts.f32[m * num_groups + g] =
-            fixed_group(src + m * K + k0, n, xi + k0, &acts.fixed_scales[m * num_groups + g]);
-      }
-    }
-  };
-  if (x.scalar_type() == at::kBFloat16) rows(x.data_ptr<at::BFloat16>());
-  else rows(x.data_ptr<at::Half>());  // fixed_point_for admits these two only
-  acts.fixed_point = true;
+void Int4Gemv::prepare_fixed(const at::Tensor& x, GemvActs& acts) const {  // prepare sized acts.f32
+  fixed_point_rows(x, K_p, G, acts, acts.f32.data());
 }
 
 void Int4Gemv::tiles_fixed(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
@@ -315,20 +322,7 @@ bool Int8Gemv::fixed_point_for(const at::Tensor& x) const {
 
 void Int8Gemv::prepare_fixed(const at::Tensor& x, GemvActs& acts) const {
   static_assert(kFixedBlock == kBlock8);
-  const int64_t M = x.size(0), ldx = (K + 15) / 16 * 16, num_blocks = (K + kFixedBlock - 1) / kFixedBlock;
-  acts.fixed.resize(M * ldx);
-  acts.fixed_scales.resize(M * num_blocks);
-  auto rows = [&](const auto* src) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t k0 = b * kFixedBlock;
-        fixed_group(src + m * K + k0, std::min(kFixedBlock, K - k0), acts.fixed.data() + m * ldx + k0,
-                    &acts.fixed_scales[m * num_blocks + b]);
-      }
-  };
-  if (x.scalar_type() == at::kBFloat16) rows(x.data_ptr<at::BFloat16>());
-  else rows(x.data_ptr<at::Half>());  // fixed_point_for admits these two only
-  acts.fixed_point = true;
+  fixed_point_rows(x, (K + 15) / 16 * 16, kFixedBlock, acts, nullptr);
 }
 
 void Int8Gemv::tiles_fixed(const GemvActs& acts, int64_t M, int64_t begin, int64_t end,
