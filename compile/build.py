@@ -200,7 +200,7 @@ def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: P
         target={"device": recipe.target, "min_compute_capability": "8.0" if recipe.target == "cuda" else None},
         recipe=recipe.to_dict() | {"fallbacks": qm.fallbacks},
         quantization=quantization,
-        kv_cache=None if kv is None else dataclasses.asdict(kv),
+        kv_cache=None if kv is None else kv.to_dict(),
         calibration=None if tokens is None else tokens.provenance,
         source={"name": source.path.name, "kind": source.kind, "sha256": source.sha256},
         toolchain=toolchain_versions(),

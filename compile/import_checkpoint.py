@@ -67,7 +67,7 @@ def import_checkpoint(path, out, *, target: str = "cpu", overwrite: bool = False
         recipe={"name": f"import:{ckpt.format}", "scheme": ckpt.qm.scheme.to_dict(), "target": target,
                 "imported_from": {"format": ckpt.format, "quantization_config": ckpt.quantization_config},
                 "fallbacks": {}},
-        quantization=quantization, kv_cache=None if kv is None else dataclasses.asdict(kv), calibration=None,
+        quantization=quantization, kv_cache=None if kv is None else kv.to_dict(), calibration=None,
         source={"name": src.name, "kind": ckpt.format, "sha256": ckpt.sha256} | _export_provenance(src),
         toolchain=toolchain_versions(),
         accuracy={"skipped": "imported checkpoint: run `qkiln eval` on the artifact"},

@@ -133,6 +133,14 @@ class KVCacheScheme:
         if self.scale_dtype not in SCALE_DTYPES:
             _fail(f"kv_cache.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """As manifests record it: an fp8 cache has no groups, so int4's group fields are left out
+        (from_dict fills their defaults back in, and older manifests that list them still load)."""
+        d = dataclasses.asdict(self)
+        if self.dtype != "int4":
+            del d["group_size"], d["scale_dtype"]
+        return d
+
     def check_head_dim(self, head_dim: int) -> None:
         if self.dtype == "int4" and head_dim % self.group_size:
             _fail(f"kv_cache.group_size {self.group_size} does not divide head_dim {head_dim}: pick a divisor")
@@ -349,7 +357,8 @@ class QuantScheme:
         return self.algorithm != "rtn" or (self.activations is not None and not self.activations.dynamic)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"ignore": list(self.ignore)}
+        kv_cache = None if self.kv_cache is None else self.kv_cache.to_dict()
+        return dataclasses.asdict(self) | {"ignore": list(self.ignore), "kv_cache": kv_cache}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "QuantScheme":

@@ -10,6 +10,7 @@ import itertools
 import math
 import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -205,6 +206,11 @@ class LLMEngine:
                                         has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")),
                                         has_k_offset=bool(kv_scales and kv_scales.get("k_offset")))
         _install_kv_scales(self.caches, kv_scales)
+        if kv_dtype == "fp8" and not (kv_scales and kv_scales.get("k_scale")):
+            # as vLLM says it: keys or values past +-448 saturate, and nothing else would tell
+            warnings.warn("the fp8 KV cache has no calibrated scales here, so K and V are stored at scale 1.0 "
+                          "(values past +-448 saturate); build the artifact with a kv-fp8 recipe for calibrated "
+                          "scales", stacklevel=2)
         self.kv_dtype = kv_dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -73,6 +73,9 @@ def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_pat
     a, b = _files(first.path), _files(again.path)
     ma, mb = (json.loads(files.pop("manifest.json")) for files in (a, b))
     assert ma["recipe"]["evaluation"]["data"] == text.name and ma["calibration"]["source"] == text.name
+    # an fp8 cache has no groups: neither its manifest entry nor the recorded recipe lists int4's fields
+    assert ma["kv_cache"]["dtype"] == "fp8" and "group_size" not in ma["kv_cache"]
+    assert ma["recipe"]["scheme"]["kv_cache"] == ma["kv_cache"]
     assert a == b  # only the artifact name (the directory's) differs, and the manifest's digest with it
     assert {k: v for k, v in ma.items() if k not in ("name", "digest")} == \
         {k: v for k, v in mb.items() if k not in ("name", "digest")}

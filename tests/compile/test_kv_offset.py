@@ -54,6 +54,18 @@ def test_served_greedy_tokens_equal_simulated(artifact):
     assert got == simulated_greedy(artifact, prompt, 12)
 
 
+def test_an_fp8_cache_without_calibrated_scales_warns(artifact):
+    import warnings
+
+    served = load_for_serving(str(artifact), dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the artifact's calibrated scales: nothing to say
+        LLMEngine(served.model, served.tokenizer, EngineConfig(kv_dtype="fp8", num_kv_blocks=4),
+                  kv_scales=served.kv_scales)
+    with pytest.warns(UserWarning, match=r"no calibrated scales .* scale 1\.0 .*kv-fp8 recipe"):
+        LLMEngine(served.model, served.tokenizer, EngineConfig(kv_dtype="fp8", num_kv_blocks=4))
+
+
 def test_cache_stores_keys_minus_offset_and_attention_ignores_it():
     torch.manual_seed(0)
     keys = torch.randn(6, 2, 16) + torch.linspace(-8, 8, 16)  # [tokens, kv heads, head_dim], large means

@@ -91,6 +91,10 @@ def test_dict_round_trip_through_json():
     fp8 = QuantScheme(WeightScheme(8, "float", group_size=None), ActivationScheme(dynamic=False),
                       KVCacheScheme("fp8"))
     assert QuantScheme.from_dict(json.loads(json.dumps(fp8.to_dict()))) == fp8
+    assert set(fp8.to_dict()["kv_cache"]).isdisjoint({"group_size", "scale_dtype"})  # int4's only
+    older = fp8.to_dict()  # manifests before session 47 listed them for fp8 too: still read
+    older["kv_cache"] |= {"group_size": 16, "scale_dtype": "float16"}
+    assert QuantScheme.from_dict(older) == fp8
 
 
 def test_from_dict_refuses_unknown_fields():
