@@ -14,6 +14,8 @@ Measures, in one process and on the same token ids (random ids, `ignore_eos`, gr
   the best median is the baseline, and ONNX Runtime GenAI static batching at the same sizes;
 - memory bandwidth (a large copy) and each batch-1 decode as % of its weights-plus-KV roofline;
 - the ratios the issue sets targets for: W4A16 decode >= 8x HF, W4A16 throughput >= 4x best HF.
+  HF's and qkiln W4A16's batch-1 repeats run in turn (HF, qkiln, HF, ...), so that the decode
+  ratio compares the two under the same host load; each round's ratio is printed too.
 
 The W4A16 artifact is `--artifact`, or built once with the `w4a16-rtn` preset (no calibration;
 int8 lm_head) under `--work-dir` and reused while its manifest's source hash and scheme still match.
@@ -35,7 +37,7 @@ from qkiln.runtime.source import resolve_source
 from .baselines import hf_latency, hf_throughput, llama_cpp_latency, load_hf_model
 from .ort_genai import ort_genai_latency, ort_genai_throughput
 from .latency import engine_roofline, run_latency
-from .report import fmt, log, make_report, plot_bars, print_table, write_report
+from .report import fmt, log, make_report, plot_bars, print_table, summarize, write_report
 from .roofline import decode_roofline, measure_bandwidth, percent_of_roofline, weight_bytes
 from .throughput import load_model, make_engine, parse_int_list, run_throughput, set_threads
 from .workload import check_at_least, load_tokenizer, make_workload
@@ -105,11 +107,44 @@ def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, arg
     log(f"[{name}] loading {model}")
     loaded = load_model(model, "auto", int8_activations)
     lat = _batch1_latency(name, loaded, decode_wl, bandwidth, args)
+    return lat, _offline(name, loaded, tput_wl, args)
+
+
+def _offline(name: str, loaded, tput_wl, args: dict) -> dict:
     engine = offline_engine(loaded, tput_wl, args)
     tput = run_throughput(engine, tput_wl, args["repeats"], label=f"{name} offline")
     del engine, loaded
     gc.collect()
-    return lat, tput
+    return tput
+
+
+def _batch1_in_turn(hf, loaded, decode_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
+    """HF's and qkiln W4A16's batch-1 decode, one repeat of each in turn (HF, qkiln, HF, ...).
+
+    Why: measured one after the other, minutes apart, the ratio took whatever the host's load did
+    in between (session 47, the same artifact: 153 tok/s in a cpu-compare run 15 minutes after HF's
+    batch-1, 206-221 in `bench latency` runs within the hour). In turn, a drift weighs on both alike;
+    `paired_ratios` holds each round's qkiln / HF."""
+    engine = batch1_engine(loaded, args)
+    rounds = args["repeats"]
+    hf_runs, qkiln_runs = [], []
+    for i in range(rounds):
+        hf_runs.append(hf_latency(hf, decode_wl, 1, label=f"hf-bf16 batch-1 round {i + 1}/{rounds}"))
+        qkiln_runs.append(run_latency(engine, decode_wl, 1, label=f"qkiln-w4a16 batch-1 round {i + 1}/{rounds}"))
+    hf_lat, qkiln_lat = _merge_rounds(hf_runs), _merge_rounds(qkiln_runs)
+    hf_lat["roofline"] = _hf_roofline(hf, bandwidth, args, hf_lat["decode_tokens_per_s"]["median"])
+    qkiln_lat["roofline"] = engine_roofline(engine, bandwidth, 1, args["input_len"], args["output_len"],
+                                            qkiln_lat["decode_tokens_per_s"]["median"])
+    qkiln_lat["paired_ratios"] = [q["decode_tokens_per_s"]["median"] / h["decode_tokens_per_s"]["median"]
+                                  for q, h in zip(qkiln_runs, hf_runs)]
+    del engine
+    gc.collect()
+    return hf_lat, qkiln_lat
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One-repeat summaries ({figure: summarize([x])}) -> one summary over all the rounds."""
+    return {key: summarize([r[key]["median"] for r in rounds]) for key in rounds[0]}
 
 
 def _python_layers_latency(artifact: str, decode_wl, bandwidth: float, args: dict) -> dict:
@@ -127,20 +162,13 @@ def _python_layers_latency(artifact: str, decode_wl, bandwidth: float, args: dic
             os.environ["QKILN_DECODE_STACK"] = previous
 
 
-def _hf_rows(model: str, decode_wl, tput_wl, bandwidth: float, args: dict) -> tuple[dict, dict]:
-    log("[hf-bf16] loading transformers model")
-    hf = load_hf_model(model, torch.bfloat16)
-    lat = hf_latency(hf, decode_wl, args["repeats"], label="hf-bf16 batch-1")
+def _hf_roofline(hf, bandwidth: float, args: dict, decode_tokens_per_s: float) -> dict:
     c = hf.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads  # Qwen3 sets its own
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K and V, bf16
     roof = decode_roofline(bandwidth, weight_bytes(hf), kv_per_token, 1, args["input_len"] + args["output_len"] / 2)
-    roof["percent_of_roofline"] = percent_of_roofline(lat["decode_tokens_per_s"]["median"], roof)
-    lat["roofline"] = roof
-    by_batch = {b: hf_throughput(hf, tput_wl, b, args["repeats"], label="hf-bf16") for b in args["hf_batch_sizes"]}
-    del hf
-    gc.collect()
-    return lat, _best_static_batch(by_batch)
+    roof["percent_of_roofline"] = percent_of_roofline(decode_tokens_per_s, roof)
+    return roof
 
 
 def _best_static_batch(by_batch: dict) -> dict:
@@ -179,9 +207,17 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     tput_wl = make_workload(tokenizer, args["num_requests"], args["input_len"], args["output_len"],
                             seed=args["seed"] + 1)
     decode, offline = {}, {}
-    decode["hf-bf16"], offline["hf-bf16"] = _hf_rows(model, decode_wl, tput_wl, bw, args)
-    decode["qkiln-w4a16"], offline["qkiln-w4a16"] = _qkiln_rows("qkiln-w4a16", str(artifact), decode_wl, tput_wl,
-                                                                bw, args)
+    log("[hf-bf16] loading transformers model")
+    hf = load_hf_model(model, torch.bfloat16)
+    log(f"[qkiln-w4a16] loading {artifact}")
+    w4a16 = load_model(str(artifact), "auto")
+    decode["hf-bf16"], decode["qkiln-w4a16"] = _batch1_in_turn(hf, w4a16, decode_wl, bw, args)
+    by_batch = {b: hf_throughput(hf, tput_wl, b, args["repeats"], label="hf-bf16") for b in args["hf_batch_sizes"]}
+    offline["hf-bf16"] = _best_static_batch(by_batch)
+    del hf
+    gc.collect()
+    offline["qkiln-w4a16"] = _offline("qkiln-w4a16", w4a16, tput_wl, args)
+    del w4a16
     decode["qkiln-w4a16-python-layers"] = _python_layers_latency(str(artifact), decode_wl, bw, args)
     if args["include_int8_activations"]:  # the same artifact, many-row steps with int8 activations
         decode["qkiln-w4a16-int8act"], offline["qkiln-w4a16-int8act"] = _qkiln_rows(
@@ -254,6 +290,9 @@ def print_comparison(results: dict, args: dict) -> None:
         verdict = "" if target is None or value is None else (" (target >= %gx: %s)" % (
             target, "met" if value >= target else "NOT met"))
         print(f"{key}: {'-' if value is None else f'{value:.2f}x'}{verdict}")
+    rounds = results["batch1_decode"]["qkiln-w4a16"].get("paired_ratios")
+    if rounds:
+        print(f"decode_w4a16_vs_hf by round (measured in turn): {', '.join(f'{r:.2f}x' for r in rounds)}")
     for note in results.get("caveats", []):
         print(f"note: {note}")
     sys.stdout.flush()

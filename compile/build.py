@@ -9,7 +9,6 @@
     write the artifact atomically                 artifact_tensors.py + artifact_writer.py
 """
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path

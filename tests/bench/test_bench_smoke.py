@@ -171,6 +171,8 @@ def test_cpu_compare_tiny(tiny, tmp_path):
     assert res["ratios"]["throughput_w4a16_vs_ort_genai"] is None
     assert res["offline_throughput"]["hf-bf16"]["best_batch_size"] in (2, 4)
     assert _positive(res["ratios"]["decode_w4a16_vs_hf"]) and _positive(res["ratios"]["throughput_w4a16_vs_best_hf"])
+    rounds = res["batch1_decode"]["qkiln-w4a16"]["paired_ratios"]  # HF and qkiln batch-1 measured in turn
+    assert len(rounds) == 1 and rounds[0] == pytest.approx(res["ratios"]["decode_w4a16_vs_hf"])
     assert _positive(res["batch1_decode"]["qkiln-w4a16-python-layers"]["decode_tokens_per_s"])
     assert _positive(res["ratios"]["decode_stack_vs_python_layers"])
     assert _positive(res["ratios"]["throughput_w4a16_int8act_vs_best_hf"])
