@@ -28,6 +28,8 @@ from qkiln.plugins import ops
 from .logits_processing import adjust_logits, apply_min_p, apply_top_k_top_p
 from .sampling_params import SamplingParams
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass
 class SamplerOutput:
@@ -89,12 +91,17 @@ class Sampler:
         made once and then worked in place: each fresh 3 MB one cost ~0.6 ms in page faults."""
         device = logits.device
         # Greedy rows get temperature 1 here only to avoid dividing by 0; argmax overrides them below.
-        temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
+        # A temperature past fp32's largest (it validates: finite) would be inf here, and a banned
+        # token's -inf / inf NaN, which made every such row draw the last token: it is that largest.
+        temperature = torch.tensor([1.0 if p.is_greedy else min(p.temperature, _FP32_MAX) for p in params],
                                    device=device).unsqueeze(1)  # [num_seqs, 1]
         scaled = logits / temperature  # fp32 (bf16 / fp32 promotes): a new tensor, ours to change
         scaled = apply_top_k_top_p(apply_min_p(scaled, params), params)
         # The running sum of unnormalized probabilities: the draw scales u by the total, so no
-        # softmax. fp32 suffices: each token's share is off by one rounding of the total (~1e-7).
+        # softmax. In fp32 each token's share is off by up to one rounding of the running sum
+        # (2^-24 of it): a token far below that (a 2e-9 tail token behind one of ~1) gets no share
+        # or one ulp's, but the tail's total stays right (torch's CPU cumsum adds in double;
+        # probe s47). Exact per-token tails would need a float64 row: not done.
         cdf = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # [num_seqs, vocab]
         u = 1.0 - torch.rand(len(params), 1, device=device, generator=self.generator)  # (0, 1]: no 0-probability head
         for i, p in enumerate(params):

@@ -42,7 +42,8 @@ MAX_N = 128
 class SamplingParams:
     """Per-request sampling and stopping options (vLLM / OpenAI semantics).
 
-    temperature == 0 means greedy. top_k <= 0 and top_p == 1 switch those filters off.
+    temperature == 0 means greedy; a positive one below MIN_TEMPERATURE (0.01) is raised to it, as
+    vLLM does. top_k <= 0 and top_p == 1 switch those filters off.
     `stop` strings are matched by the engine on detokenized text; `stop_token_ids` and EOS by
     the scheduler. `min_tokens` suppresses every stop condition except `max_tokens` until that
     many tokens have been generated.

@@ -120,6 +120,17 @@ def test_banned_tokens_are_never_sampled():
     assert torch.equal(out.token_ids, second)
 
 
+def test_a_temperature_past_fp32s_range_still_honours_bans_and_allowed_tokens():
+    """1e39 validates (finite) but was inf in fp32: -inf / inf made every banned token NaN, and every
+    draw the last token (probe s47). Now it draws near-uniformly among the permitted tokens."""
+    logits = random_logits(400, seed=7, vocab=100)
+    banned = [tuple(range(50))] * 400
+    out = Sampler().sample(logits, [SamplingParams(temperature=1e39)] * 400, banned_token_ids=banned)
+    assert out.token_ids.min() >= 50 and len(set(out.token_ids.tolist())) > 30
+    allowed = SamplingParams(temperature=1e300, allowed_token_ids=[3, 4]).validate()
+    assert set(Sampler().sample(logits[:50], [allowed] * 50).token_ids.tolist()) == {3, 4}
+
+
 def test_logprobs_are_taken_before_min_tokens_bans():
     """min_tokens bans EOS / stop ids from being sampled, not from the reported logprobs (vLLM's raw
     logprobs): the banned copy's values were log(1 / (1 - p_banned)) nats too high."""
