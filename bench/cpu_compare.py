@@ -111,9 +111,10 @@ def _qkiln_rows(name: str, model: str, decode_wl, tput_wl, bandwidth: float, arg
 
 
 def _offline(name: str, loaded, tput_wl, args: dict) -> dict:
+    """Offline throughput of a loaded qkiln model (the caller drops the model after)."""
     engine = offline_engine(loaded, tput_wl, args)
     tput = run_throughput(engine, tput_wl, args["repeats"], label=f"{name} offline")
-    del engine, loaded
+    del engine
     gc.collect()
     return tput
 
