@@ -435,7 +435,11 @@ def load_tensors(path, manifest: Manifest | None = None, *, verify: bool = True,
     """Every tensor of the artifact (safetensors, never pickle), after `verify_artifact` unless told not to.
 
     The target check is left to the caller (the runtime verifies before it serves); loading to
-    CPU memory is fine for inspection of an artifact built for cuda.
+    CPU memory is fine for inspection of an artifact built for cuda. CPU tensors are copies, not
+    views of the file's memory map: one the loader keeps as stored (the embedding) would read the
+    file for as long as the model is served, and a file rewritten under a running server (cp over
+    it, rsync --inplace, a truncate) then killed it with SIGBUS or changed its weights after
+    verify_artifact had checked them (probe, session 48).
     """
     from safetensors.torch import load_file  # lazy: imports torch
 
@@ -450,6 +454,8 @@ def load_tensors(path, manifest: Manifest | None = None, *, verify: bool = True,
     tensors = {}
     for rel in weight_shards(manifest):
         shard = load_file(root / rel, device=device)
+        if str(device) == "cpu":
+            shard = {name: tensor.clone() for name, tensor in shard.items()}
         for name in shard.keys() & tensors.keys():
             raise ArtifactError(f"{root / rel}: tensor {name!r} appears in two shards; rebuild the artifact")
         tensors.update(shard)

@@ -18,8 +18,8 @@ import typer
 
 from qkiln.errors import QkilnError, exit_with
 
-from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, read_manifest, read_tensor_index,
-                       verify_artifact, weight_shards)
+from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, check_not_unchecked, read_manifest,
+                       read_tensor_index, verify_artifact, weight_shards)
 
 
 def _is_archive(path: Path) -> bool:
@@ -181,6 +181,7 @@ def summarize_artifact(path) -> dict:
     `source.bytes_bf16` / `source.source_bytes_bf16`, or 2 x `num_parameters`."""
     root = Path(path)
     check_finished_name(root)
+    check_not_unchecked(root, {p.name for p in root.iterdir()} if root.is_dir() else ())  # copied mid-check
     m = read_manifest(root)
     index = read_tensor_index(root, m)
     by_dtype = Counter()

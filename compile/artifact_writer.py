@@ -22,6 +22,7 @@ Invariants:
 """
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -92,6 +93,14 @@ def _discard_partial(tmp: Path, out: Path, error: BaseException) -> None:
                             "another process cleaning that folder?); nothing was written there: rerun") from error
 
 
+def _is_full(e: Exception) -> bool:
+    """A full disk, a quota or a file size limit: what free space (or a smaller output) fixes. A
+    SafetensorError carries no errno, only the Rust io error's text."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+        word in str(e) for word in ("No space left", "StorageFull", "Disk quota", "QuotaExceeded", "FileTooLarge",
+                                    "File too large"))
+
+
 @contextmanager
 def writing(out: Path):
     """An OSError while writing `out` (a full disk, a quota, a vanished mount) as an ArtifactError
@@ -106,8 +115,8 @@ def writing(out: Path):
         read = getattr(e, "filename", None)
         if read is not None and not _is_under_output(Path(os.fsdecode(read)), out):
             raise ArtifactError(f"{read}: cannot be read ({reason}); nothing was written to {out}") from None
-        raise ArtifactError(f"{out}: writing failed ({reason}); nothing was written there: free space or "
-                            "choose another output path") from None
+        remedy = "free space or choose another output path" if _is_full(e) else "choose another output path"
+        raise ArtifactError(f"{out}: writing failed ({reason}); nothing was written there: {remedy}") from None
 
 
 def _is_under_output(path: Path, out: Path) -> bool:
@@ -192,6 +201,10 @@ def output_path(path) -> Path:
 
 def check_writable_dir(directory: Path) -> None:
     """Create `directory` if needed and prove a file can be made in it, or raise ArtifactError."""
+    existing = next((d for d in (directory, *directory.parents) if d.exists()), None)
+    if existing is not None and not existing.is_dir():  # mkdir says only "File exists"
+        where = "not a folder" if existing == directory else f"so the folder {directory} cannot be made"
+        raise ArtifactError(f"{existing} is a file, {where}; choose another output path")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".qkiln-write-test-{os.getpid()}"
@@ -442,7 +455,17 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
         recheck()
         trash = Path(tempfile.mkdtemp(prefix=unfinished_prefix(out, "trash"), dir=out.parent))
         os.rename(out, trash / "old")
-        os.rename(tmp, out)
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if not (out.exists() or out.is_symlink()):
+                raise
+            # another writer's rename came between ours: its output stays, ours is discarded, and
+            # the old one, which both were replacing, goes
+            shutil.rmtree(trash, ignore_errors=True)
+            raise ArtifactError(f"{out}: another process wrote there while this one was replacing it ({e.strerror}); "
+                                "its output stays and this one's was discarded: run one writer per output path "
+                                "at a time") from None
         _fsync_dir(out.parent)
         shutil.rmtree(trash, ignore_errors=True)  # what stays is a dead writer's: the next one removes it
     else:

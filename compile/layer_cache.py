@@ -18,6 +18,7 @@ on a team's volume serves every user.
 """
 
 import contextlib
+import errno
 import functools
 import hashlib
 import json
@@ -84,10 +85,16 @@ def _make_shared_dirs(directory: Path) -> None:
 
 
 def _say_unwritable(directory: Path, error: BaseException, warn, doing: str = "written") -> None:
-    remedy = ("ask its owner for access" if isinstance(error, PermissionError) else "free space there")
+    code = getattr(error, "errno", None)
+    if isinstance(error, PermissionError):
+        remedy = "ask its owner for access, or point QKILN_CACHE_DIR elsewhere"
+    elif code in (errno.ENOSPC, errno.EDQUOT):
+        remedy = "free space there, or point QKILN_CACHE_DIR elsewhere"
+    else:  # a read-only file system, a file in the way, ...: free space would not help
+        remedy = "point QKILN_CACHE_DIR elsewhere"
     (warn or (lambda msg: print(msg, file=sys.stderr)))(
         f"warning: the build cache {directory} cannot be {doing} ({error}); this build goes on without it "
-        f"({remedy}, or point QKILN_CACHE_DIR elsewhere)")
+        f"({remedy})")
 
 
 # Beside quant/: the modules that compute a layer's inputs and outputs during calibration (the

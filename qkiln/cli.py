@@ -19,7 +19,7 @@ import typer.core
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
 from qkiln.compile.eval_cli import eval_cmd  # imports nothing heavy
-from qkiln.errors import QkilnError, exit_with
+from qkiln.errors import ArtifactError, QkilnError, exit_with
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -124,6 +124,10 @@ def build_cmd(
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
         if archive:
             check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
+            if not force and (out / "manifest.json").exists() and not archive.exists():
+                # a build killed while archiving left the artifact without it (probe s48)
+                raise ArtifactError(f"{out}: already exists, its --archive {archive} does not (a build stopped while "
+                                    "writing it?); pass --force to build both again")
         result = build(source, r, out, overwrite=force, use_cache=not no_cache, log=log, engines=tuple(engine or ()))
         if archive:
             try:

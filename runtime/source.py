@@ -157,7 +157,8 @@ def read_generation_config(path: Path) -> dict | None:
 def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor]:
     """Every tensor of every file (each passed through `convert`, if given); a damaged file or a
     tensor in two files is an error, not a guess. RoPE's inv_freq, which older transformers saved
-    with the weights, is dropped: it is computed from the config, as transformers does."""
+    with the weights, is dropped: it is computed from the config, as transformers does. Tensors are
+    copied out of the files' memory maps (compile.artifact.load_tensors says why)."""
     from safetensors.torch import load_file
 
     tensors, origin = {}, {}
@@ -175,7 +176,10 @@ def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor
             if name in origin:
                 raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
                                        "remove the stray file")
-            origin[name], tensors[name] = f, convert(tensor) if convert else tensor
+            converted = convert(tensor) if convert else tensor
+            if converted.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                converted = converted.clone()  # still the file's pages (no conversion copied it)
+            origin[name], tensors[name] = f, converted
     return tensors
 
 

@@ -175,7 +175,7 @@ def test_eval_refuses_what_it_cannot_score(tmp_path):
     os.close(writer)
     assert json.loads(piped.read_text()) == json.loads(report.read_text()) and "Traceback" not in done.stderr
     assert_one_line_error(run_cli(*base, "--data", str(tmp_path / "t.txt"), "--json", str(tmp_path / "t.txt" / "r.json")),
-                          "cannot write there", code=6)
+                          "t.txt is a file, not a folder", code=6)
 
 
 def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
@@ -184,6 +184,12 @@ def test_build_refuses_a_bad_archive_name_before_building(tmp_path):
                      "--archive", str(tmp_path / "a.zip"))
     assert_one_line_error(result, "a.zip", ".tar", code=6)
     assert not (tmp_path / "a").exists()  # refused before the build, not after writing the artifact
+    # an artifact whose archive is missing (its build was killed while archiving): said so
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "manifest.json").write_text("{}")
+    result = run_cli("build", str(tmp_path / "m"), "--recipe", "w4a16-rtn", "-o", str(tmp_path / "a"),
+                     "--archive", str(tmp_path / "a.tar"))
+    assert_one_line_error(result, "already exists, its --archive", "a.tar does not", "--force", code=6)
 
 
 def test_artifact_without_manifest_is_named_as_such(tmp_path):

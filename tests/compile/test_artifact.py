@@ -1,5 +1,6 @@
 """The artifact on real files: round trip, reproducibility, tamper detection, atomic writes, archives."""
 
+import errno
 import io
 import json
 import os
@@ -296,6 +297,29 @@ def test_a_build_of_another_name_removes_a_dead_build_s_partial(tmp_path):
     assert siblings(out) == sorted(["b", live.name])
 
 
+def test_a_replace_that_loses_a_race_says_so_and_leaves_the_winner(tmp_path, monkeypatch):
+    """Two `build --force` to one path: the other writer's rename came between this one's two (old
+    away, new in). That failed as 'writing failed (Directory not empty) ... free space' and left the
+    old artifact in a .trash folder for good (probe s48)."""
+    out = build(tmp_path / "a")
+    winner = build(tmp_path / "w", tensors=make_tensors(seed=1))
+    real_rename = os.rename
+
+    def racing_rename(src, dst):
+        if Path(dst) == out and Path(src).name.startswith(".a.partial-"):  # ours, new in: the other one first
+            real_rename(winner, out)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(artifact_writer.os, "rename", racing_rename)
+    with pytest.raises(ArtifactError, match="another process wrote there while this one was replacing it .*; "
+                                            "its output stays and this one's was discarded"):
+        build(out, overwrite=True)
+    monkeypatch.setattr(artifact_writer.os, "rename", real_rename)
+    verify_artifact(out)
+    assert torch.equal(load_tensors(out)["norm.weight"], make_tensors(seed=1)["norm.weight"])  # the winner's
+    assert siblings(out) == []  # no partial, no trash holding the old one
+
+
 def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
     """A build killed during its engine check left a partial whose manifest was complete: copied or
     renamed, it verified, though its check never finished."""
@@ -307,6 +331,8 @@ def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
         build(tmp_path / "a", check=copy_then_die)
     with pytest.raises(ArtifactError, match="stopped while checking it"):
         verify_artifact(tmp_path / "copy")
+    with pytest.raises(ArtifactError, match="stopped while checking it"):  # inspect printed its digest (s48)
+        summarize_artifact(tmp_path / "copy")
     verify_artifact(build(tmp_path / "copy", overwrite=True))  # the remedy it names: --force replaces it
     checked = []
     out = build(tmp_path / "a", check=checked.append)
@@ -464,13 +490,15 @@ def test_unwritable_destinations_fail_before_any_work(tmp_path):
     from qkiln.compile.artifact_writer import check_destination
 
     (tmp_path / "file").write_text("x")
-    for out in (tmp_path / "file" / "a", Path("/proc/qkiln-test")):
-        with pytest.raises(ArtifactError, match="cannot write there"):
-            check_destination(out, overwrite=False)
+    with pytest.raises(ArtifactError, match="cannot write there"):
+        check_destination(Path("/proc/qkiln-test"), overwrite=False)
+    # a path under a file says so (it was "cannot write there (File exists)": probe s48)
+    with pytest.raises(ArtifactError, match="file is a file, so the folder .*file/a cannot be made"):
+        check_destination(tmp_path / "file" / "a" / "b", overwrite=False)
     (tmp_path / "d.tar").mkdir()  # an existing directory is not an archive's file name
     with pytest.raises(ArtifactError, match="is a directory"):
         check_archive_path(tmp_path / "d.tar")
-    with pytest.raises(ArtifactError, match="cannot write there"):
+    with pytest.raises(ArtifactError, match="file is a file, not a folder"):
         check_archive_path(tmp_path / "file" / "a.tar")
     (tmp_path / "old.tar").write_bytes(b"a registry's copy")
     with pytest.raises(ArtifactError, match="already exists; pass --force"):
@@ -752,10 +780,16 @@ def test_an_export_that_cannot_read_its_input_does_not_blame_the_output(tmp_path
                                             r"nothing was written to .*out$"):
         with writing(tmp_path / "out"):
             (tmp_path / "missing.bin").read_bytes()
+    # free space is the remedy only where the error is a full disk or quota (probe s48: a lost
+    # rename race and a read-only folder were worded as full disks too)
     with pytest.raises(ArtifactError, match=r"out: writing failed \(No such file or directory\); nothing was "
-                                            "written there: free space"):
+                                            "written there: choose another output path$"):
         with writing(tmp_path / "out"):
             (tmp_path / ".out.partial-1" / "f").write_bytes(b"")
+    with pytest.raises(ArtifactError, match=r"out: writing failed \(Disk quota exceeded\); nothing was "
+                                            "written there: free space or choose another output path$"):
+        with writing(tmp_path / "out"):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(tmp_path / ".out.partial-1" / "f"))
 
 
 def test_the_digest_is_checked_on_the_manifest_s_bytes_without_python(tmp_path):
