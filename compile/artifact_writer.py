@@ -93,7 +93,7 @@ def _discard_partial(tmp: Path, out: Path, error: BaseException) -> None:
                             "another process cleaning that folder?); nothing was written there: rerun") from error
 
 
-def _is_full(e: Exception) -> bool:
+def is_full_disk(e: BaseException) -> bool:
     """A full disk, a quota or a file size limit: what free space (or a smaller output) fixes. A
     SafetensorError carries no errno, only the Rust io error's text."""
     return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
@@ -115,7 +115,7 @@ def writing(out: Path):
         read = getattr(e, "filename", None)
         if read is not None and not _is_under_output(Path(os.fsdecode(read)), out):
             raise ArtifactError(f"{read}: cannot be read ({reason}); nothing was written to {out}") from None
-        remedy = "free space or choose another output path" if _is_full(e) else "choose another output path"
+        remedy = "free space or choose another output path" if is_full_disk(e) else "choose another output path"
         raise ArtifactError(f"{out}: writing failed ({reason}); nothing was written there: {remedy}") from None
 
 

@@ -18,7 +18,6 @@ on a team's volume serves every user.
 """
 
 import contextlib
-import errno
 import functools
 import hashlib
 import json
@@ -32,6 +31,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from qkiln.errors import QkilnError
+
+from .artifact_writer import is_full_disk
 
 CACHE_FORMAT = 4  # 3: entries carry their payload's sha256; 4: and their key
 DEFAULT_MAX_GB = 8.0
@@ -85,10 +86,9 @@ def _make_shared_dirs(directory: Path) -> None:
 
 
 def _say_unwritable(directory: Path, error: BaseException, warn, doing: str = "written") -> None:
-    code = getattr(error, "errno", None)
     if isinstance(error, PermissionError):
         remedy = "ask its owner for access, or point QKILN_CACHE_DIR elsewhere"
-    elif code in (errno.ENOSPC, errno.EDQUOT):
+    elif is_full_disk(error):
         remedy = "free space there, or point QKILN_CACHE_DIR elsewhere"
     else:  # a read-only file system, a file in the way, ...: free space would not help
         remedy = "point QKILN_CACHE_DIR elsewhere"
