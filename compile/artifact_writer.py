@@ -448,7 +448,8 @@ def fsync_dirs(root: Path) -> None:
 
 def move_into_place(tmp: Path, out: Path, recheck) -> None:
     """rename(2) is atomic; replacing takes two renames (old away, new in), then the old is deleted.
-    A kill between the two leaves no artifact under the name and the rerun cleans both siblings.
+    A kill between the two leaves no artifact under the name and the rerun cleans both siblings; a
+    failed second rename puts the old one back, unless another writer's output took the name.
     `recheck()` raises unless what is at `out` now may be replaced (it may have appeared, or been
     added to, while we were building)."""
     if out.exists() or out.is_symlink():
@@ -458,7 +459,10 @@ def move_into_place(tmp: Path, out: Path, recheck) -> None:
         try:
             os.rename(tmp, out)
         except OSError as e:
-            if not (out.exists() or out.is_symlink()):
+            if not (out.exists() or out.is_symlink()):  # not a race: the old one goes back
+                with contextlib.suppress(OSError):
+                    os.rename(trash / "old", out)
+                    os.rmdir(trash)
                 raise
             # another writer's rename came between ours: its output stays, ours is discarded, and
             # the old one, which both were replacing, goes

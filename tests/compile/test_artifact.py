@@ -319,6 +319,17 @@ def test_a_replace_that_loses_a_race_says_so_and_leaves_the_winner(tmp_path, mon
     assert torch.equal(load_tensors(out)["norm.weight"], make_tensors(seed=1)["norm.weight"])  # the winner's
     assert siblings(out) == []  # no partial, no trash holding the old one
 
+    def failing_rename(src, dst):  # the new one cannot go in (no race): the old one goes back
+        if Path(dst) == out and Path(src).name.startswith(".a.partial-"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(artifact_writer.os, "rename", failing_rename)
+    with pytest.raises(ArtifactError, match=r"writing failed \(Input/output error\)"):
+        build(out, overwrite=True)
+    monkeypatch.setattr(artifact_writer.os, "rename", real_rename)
+    assert torch.equal(load_tensors(out)["norm.weight"], make_tensors(seed=1)["norm.weight"]) and siblings(out) == []
+
 
 def test_a_copy_taken_while_the_writer_checks_never_verifies(tmp_path):
     """A build killed during its engine check left a partial whose manifest was complete: copied or
