@@ -20,6 +20,7 @@ A newer MINOR only adds fields: they are kept in `Manifest.extra` and written ba
 
 import hashlib
 import json
+import math
 import os
 import re
 import struct
@@ -90,9 +91,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, where: str = MANIFEST_NAME) -> "Manifest":
         try:
-            d = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ArtifactError(f"{where}: not valid JSON ({e}); the artifact is corrupt, rebuild it") from None
+            d = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # also: NaN / Infinity, a 5000-digit number, deep nesting
+            reason = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise ArtifactError(f"{where}: not valid JSON ({reason}); the artifact is corrupt, rebuild it") from None
         except _DuplicateKey as e:  # parsers disagree on which one counts: a registry may read the other
             raise ArtifactError(f"{where}: the key {e.args[0]!r} appears twice in one object, which qkiln never "
                                 "writes: the manifest was edited; rebuild the artifact") from None
@@ -108,6 +110,11 @@ class Manifest:
 
 class _DuplicateKey(Exception):
     pass
+
+
+def _no_constant(name: str):
+    """NaN / Infinity / -Infinity, which JSON does not have and qkiln never writes (it stores null)."""
+    raise ValueError(f"{name} is not JSON")
 
 
 def _no_duplicate_keys(pairs: list) -> dict:
@@ -373,6 +380,7 @@ def verify_contents(root: Path, check_target: bool = True) -> list[str]:
         if actual != expected["sha256"]:
             raise ArtifactError(f"{root / rel}: sha256 mismatch: manifest says {expected['sha256'][:16]}..., "
                                 f"file has {actual[:16]}...; the file was changed, re-fetch or rebuild")
+    read_tensor_index(root, manifest)  # the shards' headers: dtypes, shapes, offsets that tile the data
     if check_target:  # last: TargetUnavailableError (exit 7) says the artifact itself is sound
         check_target_available(manifest, where=str(root))
     return sorted(manifest.files)
@@ -390,8 +398,9 @@ class TensorInfo:
     nbytes: int
 
 
-def _read_safetensors_header(path: Path) -> dict:
-    """The JSON header (u64 little-endian length, then JSON) without reading tensor bytes."""
+def _read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """The JSON header (u64 little-endian length, then JSON) without reading tensor bytes, and the
+    number of data bytes after it."""
     try:
         f = open(path, "rb")
     except OSError as e:  # a listed shard missing or renamed: what verify says, not a traceback
@@ -402,12 +411,31 @@ def _read_safetensors_header(path: Path) -> dict:
         if not 0 < length <= 100 << 20 or length + 8 > path.stat().st_size:
             raise ArtifactError(f"{path}: not a safetensors file (bad header length); rebuild the artifact")
         try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            header = json.loads(f.read(length), parse_constant=_no_constant)
+        except (ValueError, RecursionError):
             header = None
         if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
             raise ArtifactError(f"{path}: unreadable safetensors header; rebuild the artifact")
-        return header
+        return header, path.stat().st_size - 8 - length
+
+
+# safetensors dtype -> bytes per element (the names its format defines)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+
+
+def _tensor_entry(info: dict) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of a header entry, or ValueError: a known dtype, a shape of
+    whole numbers >= 0, offsets whose span holds exactly that many elements."""
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+    if dtype not in _DTYPE_BYTES or not isinstance(shape, list) or not all(whole(d) for d in shape) or \
+            not isinstance(offsets, list) or len(offsets) != 2 or not all(whole(o) for o in offsets):
+        raise ValueError("malformed")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise ValueError("size")
+    return dtype, tuple(shape), begin, end
 
 
 def read_tensor_index(path, manifest: Manifest | None = None) -> dict[str, TensorInfo]:
@@ -416,18 +444,31 @@ def read_tensor_index(path, manifest: Manifest | None = None) -> dict[str, Tenso
     manifest = manifest or read_manifest(root)
     index = {}
     for rel in weight_shards(manifest):
-        header = _read_safetensors_header(root / rel)
+        header, data_bytes = _read_safetensors_header(root / rel)
+        spans = []
         for name, info in sorted(header.items()):
             if name == "__metadata__":
                 continue
             if name in index:
                 raise ArtifactError(f"{root / rel}: tensor {name!r} also in {index[name].shard}; rebuild the artifact")
             try:
-                begin, end = info["data_offsets"]
-                index[name] = TensorInfo(rel, str(info["dtype"]), tuple(int(d) for d in info["shape"]), end - begin)
+                dtype, shape, begin, end = _tensor_entry(info)
             except (KeyError, TypeError, ValueError):
-                raise ArtifactError(f"{root / rel}: tensor {name!r} has a malformed header entry "
-                                    "(dtype, shape, data_offsets); the artifact is corrupt, rebuild it") from None
+                raise ArtifactError(f"{root / rel}: tensor {name!r} has a malformed header entry (dtype, shape, "
+                                    "data_offsets, or a size they disagree on); the artifact is corrupt, rebuild "
+                                    "it") from None
+            index[name] = TensorInfo(rel, dtype, shape, end - begin)
+            spans.append((begin, end, name))
+        # the tensors tile the data: no overlap, none past the file's end (safetensors' own rule)
+        position = 0
+        for begin, end, name in sorted(spans):
+            if begin != position:
+                raise ArtifactError(f"{root / rel}: tensor {name!r} starts at byte {begin} of the data, not at "
+                                    f"{position} where the one before ends; the artifact is corrupt, rebuild it")
+            position = end
+        if position != data_bytes:
+            raise ArtifactError(f"{root / rel}: its tensors cover {position} bytes of its {data_bytes} data bytes; "
+                                "the artifact is corrupt, rebuild it")
     return index
 
 
@@ -453,7 +494,11 @@ def load_tensors(path, manifest: Manifest | None = None, *, verify: bool = True,
     manifest = manifest or read_manifest(root)
     tensors = {}
     for rel in weight_shards(manifest):
-        shard = load_file(root / rel, device=device)
+        try:
+            shard = load_file(root / rel, device=device)
+        except Exception as e:  # SafetensorError and its kin: a damaged or hostile header (verify checks them)
+            raise ArtifactError(f"{root / rel}: cannot be read as safetensors ({e}); the artifact is corrupt, "
+                                "rebuild it") from None
         if str(device) == "cpu":
             shard = {name: tensor.clone() for name, tensor in shard.items()}
         for name in shard.keys() & tensors.keys():

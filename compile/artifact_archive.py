@@ -22,9 +22,9 @@ from pathlib import Path, PurePosixPath
 
 from qkiln.errors import ArtifactError
 
-from .artifact import ARCHIVE_SUFFIXES, MANIFEST_NAME, verify_artifact, verify_contents
-from .artifact_writer import (check_destination, check_writable_dir, fresh_partial_dir, fsync_dirs, move_into_place,
-                              output_path, remove_stale_partials, source_date_epoch, unfinished_prefix)
+from .artifact import ARCHIVE_SUFFIXES, MANIFEST_NAME, read_manifest, verify_artifact, verify_contents
+from .artifact_writer import (check_destination, check_writable_dir, fresh_partial_dir, fsync_dirs, is_full_disk,
+                              move_into_place, output_path, remove_stale_partials, source_date_epoch, unfinished_prefix)
 
 
 def _archive_mode(path: Path) -> str:
@@ -123,31 +123,67 @@ class _UnpackWriteError(Exception):
     """Writing an archive's member failed (a full temp disk): the archive itself may be sound."""
 
 
+# Bounds on what an archive may unpack to, checked before each entry is written (a bomb filled the
+# temp disk, or made 100k files, before verify looked: probe s48). Once manifest.json is unpacked
+# (write_archive puts it first) every later entry must be a file it lists, of the size it lists;
+# before it, at most this many entries, and a .tar.gz at most this many times its own size (quantized
+# weights compress ~1.0-1.3x; a gzip of zeros ~1000x), plus 16 MiB for a small one's manifest and
+# tokenizer. A plain tar holds its bytes (sparse entries, which could claim any size, are refused).
+_MAX_ENTRIES_BEFORE_MANIFEST = 10_000
+_MAX_GZIP_EXPANSION = 32
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
 def _extract_members(archive: Path, into: Path) -> None:
+    budget = archive.stat().st_size * _MAX_GZIP_EXPANSION + (16 << 20)  # plain tar: never reached
     try:
         with _decompressed(archive) as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
-            seen = set()
+            seen, listed = set(), None  # listed: the manifest's files, once it is unpacked
             for m in tar:
                 parts = PurePosixPath(m.name).parts
                 bad_name = (not parts or m.name.startswith("/") or "\\" in m.name
                             or any(p in ("", ".", "..") for p in parts))
                 if m.isdir() and (m.name in (".", "./") or not bad_name):
                     continue  # archives made with `tar -C DIR .` list directories; files create their own
-                if bad_name or not m.isfile() or "/".join(parts) in seen:
+                rel = "/".join(parts)
+                if bad_name or not m.isfile() or m.issparse() or rel in seen:
                     raise ArtifactError(f"{archive}: refusing entry {m.name!r} (only regular files with plain "
                                         "relative paths, each once); the archive is corrupt or malicious")
-                seen.add("/".join(parts))
+                _check_entry_bounds(archive, m, rel, listed, len(seen), budget)
+                budget -= m.size
+                seen.add(rel)
                 target = into.joinpath(*parts)
                 with tar.extractfile(m) as src, _created(target) as dst:
                     while chunk := src.read(1 << 20):
                         _write_all(dst, chunk)
+                if rel == MANIFEST_NAME:
+                    try:
+                        listed = read_manifest(into).files
+                    except ArtifactError as e:  # named as in the archive, not in our temp folder
+                        raise ArtifactError(f"{archive}: {str(e).replace(str(into) + '/', '')}") from None
             _check_nothing_after_the_end(archive, tar, stream)
     except _UnpackWriteError as e:
         reason = e.args[0].strerror or e.args[0]
-        raise ArtifactError(f"{archive}: cannot unpack it into {into.parent} ({reason}); free space there, or "
-                            "unpack it elsewhere (TMPDIR, for a command given the archive)") from None
+        remedy = "free space there, or unpack it elsewhere (TMPDIR, for a command given the archive)" \
+            if is_full_disk(e.args[0]) else "the archive is corrupt or malicious (an entry where another's folder " \
+            "goes?), or unpack it elsewhere (TMPDIR)"
+        raise ArtifactError(f"{archive}: cannot unpack it into {into.parent} ({reason}); {remedy}") from None
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
         raise ArtifactError(f"{archive}: cannot read archive ({e}); re-fetch it") from None
+
+
+def _check_entry_bounds(archive: Path, m: tarfile.TarInfo, rel: str, listed: dict | None, entries: int,
+                        budget: int) -> None:
+    refuse = f"{archive}: refusing entry {m.name!r}"
+    if listed is not None and (rel not in listed or listed[rel].get("size") != m.size):
+        raise ArtifactError(f"{refuse}: {'its size differs from' if rel in listed else 'not in'} the archive's "
+                            "manifest; the archive is corrupt or malicious")
+    if listed is None and entries >= _MAX_ENTRIES_BEFORE_MANIFEST:
+        raise ArtifactError(f"{refuse}: more than {_MAX_ENTRIES_BEFORE_MANIFEST} entries before manifest.json; the "
+                            "archive is corrupt or malicious")
+    if rel == MANIFEST_NAME and m.size > _MAX_MANIFEST_BYTES or m.size > budget:
+        raise ArtifactError(f"{refuse}: it unpacks to {m.size} bytes, more than an artifact archive of this size "
+                            "holds (a decompression bomb?); the archive is corrupt or malicious")
 
 
 class _Stream:

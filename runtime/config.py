@@ -5,11 +5,14 @@ It must not hold weights or anything device-specific. Unknown architectures are 
 here, at the edge, with `UnsupportedArchitectureError`.
 """
 
+import math
+import numbers
+import re
 import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from qkiln.errors import SourceModelError, UnsupportedArchitectureError
+from qkiln.errors import ArtifactError, QkilnError, SourceModelError, UnsupportedArchitectureError
 
 # HF `architectures[0]` -> our family name. Qwen2 adds q/k/v bias, Qwen3 adds q/k RMSNorm.
 SUPPORTED_ARCHITECTURES = {
@@ -52,6 +55,27 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] | None = None
 
     def __post_init__(self):
+        """Types and ranges, whatever the config was read from: a value past one had allocated
+        gigabytes (RoPE tables of max_position_embeddings rows) or looped for minutes (10^9 layers)
+        before any tensor disagreed, or failed with a ZeroDivisionError traceback (probe s48)."""
+        if self.architecture not in HF_ARCHITECTURE_NAME:
+            raise UnsupportedArchitectureError(f"architecture {self.architecture!r} is not supported; qkiln supports "
+                                               f"{', '.join(HF_ARCHITECTURE_NAME)}")
+        for name, most in _SIZE_LIMITS.items():
+            value = getattr(self, name)
+            if not _whole(value) or not 1 <= value <= most:
+                raise SourceModelError(f"the model config's {name} is {value!r}, not a whole number from 1 to {most}; "
+                                       "the config is corrupt or not a model qkiln serves")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise SourceModelError(f"the model config's {name} is {value!r}, not a positive number")
+        if self.head_dim % 2:
+            raise SourceModelError(f"the model config's head_dim is {self.head_dim}: RoPE rotates pairs of channels, "
+                                   "so it must be even")
+        ids = (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,)))
+        if not all(_whole(i) and i >= 0 for i in ids):
+            raise SourceModelError(f"the model config's bos / eos token ids {list(ids)!r} are not token ids")
         if self.num_attention_heads % self.num_key_value_heads:
             raise SourceModelError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -68,11 +92,15 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "the manifest") -> "ModelConfig":
+        """An artifact manifest's `architecture`; anything wrong in it is an ArtifactError."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
-        kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
-        return cls(**kwargs)
+        try:
+            kwargs["eos_token_ids"] = tuple(kwargs.get("eos_token_ids", ()))
+            return cls(**kwargs)
+        except (QkilnError, TypeError) as e:  # TypeError: a field missing, or eos_token_ids not a list
+            raise ArtifactError(f"{where}'s architecture: {e}; the artifact is corrupt, rebuild it") from None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -141,6 +169,34 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             sampling_defaults=_sampling_defaults(generation_config or {}),
         )
+
+
+# Upper bounds well past any model qkiln serves (Llama 3.1 405B: hidden 16384, intermediate 53248,
+# 126 layers; vocabularies up to 262k; Llama 4 Scout: 10M positions).
+_SIZE_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+                "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+                "head_dim": 1024, "max_position_embeddings": 1 << 24}
+
+
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_against_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """An artifact's config against its stored tensors (names -> shapes, from the shard headers),
+    before anything is allocated for it: its layer count and its embedding's shape."""
+    layers = {int(m.group(1)) for name in shapes if (m := _LAYER_TENSOR.match(name))}
+    if layers != set(range(config.num_hidden_layers)):
+        raise ArtifactError(f"{where}: the manifest says {config.num_hidden_layers} layers, the weights hold "
+                            f"{len(layers)}; the artifact is corrupt, rebuild it")
+    embedding = shapes.get("model.embed_tokens.weight")
+    if embedding is not None and tuple(embedding) != (config.vocab_size, config.hidden_size):
+        raise ArtifactError(f"{where}: the embedding is {list(embedding)}, the manifest says vocab_size "
+                            f"{config.vocab_size} x hidden_size {config.hidden_size}; the artifact is corrupt, "
+                            "rebuild it")
 
 
 def _sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any] | None:

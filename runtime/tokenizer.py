@@ -14,11 +14,12 @@ import re
 from pathlib import Path
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors)
 
 from qkiln.errors import SourceModelError
+
+from .template_limits import BoundedSandbox, render_bounded
 
 # transformers 5 saves the chat template beside tokenizer_config.json, in its own file
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -169,7 +170,7 @@ class Tokenizer:
                      "eos_token": _token_text(self.config.get("eos_token")),
                      **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            text = template.render(**variables)
+            text = render_bounded(template, variables)
         except Exception as e:  # the template is the model's code: raise_exception(), a sandbox refusal, a TypeError
             raise SourceModelError(f"chat template error: {e}") from None
         return _cut_at_continue_tag(text, final) if continue_final_message else text
@@ -420,13 +421,13 @@ def _token_text(token) -> str:
     """A tokenizer_config special token as text: a string, or an AddedToken's {"content": ...}."""
     if isinstance(token, dict):
         token = token.get("content")
-    return token or ""
+    return token if isinstance(token, str) else ""  # a list or a number names no token (it failed as a TypeError)
 
 
 def _template_environment() -> jinja2.Environment:
     """transformers' chat-template environment: sandboxed and immutable, loop controls, tojson
     that keeps non-ASCII text, and the raise_exception / strftime_now globals templates call."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
         json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise_template_error
@@ -446,6 +447,8 @@ def _compile_template(source: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as e:
         raise SourceModelError(f"the chat template does not parse ({e}); fix it (tokenizer_config.json's "
                                "chat_template or chat_template.jinja)") from None
+    except jinja2.TemplateError as e:  # a sandbox refusal while jinja folded its constants
+        raise SourceModelError(f"chat template error: {e}") from None
 
 
 def _cut_at_continue_tag(text: str, final: str) -> str:

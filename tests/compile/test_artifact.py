@@ -32,22 +32,27 @@ def make_tensors(seed=0):
     base = torch.randn(16, 24, generator=g)  # [out_features, in_features]
     tied = torch.randn(8, 8, generator=g)
     return {
-        "layers.0.q.qweight": torch.randint(0, 256, (16, 12), dtype=torch.uint8, generator=g),
-        "layers.0.q.scales": base[:, :3].to(torch.bfloat16),  # a non-contiguous view
-        "layers.0.k.weight": torch.randn(16, 16, generator=g).to(torch.float8_e4m3fn),
-        "layers.0.k.weight_scale": torch.tensor(0.02),
-        "layers.0.v.qweight": torch.randint(-128, 128, (8, 40), dtype=torch.int8, generator=g),
+        "model.layers.0.q.qweight": torch.randint(0, 256, (16, 12), dtype=torch.uint8, generator=g),
+        "model.layers.0.q.scales": base[:, :3].to(torch.bfloat16),  # a non-contiguous view
+        "model.layers.0.k.weight": torch.randn(16, 16, generator=g).to(torch.float8_e4m3fn),
+        "model.layers.0.k.weight_scale": torch.tensor(0.02),
+        "model.layers.0.v.qweight": torch.randint(-128, 128, (8, 40), dtype=torch.int8, generator=g),
         "embed.weight": tied,
         "lm_head.weight": tied,  # tied: the same storage under two names
         "norm.weight": base.t()[0].clone(),  # a transposed row, fp32
     }
 
 
+# a valid config for `qkiln verify`'s check of the architecture (one layer: model.layers.0.*)
+ARCHITECTURE = {"architecture": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 16,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}
+
+
 def make_manifest(device="cpu", **kw):
     return Manifest(
-        name="tiny-w4a16", architecture={"model_type": "llama", "hidden_size": 16, "num_hidden_layers": 1},
+        name="tiny-w4a16", architecture=ARCHITECTURE,
         target={"device": device, "min_compute_capability": None}, recipe={"preset": "w4a16-rtn", "fallbacks": {}},
-        quantization={"layers.0.q": {"scheme": "w4a16", "group_size": 8, "tensors": ["qweight", "scales"]}},
+        quantization={"model.layers.0.q": {"scheme": "w4a16", "group_size": 8, "tensors": ["qweight", "scales"]}},
         calibration={"source": "wikitext", "num_samples": 4, "seq_len": 32, "seed": 0, "token_sha256": "ab" * 32},
         source={"path": "tiny", "kind": "hf", "sha256": "cd" * 32}, toolchain={"python": "3.x"},
         accuracy={"ppl": 12.5, "kl": 0.01}, source_bytes_bf16=4096, **kw)
@@ -84,7 +89,7 @@ def test_round_trip(tmp_path):
         assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
         assert torch.equal(as_bytes(loaded[name]), as_bytes(t)), name
     index = read_tensor_index(out)
-    assert index["layers.0.k.weight"].dtype == "F8_E4M3" and index["layers.0.q.scales"].shape == (16, 3)
+    assert index["model.layers.0.k.weight"].dtype == "F8_E4M3" and index["model.layers.0.q.scales"].shape == (16, 3)
     assert Manifest.from_json(m.to_json()) == m
 
 
@@ -551,8 +556,8 @@ def test_archive_is_reproducible_and_extracts_to_a_valid_artifact(tmp_path, suff
         assert {(m.mtime, m.uid, m.gid, m.mode) for m in tar} == {(0, 0, 0, 0o644)}
     out = extract_archive(first, tmp_path / "x")
     assert verify_artifact(out) == verify_artifact(a)
-    assert torch.equal(as_bytes(load_tensors(out)["layers.0.k.weight"]),
-                       as_bytes(make_tensors()["layers.0.k.weight"]))
+    assert torch.equal(as_bytes(load_tensors(out)["model.layers.0.k.weight"]),
+                       as_bytes(make_tensors()["model.layers.0.k.weight"]))
 
 
 def test_archive_packed_by_other_tools_extracts(tmp_path):

@@ -163,3 +163,47 @@ def test_chat_template_kwargs_reach_the_template_offline_and_served(model_dir):
                      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
         refused = httpx.post(f"{server.url}/v1/chat/completions", json=body | {"messages": [*MESSAGES, tool_call]})
         assert refused.status_code == 400 and "tool_calls" in refused.json()["error"]["message"]
+
+
+SPIN = ("{% if messages[-1].content == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+        "{% endfor %}{% endfor %}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+def test_a_template_that_spins_or_allocates_is_stopped_and_the_server_keeps_serving(model_dir, monkeypatch):
+    """A template is the model's code: nested loops held the threads that render and encode
+    prompts, until no request of any kind was answered, and `'x' * 2**33` took 8 GB (probe s48).
+    A render past its deadline, a huge repetition or power, is a chat template error (400)."""
+    import threading
+    import time
+
+    from qkiln.runtime import template_limits
+
+    monkeypatch.setattr(template_limits, "RENDER_SECONDS", 0.5)
+    tokenizer = Tokenizer.from_dir(with_template(model_dir, SPIN))
+    outcome = []
+
+    def spin():
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "spin"}])
+        except SourceModelError as e:
+            outcome.append(str(e))
+
+    started = time.monotonic()
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert outcome and "ran past 0.5 s" in outcome[0] and time.monotonic() - started < 5, outcome
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("hi")
+
+    with serving_model(model_dir, dtype="fp32", num_kv_blocks=16, max_model_len=64) as (_, server), \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"model": "tiny", "max_tokens": 2}
+        spun = [client.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": "spin"}]})
+                for _ in range(8)]  # more than the threads that render prompts
+        assert all(r.status_code == 400 and "ran past" in r.text for r in spun), spun[0].text
+        answered = client.post("/v1/chat/completions", json=body | {"messages": [{"role": "user", "content": "hi"}]})
+        assert answered.status_code == 200, answered.text
+
+    for template in ("{{ 'x' * 2**33 }}", "{{ 'x' * 100000000 }}", "{{ [0] * 10**9 }}", "{{ 10 ** 100000 }}"):
+        with pytest.raises(SourceModelError, match="chat template error: .*past the"):
+            Tokenizer.from_dir(with_template(model_dir, template)).apply_chat_template(MESSAGES)
