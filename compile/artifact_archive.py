@@ -174,6 +174,8 @@ def _extract_members(archive: Path, into: Path) -> None:
 
 def _check_entry_bounds(archive: Path, m: tarfile.TarInfo, rel: str, listed: dict | None, entries: int,
                         budget: int) -> None:
+    """Refuse entry `m` before it is written: unlisted or resized once the manifest is known, past
+    the entry count before it, or more bytes than the archive's `budget` has left."""
     refuse = f"{archive}: refusing entry {m.name!r}"
     if listed is not None and (rel not in listed or listed[rel].get("size") != m.size):
         raise ArtifactError(f"{refuse}: {'its size differs from' if rel in listed else 'not in'} the archive's "
