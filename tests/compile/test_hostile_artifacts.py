@@ -187,3 +187,21 @@ def test_a_special_token_that_is_not_text_names_no_token(artifact, tmp_path):
     _restamp(out)
     loaded = load_for_serving(str(out))
     assert loaded.tokenizer.eos_token_id is None or isinstance(loaded.tokenizer.eos_token_id, int)
+
+
+def test_an_archive_with_a_huge_extended_header_is_refused_unread(tmp_path):
+    """tarfile reads a pax header whole before it yields its entry: a 2 GiB one took 2.35 GB."""
+    import io
+    import tarfile
+
+    from qkiln.compile.artifact_archive import extract_archive
+
+    for name, pax in (("manifest.json", {"comment": "x" * (2 << 20)}), ("a" * (2 << 20), {})):
+        archive = tmp_path / "p.tar"
+        with tarfile.open(archive, "w", format=tarfile.PAX_FORMAT if pax else tarfile.GNU_FORMAT) as tar:
+            info = tarfile.TarInfo(name)
+            info.pax_headers, info.size = pax, 2
+            tar.addfile(info, io.BytesIO(b"{}"))
+        with pytest.raises(ArtifactError, match="cannot read archive .*an extended header of .* bytes"):
+            extract_archive(archive, tmp_path / "x")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["p.tar"]
