@@ -112,12 +112,12 @@ def fixed16_compiled(module) -> bool:
     return module.int4_kernel_isa() == "avx2"
 
 
-def assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations=False):
+def assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations=False, slack=FP32_SLACK):
     """actual (a native GEMV's output for x, weight [out, K] in fp64) against the fp64 value:
     within half an ulp of x's dtype, fp32 slack and, unless exact_activations, the fixed-point
     bound of groups of `group` channels (cpu_gemv_fixed16.cpp)."""
     exact = x.double() @ weight.t() + bias.double()
-    allowed = half_ulp(exact, x.dtype) + FP32_SLACK * (x.double().abs() @ weight.abs().t())
+    allowed = half_ulp(exact, x.dtype) + slack * (x.double().abs() @ weight.abs().t())
     if not exact_activations:
         allowed += fixed_point_bound(x, weight, group)
     error = (actual.double() - exact).abs()
@@ -125,8 +125,9 @@ def assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activa
     assert worst <= 1.0, f"an output is {worst:.2f}x its bound off the exact value"
 
 
-def assert_int4_within_bound(actual, x, qweight, scales, zeros, group, bias, exact_activations=False):
+def assert_int4_within_bound(actual, x, qweight, scales, zeros, group, bias, exact_activations=False,
+                             slack=FP32_SLACK):
     """assert_within_fixed_point_bound for a canonical int4 weight."""
     weight = dequantize_grouped(qweight, scales.double(), None if zeros is None else zeros.double(),
                                 group).double()
-    assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations)
+    assert_within_fixed_point_bound(actual, x, weight, bias, group, exact_activations, slack)
