@@ -102,6 +102,7 @@ def build_cmd(
 
     from tqdm import tqdm
 
+    from qkiln.compile.artifact import is_artifact_dir
     from qkiln.compile.artifact_archive import check_archive_path, write_archive
     from qkiln.compile.build import build
     from qkiln.compile.recipe import load_recipe
@@ -124,7 +125,7 @@ def build_cmd(
                                 evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
         if archive:
             check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
-            if not force and (out / "manifest.json").exists() and not archive.exists():
+            if not force and is_artifact_dir(out) and not archive.exists():
                 # a build killed while archiving left the artifact without it (probe s48)
                 raise ArtifactError(f"{out}: already exists, its --archive {archive} does not (a build stopped while "
                                     "writing it?); pass --force to build both again")

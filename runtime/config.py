@@ -10,6 +10,7 @@ import numbers
 import re
 import warnings
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from qkiln.errors import ArtifactError, QkilnError, SourceModelError, UnsupportedArchitectureError
@@ -183,6 +184,17 @@ def _whole(value) -> bool:
 
 
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def artifact_config(root, manifest) -> ModelConfig:
+    """An artifact's ModelConfig, its manifest's architecture checked against the weights' shard
+    headers (no tensor read): what the loader and `qkiln verify` refuse before anything is
+    allocated. The digest has no key, so hashes alone pass an edited, restamped manifest."""
+    from qkiln.compile.artifact import MANIFEST_NAME, read_tensor_index  # no torch
+
+    config = ModelConfig.from_dict(manifest.architecture, where=str(Path(root) / MANIFEST_NAME))
+    check_against_tensors(config, {n: t.shape for n, t in read_tensor_index(root, manifest).items()}, str(root))
+    return config
 
 
 def check_against_tensors(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:

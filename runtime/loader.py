@@ -12,15 +12,14 @@ from pathlib import Path
 
 import torch
 
-from qkiln.compile.artifact import (MANIFEST_NAME, is_artifact_dir, load_tensors, read_manifest, read_tensor_index,
-                                   verify_artifact)
+from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.kv_cache import KV_SCALE_NAMES
 from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.weight_arena import gather_gemv_weights
 
-from .config import ModelConfig, check_against_tensors
+from .config import ModelConfig, artifact_config
 from .dense_linear import pack_dense_linears
 from .engine import EngineConfig, LLMEngine
 from .fusion import fuse_tensors, projection_out_sizes
@@ -111,8 +110,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
     with _read_as_one(path):
         verify_artifact(path)  # hashes, version, target: refuse before loading anything
         manifest = read_manifest(path)
-        config = ModelConfig.from_dict(manifest.architecture, where=str(path / MANIFEST_NAME))
-        check_against_tensors(config, {n: t.shape for n, t in read_tensor_index(path, manifest).items()}, str(path))
+        config = artifact_config(path, manifest)
         tensors = load_tensors(path, manifest, verify=False)
         linears = dict(manifest.quantization.get("linears", {}))
         fused = fuse_tensors(tensors, linears, config.num_hidden_layers, projection_out_sizes(config)) if fuse \
