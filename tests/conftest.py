@@ -2,16 +2,30 @@
 user of a shared host."""
 
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
 
 SHARED = Path(__file__).resolve().parents[1] / "../shared"
 WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Every test draws its random numbers from a seed of its own id, so what it draws does not
+    depend on which tests ran before it (a test that passed here failed in CI, where other tests
+    were skipped). QKILN_TEST_SEED=N draws another set, to find tests that pass only by luck."""
+    import torch
+
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("QKILN_TEST_SEED", "0"))
+    random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _smollm2_path():
