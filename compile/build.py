@@ -26,7 +26,7 @@ from .calibrate import linear_shapes, quantize_model
 from .evaluate import check_window, evaluate
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
 from .kv_calibrate import calibrate_kv
-from .layer_cache import LayerCache, default_cache_dir, layer_key
+from .layer_cache import LayerCache, calibration_numerics, default_cache_dir, layer_key
 from .recipe import Recipe
 from .self_generate import make_self_generator
 from .simulate import SIMULATION_SCORING, simulated_kv_backend
@@ -71,8 +71,9 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
     cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
     calibration_start = time.perf_counter()
-    qm = quantize_model(model, weight_scheme, input_ids if token_sha else None, progress=progress,
-                        cache=cache, cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i))
+    numerics = calibration_numerics() if token_sha else None
+    qm = quantize_model(model, weight_scheme, input_ids if token_sha else None, progress=progress, cache=cache,
+                        cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i, numerics))
     log(f"weights: {cache.num_hits} of {len(model.model.layers)} layers from the build cache")
     for name, report in qm.report.items():  # recorded in the manifest too, but a build should say it
         if report.get("fallback"):
@@ -86,6 +87,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     accuracy = _accuracy(source, model, qm, recipe, progress)
     tensors, quantization = to_tensors(qm)
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
+    if numerics is not None:  # they decided the codes: a rebuild elsewhere can say why its bytes differ
+        manifest.toolchain |= numerics
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
     tokenizer_files = _tokenizer_files(source)
     engine_files = onnx_engine_files(manifest, tensors) if "onnx" in engines else {}

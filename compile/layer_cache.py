@@ -3,10 +3,11 @@
 Key = sha256 over (source files' sha256, weight/activation scheme + algorithm options + ignore
 list, calibration token sha256, layer index, and the code that computes a layer: the cache
 format, torch's version and a hash of quant/ and the modules of _LAYER_CODE). Sequential calibration makes
-layer i depend on layers < i, and those are fixed by the same inputs, so the key is complete but
-for the thread count (results can differ across thread counts in the last bits, so a layer cached
-on one machine may differ from one computed on another: both are valid quantizations). The KV
-scheme, target and evaluation are *not* in the key: changing them reuses every layer.
+layer i depend on layers < i, and those are fixed by the same inputs. A layer calibrated on data
+also keys on the thread count and the CPU's SIMD level (calibration_numerics), which change its
+codes: a hit is what a cold build on this host computes, never a mix of two hosts' layers that no
+clean build reproduces (a team cache is shared by hosts alike in both). The KV scheme, target and
+evaluation are *not* in the key: changing them reuses every layer.
 Entries are safetensors files written atomically (temp file, fsync, rename) with their key and the
 sha256 of their tensors and report, checked on every read: a corrupt entry (bit rot, a torn write,
 an edit in a shared cache, an entry copied under another key's name) is a miss and is deleted,
@@ -130,10 +131,23 @@ def _gguf_version() -> str:
         return "none"
 
 
-def layer_key(source_sha256: str, scheme_dict: dict, token_sha256: str | None, layer_id: int) -> str:
-    payload = json.dumps({"source": source_sha256, "scheme": scheme_dict, "tokens": token_sha256,
-                          "layer": layer_id, "format": CACHE_FORMAT, "code": code_version()}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+def calibration_numerics() -> dict:
+    """What, besides the inputs, decides a calibrated layer's bytes on this host: float reductions
+    round differently with the thread count and the SIMD level, and GPTQ's error feedback and AWQ's
+    grid search turn last-bit differences into other codes (16% of SmolLM2's GPTQ codes moved
+    between 1 and 2 threads, most by one step)."""
+    return {"threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def layer_key(source_sha256: str, scheme_dict: dict, token_sha256: str | None, layer_id: int,
+              numerics: dict | None = None) -> str:
+    """numerics: calibration_numerics() for layers calibrated on data, so a hit is exactly what this
+    host computes cold (data-free layers are the same on every host and leave it None)."""
+    key = {"source": source_sha256, "scheme": scheme_dict, "tokens": token_sha256, "layer": layer_id,
+           "format": CACHE_FORMAT, "code": code_version()}
+    if numerics is not None:
+        key["numerics"] = numerics
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
 def payload_sha256(tensors: dict[str, torch.Tensor], report_json: str) -> str:

@@ -167,7 +167,10 @@ class Recipe:
     def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "Recipe":
         if not isinstance(d, dict):
             raise RecipeError(f"a recipe must be a mapping, got {type(d).__name__}")
-        unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset"}
+        # fallbacks: what a build did (a manifest's recipe section lists them beside the recipe it
+        # applied), not an input, so that section reads back as the recipe that made it
+        unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset",
+                            "fallbacks"}
         if unknown:
             raise RecipeError(f"unknown recipe keys {sorted(unknown)}; use scheme/calibration/evaluation/target")
         if "preset" in d and not isinstance(d["preset"], str):

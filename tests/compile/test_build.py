@@ -80,6 +80,11 @@ def test_two_builds_are_byte_identical_and_kv_change_reuses_layers(tiny, tmp_pat
     assert {k: v for k, v in ma.items() if k not in ("name", "digest")} == \
         {k: v for k, v in mb.items() if k not in ("name", "digest")}
     assert first.num_cached_layers == 0
+    # the manifest's recipe section (with the fallbacks the build recorded) is a recipe file that
+    # rebuilds it: it was refused for its `fallbacks` key
+    (tmp_path / "again.json").write_text(json.dumps(ma["recipe"]))
+    assert load_recipe(str(tmp_path / "again.json")).to_dict() == {k: v for k, v in ma["recipe"].items()
+                                                                    if k != "fallbacks"}
     kv_only = build(str(model), _recipe("w4a16-awq+kv-int4", text), tmp_path / "c", progress=False, log=lambda m: None)
     assert kv_only.num_cached_layers == kv_only.num_layers
     w_c = _files(kv_only.path)["weights/model-00001-of-00001.safetensors"]

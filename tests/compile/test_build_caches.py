@@ -235,3 +235,29 @@ def test_a_cache_that_cannot_be_written_or_was_torn_does_not_fail_the_build(tmp_
     monkeypatch.setenv("QKILN_CACHE_MAX_GB", "8G")
     with pytest.raises(QkilnError, match="QKILN_CACHE_MAX_GB='8G' is not a number of GiB"):
         LayerCache(tmp_path / "cache")
+
+
+def test_calibrated_layers_are_cached_per_thread_count_and_data_free_ones_are_shared(tmp_path, monkeypatch):
+    """GPTQ's codes change with the thread count (16% of SmolLM2's between 1 and 2 threads), and the
+    key left it out: a 1-thread build served a 2-thread build's layers, a partly filled cache gave
+    a mix no clean build reproduces, and the manifest said neither."""
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    threads = torch.get_num_threads()
+    try:
+        for name, calibrated in (("w4a16-gptq", True), ("w4a16-rtn", False)):
+            torch.set_num_threads(1)
+            one = _build(model, _recipe(name, calib, calib), tmp_path / f"{name}-1")
+            torch.set_num_threads(2)
+            two = _build(model, _recipe(name, calib, calib), tmp_path / f"{name}-2")
+            assert two.num_cached_layers == (0 if calibrated else two.num_layers), name
+            if calibrated:
+                assert one.manifest.toolchain["threads"] == 1 and two.manifest.toolchain["threads"] == 2
+                assert one.manifest.toolchain["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+            else:  # the same bytes on every host: nothing about it is recorded
+                assert "threads" not in two.manifest.toolchain
+            torch.set_num_threads(1)
+            assert _build(model, _recipe(name, calib, calib), tmp_path / f"{name}-1b").num_cached_layers \
+                == one.num_layers
+    finally:
+        torch.set_num_threads(threads)
