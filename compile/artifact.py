@@ -150,6 +150,22 @@ def manifest_digest(d: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+SERVED_FILES = ("weights/", "tokenizer/")
+
+
+def serving_digest(manifest: "Manifest") -> str:
+    """sha256 of what a runtime serves: the architecture, target, quantization and KV cache layout,
+    and the sha256 of the weights and tokenizer files. The manifest's digest also covers names (the
+    output's, the source folder's, the calibration file's, the recipe file's), provenance and the
+    accuracy report, whose last digits follow the thread count: builds that differ only there
+    serve the same model under one serving digest, which a registry can dedupe on. Engines are
+    left out: they are made from these weights and name their artifact."""
+    served = {"architecture": manifest.architecture, "target": manifest.target,
+              "quantization": manifest.quantization, "kv_cache": manifest.kv_cache,
+              "files": {rel: entry["sha256"] for rel, entry in manifest.files.items() if rel.startswith(SERVED_FILES)}}
+    return hashlib.sha256(json.dumps(served, sort_keys=True, indent=2, allow_nan=False).encode()).hexdigest()
+
+
 def _check_digest(d: dict, where: str) -> None:
     if "digest" not in d:
         if d["format_version"] != "1.0":  # 1.0 manifests were written before the digest

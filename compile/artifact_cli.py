@@ -19,7 +19,7 @@ import typer
 from qkiln.errors import QkilnError, exit_with
 
 from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, check_not_unchecked, read_manifest,
-                       read_tensor_index, verify_artifact, weight_shards)
+                       read_tensor_index, serving_digest, verify_artifact, weight_shards)
 
 
 def _is_archive(path: Path) -> bool:
@@ -91,7 +91,8 @@ def verify_cmd(
                 verified, num_files = _verified(stack, path, check_target)
                 m = read_manifest(verified)
                 artifact_config(verified, m)  # the architecture against the weights, as a loader checks it
-                result = {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest, "files": num_files,
+                result = {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest,
+                          "serving_digest": serving_digest(m), "files": num_files,
                           "engines": _check_onnx_engine(verified) if engines else None}
     except QkilnError as e:
         if as_json:  # the one object a pipeline parses, then the usual error line and exit status
@@ -229,6 +230,7 @@ def summarize_artifact(path) -> dict:
         "toolchain": m.toolchain,
         "created": m.created,
         "digest": m.digest,  # sha256 of the manifest, which holds every file's sha256
+        "serving_digest": serving_digest(m),  # the same for builds that differ only in names and reports
         "files": m.files,
     }
 
@@ -329,5 +331,6 @@ def _format_summary(s: dict) -> list[str]:
         f"source:       {json.dumps(s['source'], sort_keys=True)}",
         f"toolchain:    {json.dumps(s['toolchain'], sort_keys=True)}",
         f"digest:       {s['digest']} ({len(s['files'])} files)",
+        f"serving:      {s['serving_digest']} (weights, tokenizer and layout; names and reports left out)",
     ]
     return lines

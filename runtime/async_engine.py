@@ -164,11 +164,14 @@ class AsyncLLMEngine:
                    int8_activations: bool = False, **engine_kwargs) -> "AsyncLLMEngine":
         """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it
         (int8_activations: loader.load_for_serving)."""
+        from qkiln.compile.artifact import serving_digest
+
         from .loader import load_for_serving
 
         loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
         manifest = loaded.manifest
-        artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest}
+        artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest,
+                                                  "serving_digest": serving_digest(manifest)}
         return cls(loaded.engine(**engine_kwargs), name or loaded.name, artifact)
 
     @property

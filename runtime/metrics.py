@@ -44,8 +44,8 @@ class ServerMetrics:
         self.refused_invalid = Counter("qkiln_request_refused_invalid", "HTTP requests answered 400: a malformed "
                                        "body or a value out of range.", **labels).labels(model_name)
         self._model_name = model_name
-        if engine.artifact:  # qkiln_artifact_info{model_name, name, digest} 1: the build being served
-            Info("qkiln_artifact", "The artifact served: its manifest's name and digest.", **labels) \
+        if engine.artifact:  # qkiln_artifact_info{model_name, name, digest, serving_digest} 1: the build served
+            Info("qkiln_artifact", "The artifact served: its manifest's name, digest and serving digest.", **labels) \
                 .labels(model_name).info(dict(engine.artifact))
         self.registry.register(_EngineCollector(engine, model_name))
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from qkiln.compile import artifact_writer
 from qkiln.compile.artifact import (FORMAT_VERSION, Manifest, load_tensors, manifest_digest, read_manifest,
-                                    read_tensor_index, toolchain_versions, verify_artifact)
+                                    read_tensor_index, serving_digest, toolchain_versions, verify_artifact)
 from qkiln.compile.artifact_cli import inspect_cmd, summarize_artifact, verify_cmd
 from qkiln.compile.artifact_archive import extract_archive, write_archive
 from qkiln.compile.artifact_writer import write_artifact
@@ -661,7 +661,7 @@ def test_cli_verify_and_inspect(tmp_path):
     # one JSON object for a pipeline: what it verified, or why not, with the exit status as ever
     result = json.loads(runner.invoke(cli(), ["verify", str(out), "--json"]).stdout)
     assert result == {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest, "files": len(m.files),
-                      "engines": None}
+                      "serving_digest": serving_digest(m), "engines": None}
     archive = write_archive(out, tmp_path / "a.tar.gz")
     assert runner.invoke(cli(), ["verify", str(archive)]).stdout.startswith("ok: ")
     damaged = tmp_path / "damaged"

@@ -1,22 +1,25 @@
 """What a registry and a deploy script read to tell which build is which: an artifact's `created`
-(SOURCE_DATE_EPOCH), the name it is served under through a symlink, the artifact the server
-reports (GET /v1/models, /metrics), and a folder replaced while it loads."""
+(SOURCE_DATE_EPOCH), its serving digest, the name it is served under through a symlink, the
+artifact the server reports (GET /v1/models, /metrics), and a folder replaced while it loads."""
 
+import dataclasses
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from qkiln.compile.artifact import read_manifest
+from qkiln.compile.artifact import read_manifest, serving_digest
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
 from qkiln.errors import ArtifactError
 from qkiln.runtime import loader
 from qkiln.runtime.llm import LLM
 from loopback import serving_model
-from tiny_models import write_tiny_hf_model
+from tiny_models import write_tiny_hf_model, write_tiny_model_and_text
 
 ENGINE_KW = dict(num_kv_blocks=16, max_model_len=64)
 
@@ -47,9 +50,11 @@ def test_a_symlinked_artifact_is_served_under_the_link_s_name_and_reports_its_bu
     with serving_model(current, dtype="fp32", **ENGINE_KW) as (engine, server), \
             httpx.Client(base_url=server.url, timeout=60) as client:
         card = client.get("/v1/models").json()["data"][0]
-        assert card["artifact"] == {"name": "a", "digest": read_manifest(a).digest}
+        m = read_manifest(a)
+        assert card["artifact"] == {"name": "a", "digest": m.digest, "serving_digest": serving_digest(m)}
         metrics = client.get("/metrics").text
-        assert f'qkiln_artifact_info{{digest="{read_manifest(a).digest}",model_name="tiny",name="a"}} 1.0' in metrics
+        assert (f'qkiln_artifact_info{{digest="{m.digest}",model_name="tiny",name="a",'
+                f'serving_digest="{serving_digest(m)}"}} 1.0') in metrics
     assert LLM(str(current), **ENGINE_KW).name == "current"  # a `current -> releases/<id>` layout keeps its name
 
 
@@ -96,3 +101,31 @@ def test_a_mix_that_fails_to_load_is_said_to_be_a_replaced_folder(built, monkeyp
     assert failed.value.exit_code == 6
     monkeypatch.undo()
     assert LLM(str(served), **ENGINE_KW).name == "served2"
+
+
+def test_builds_that_differ_only_in_names_and_reports_share_a_serving_digest(tmp_path, monkeypatch):
+    """A registry dedupes on what is served: the manifest's digest also covers the output's, the
+    source folder's, the calibration file's and the recipe's names and the accuracy report (whose
+    last digits follow the thread count), so identical weights were stored as distinct builds."""
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    shutil.copytree(model, tmp_path / "model_copy")
+    shutil.copy(calib, tmp_path / "other.txt")
+
+    def recipe(name, text):
+        r = preset("w4a16-gptq")
+        return dataclasses.replace(
+            r, name=name, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=2, seq_len=32),
+            evaluation=dataclasses.replace(r.evaluation, data=str(text), seq_len=32, max_tokens=64))
+
+    first = build(str(model), recipe("w4a16-gptq", calib), tmp_path / "x", progress=False, log=lambda m: None)
+    renamed = build(str(tmp_path / "model_copy"), recipe("mine", tmp_path / "other.txt"), tmp_path / "y",
+                    progress=False, log=lambda m: None)
+    a, b = read_manifest(first.path), read_manifest(renamed.path)
+    assert (a.name, a.source["name"], a.recipe["name"]) != (b.name, b.source["name"], b.recipe["name"])
+    assert a.digest != b.digest and serving_digest(a) == serving_digest(b)
+    rtn = build(str(model), preset("w4a16-rtn"), tmp_path / "z", progress=False, log=lambda m: None)
+    assert serving_digest(read_manifest(rtn.path)) != serving_digest(a)  # other codes
+    out = subprocess.run([sys.executable, "-m", "qkiln", "verify", str(first.path), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert json.loads(out.stdout)["serving_digest"] == serving_digest(a), out.stderr
