@@ -11,7 +11,7 @@ import socket
 import sys
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 import typer.core
@@ -229,6 +229,9 @@ def serve_cmd(
     allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
     max_concurrent_requests: Annotated[int, typer.Option(min=1, help="requests running or queued at once (a request with n choices counts n); past it new ones get 429 with Retry-After")] = 4096,
     generation_config: Annotated[str, typer.Option(help="'auto': sampling fields a request leaves out take the model's generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM; 'vllm': the API's own defaults")] = "auto",
+    log_level: Annotated[Literal["critical", "error", "warning", "info", "debug"], typer.Option("--log-level", "--uvicorn-log-level", help="the server's log lines from this level up (uvicorn's and qkiln's)")] = "info",
+    disable_access_log: Annotated[bool, typer.Option("--disable-access-log", "--disable-uvicorn-access-log", help="no line per HTTP request (health probes and scrapes write one each)")] = False,
+    enable_log_requests: Annotated[bool, typer.Option("--enable-log-requests", help="a line when a request is received, finishes or is aborted: its id (x-request-id), token counts, latencies")] = False,
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
@@ -239,7 +242,8 @@ def serve_cmd(
         try:
             path = stack.enter_context(unpacked(model))
             engine = AsyncLLMEngine.from_model(path, dtype=dtype, name=served_model_name,
-                                               int8_activations=int8_activations, max_num_seqs=max_num_seqs,
+                                               int8_activations=int8_activations, log_requests=enable_log_requests,
+                                               max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                long_prefill_token_threshold=long_prefill_token_threshold,
                                                enable_chunked_prefill=enable_chunked_prefill,
@@ -256,6 +260,7 @@ def serve_cmd(
                   "to serve the whole context", file=sys.stderr)
         url_host = f"[{host}]" if ":" in host else host
         serve(engine, host=host, port=port, api_key=api_key, shutdown_timeout=shutdown_timeout,
+              log_level=log_level, access_log=not disable_access_log,
               allowed_origins=allowed_origin, max_concurrent_requests=max_concurrent_requests,
               on_listening=lambda bound: print(f"serving {engine.name!r} on http://{url_host}:{bound}/v1",
                                                file=sys.stderr, flush=True))

@@ -27,11 +27,11 @@ Invariants:
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -40,6 +40,8 @@ from qkiln.errors import QkilnError, RequestError
 
 from .engine import LLMEngine, NonFiniteLogitsError, RequestOutput
 from .sampling_params import SamplingParams
+
+log = logging.getLogger("qkiln.engine")
 
 
 class EngineError(QkilnError):
@@ -134,12 +136,16 @@ class _Add:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, name: str = "model", artifact: dict | None = None):
-        """artifact: what identifies the artifact served ({"name", "digest"} of its manifest), which
-        the server reports so a deploy can tell which build answers."""
+    def __init__(self, engine: LLMEngine, name: str = "model", artifact: dict | None = None,
+                 log_requests: bool = False):
+        """artifact: what identifies the artifact served ({"name", "digest", "serving_digest"}),
+        which the server reports so a deploy can tell which build answers. log_requests: a line on
+        logger qkiln.engine (INFO) when a request is received, finishes or is aborted, with its id
+        (a client's x-request-id), token counts and latencies; failures are logged either way."""
         self.engine = engine
         self.name = name
         self.artifact = artifact
+        self.log_requests = log_requests
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_request_len = engine.max_request_len
@@ -161,7 +167,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_model(cls, model: str, dtype: str = "auto", name: str | None = None,
-                   int8_activations: bool = False, **engine_kwargs) -> "AsyncLLMEngine":
+                   int8_activations: bool = False, log_requests: bool = False, **engine_kwargs) -> "AsyncLLMEngine":
         """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it
         (int8_activations: loader.load_for_serving)."""
         from qkiln.compile.artifact import serving_digest
@@ -172,7 +178,7 @@ class AsyncLLMEngine:
         manifest = loaded.manifest
         artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest,
                                                   "serving_digest": serving_digest(manifest)}
-        return cls(loaded.engine(**engine_kwargs), name or loaded.name, artifact)
+        return cls(loaded.engine(**engine_kwargs), name or loaded.name, artifact, log_requests)
 
     @property
     def is_running(self) -> bool:
@@ -289,9 +295,11 @@ class AsyncLLMEngine:
                     continue
                 self._step()
         except BaseException:  # a bug in the loop itself: fail every stream rather than hang them
-            traceback.print_exc()
+            # not re-raised: the thread's excepthook printed the traceback a second time; a server
+            # sees is_running go false and exits so that it is restarted
+            log.critical("the engine loop failed; every request in flight is failed and the engine stops",
+                         exc_info=True)
             self._stopping = True
-            raise
         finally:
             with self._send_lock:
                 self._closed = True
@@ -328,6 +336,10 @@ class AsyncLLMEngine:
             add.stream.put(EngineError(f"could not add request {request_id!r}: {e!r}"))
             return
         self._streams[request_id] = add.stream
+        if self.log_requests:
+            seq = self.engine.requests[request_id].seq
+            log.info("request %s received: %d prompt tokens, max_tokens %s", request_id, len(seq.prompt_token_ids),
+                     add.params.max_tokens)
         if not add.stream.put(_ACCEPTED):
             self._apply_abort(request_id)
 
@@ -338,6 +350,9 @@ class AsyncLLMEngine:
         if stream is not None and req is not None:
             # new_text: what a stop-string hold-back kept from the stream, so its pieces add up to `text`
             seq = req.seq
+            if self.log_requests:
+                log.info("request %s aborted (its client went away, or the server is stopping) after %d "
+                         "generated tokens", request_id, len(seq.output_token_ids))
             stream.put(RequestOutput(request_id, seq.prompt_token_ids, [], req.detok.get_next_output_text(True),
                                      seq.output_token_ids, req.detok.output_text, True, "abort",
                                      num_cached_tokens=seq.num_cached_tokens))
@@ -353,9 +368,11 @@ class AsyncLLMEngine:
                 print(f"warning: {e}", file=sys.stderr)
                 message, in_step = e.for_request, e.request_ids
             else:
-                traceback.print_exc()
                 failure = f"the engine failed while running this request ({e!r}); it was aborted"
                 message, in_step = (lambda _: failure), self.engine.last_step_request_ids
+                failed = sorted(self._streams) if in_step is None else list(in_step)
+                log.error("an engine step failed; aborted requests: %s", ", ".join(map(str, failed)) or "none",
+                          exc_info=True)
             for request_id in list(self._streams) if in_step is None else in_step:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
@@ -375,6 +392,8 @@ class AsyncLLMEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                if self.log_requests:
+                    _log_finished(out)
             if not stream.put(out) and not out.finished:
                 self._apply_abort(out.request_id)
 
@@ -400,3 +419,10 @@ class AsyncLLMEngine:
                 command.stream.put(error)
             elif command[0] == "call" and command[2].set_running_or_notify_cancel():  # its caller may have left
                 command[2].set_exception(error)
+
+
+def _log_finished(out: RequestOutput) -> None:
+    m = out.metrics
+    timing = f", first token {m['ttft']:.3f} s, total {m['e2e']:.3f} s" if m else ""
+    log.info("request %s finished (%s): %d prompt tokens (%d from the prefix cache), %d generated%s", out.request_id,
+             out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids), timing)

@@ -29,6 +29,7 @@ import copy
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -508,45 +509,72 @@ def _param(loc) -> str | None:
     return ".".join(parts) or None
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+EXIT_PORT_TAKEN = 2  # the README's exit statuses: a usage problem
+EXIT_ENGINE_DIED = 1  # a bug, with its traceback
+
+
 def serve(engine: AsyncLLMEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_name: str | None = None, log_level: str = "info", shutdown_timeout: float = 5.0,
           allowed_origins: list[str] | None = None, max_concurrent_requests: int = MAX_CONCURRENT_REQUESTS,
-          on_listening: Callable[[int], None] | None = None) -> None:
+          on_listening: Callable[[int], None] | None = None, access_log: bool = True) -> None:
     """Run the server in this thread until interrupted; loopback unless `host` says otherwise.
     `on_listening(port)` is called once it accepts connections, with the port it bound (port 0:
-    the one the system picked).
+    the one the system picked). log_level: uvicorn's and qkiln's loggers (LOG_LEVELS); access_log
+    False drops uvicorn's line per HTTP request (a kubelet's probes alone write thousands a day).
 
     SIGTERM (docker stop, systemd) ends it like Ctrl-C: uvicorn stops accepting, requests in flight
     get `shutdown_timeout` seconds to finish, then the engine stops and the rest end with a 503 (a
     stream: an in-band error event), then uvicorn re-raises the signal it caught, which here
     becomes SystemExit(0), so the caller's cleanup runs (an archive's unpacked folder is deleted)
     instead of the process dying on the default handler. Without the bound, a generation thousands
-    of tokens long held the exit past docker's 10 s, and SIGKILL skipped the cleanup."""
+    of tokens long held the exit past docker's 10 s, and SIGKILL skipped the cleanup. SIGHUP (the
+    shell that started it closed, systemctl reload) does the same, as does a second SIGTERM without
+    the wait. If the engine dies, every request would get a 503 from then on: the server exits with
+    status 1, so that systemd or the kubelet restarts it, as vLLM's does. A port another process
+    took while the model loaded exits with status 2 and a line saying so."""
     on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_cleanly) if on_main_thread else None
+    # uvicorn's own bound is a backstop: by then every handler has had its EngineError
+    app = create_app(engine, model_name, api_key, allowed_origins, max_concurrent_requests)
+    config = _uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_timeout + 5,
+                             access_log=access_log)
+    server = _DrainingServer(config, engine, shutdown_timeout, on_listening)
+    previous = {}
+    if on_main_thread:
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _exit_cleanly)
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda sig, frame: server.handle_exit(signal.SIGTERM,
+                                                                                                     frame))
     try:
-        # uvicorn's own bound is a backstop: by then every handler has had its EngineError
-        app = create_app(engine, model_name, api_key, allowed_origins, max_concurrent_requests)
-        config = _uvicorn_config(app, host, port, log_level, timeout_graceful_shutdown=shutdown_timeout + 5)
-        server = _DrainingServer(config, engine, shutdown_timeout, on_listening)
-        server.run()
-        if not server.started:  # the port was taken, say: uvicorn has logged why
-            raise SystemExit(3)
+        try:
+            server.run()
+        except SystemExit:  # uvicorn's own exit when it cannot bind (status 3: a source model's here)
+            if server.started:
+                raise
+        if server.engine_died:
+            raise SystemExit(EXIT_ENGINE_DIED)
+        if not server.started:  # uvicorn has logged why
+            print(f"error: cannot listen on {host}:{port} (uvicorn's line above says why; another process may have "
+                  "taken the port while the model loaded); free it or pick another --port", file=sys.stderr)
+            raise SystemExit(EXIT_PORT_TAKEN)
     finally:
         engine.shutdown()
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, timeout_graceful_shutdown: float,
-                    read_timeout: float = REQUEST_READ_TIMEOUT_S) -> uvicorn.Config:
+                    read_timeout: float = REQUEST_READ_TIMEOUT_S, access_log: bool = True) -> uvicorn.Config:
     """h11 with a deadline on reading each request (http_guard.py), whatever else is installed; every
-    log line on stderr (uvicorn's access log went to stdout, alone)."""
+    log line on stderr (uvicorn's access log went to stdout, alone), qkiln's through uvicorn's
+    formatter ("WARNING:  ..."; they had no handler, so Python printed them bare)."""
+    if log_level not in LOG_LEVELS:
+        raise QkilnError(f"log level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=GuardedH11Protocol.with_timeout(read_timeout),
-                          timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown,
-                          log_config=log_config)
+    log_config["loggers"]["qkiln"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=GuardedH11Protocol.with_timeout(read_timeout), timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown,
+                          log_config=log_config, access_log=access_log)
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -563,6 +591,20 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.engine, self.grace, self.on_listening = engine, grace, on_listening
         self._stopping_engine = False
+        self.engine_died = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGTERM:  # uvicorn forces only on a second Ctrl-C
+            self.force_exit = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.engine.is_running and not self._stopping_engine and not self.should_exit:
+            log.critical("the engine is not running (its traceback is above): the server exits so that it is "
+                         "restarted")
+            self.engine_died = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)

@@ -5,7 +5,6 @@ gone when the command ends, SIGTERM on a server included."""
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from qkiln.compile.artifact_archive import write_archive
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
+from serve_process import cli as _cli, serve_process as _serve
 from tiny_models import write_tiny_model_and_text
 
 
@@ -29,31 +29,6 @@ def archive(tmp_path_factory):
                                                                seq_len=32))
     artifact = build(str(model_dir), r, root / "tiny-w4", progress=False, log=lambda m: None, use_cache=False).path
     return write_archive(artifact, root / "tiny-w4.tar.gz"), text
-
-
-def _cli(args, tmpdir, **kw):
-    env = {**os.environ, "TMPDIR": str(tmpdir)}
-    return subprocess.Popen([sys.executable, "-m", "qkiln", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
-
-
-def _serve(path, tmpdir, *args):
-    """`qkiln serve PATH` on a free port, once /health answers: (process, port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = _cli(["serve", str(path), "--port", str(port), *args], tmpdir)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server, port
-        except httpx.TransportError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise AssertionError(server.stderr.read())
-        time.sleep(0.2)
 
 
 def test_generate_into_a_pipe_closed_early_succeeds(archive, tmp_path):

@@ -174,7 +174,7 @@ def test_refused_requests_raise_and_the_engine_keeps_serving(engine):
     wait_idle(engine)
 
 
-def test_a_failing_step_errors_its_requests_not_the_engine(engine):
+def test_a_failing_step_errors_its_requests_not_the_engine(engine, caplog):
     async def main():
         stream = await engine.add_request("doomed", SamplingParams(max_tokens=50, **GREEDY), "doomed")
         await stream.__anext__()
@@ -186,9 +186,13 @@ def test_a_failing_step_errors_its_requests_not_the_engine(engine):
                 pass
         return await collect(engine, "after the failure", SamplingParams(max_tokens=6, **GREEDY))
 
-    after = asyncio.run(main())
+    with caplog.at_level("ERROR", logger="qkiln.engine"):
+        after = asyncio.run(main())
     assert after[-1].finish_reason == "length" and len(after[-1].token_ids) == 6
     assert engine.snapshot.num_step_errors == 1
+    # which requests failed, for the operator (the log had a bare traceback)
+    [line] = [r for r in caplog.records if r.name == "qkiln.engine"]
+    assert "aborted requests: doomed" in line.getMessage() and line.exc_info is not None
     wait_idle(engine)
 
 
