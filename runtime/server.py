@@ -17,8 +17,8 @@ Invariants:
   when the client disconnects and the stream's `finally` aborts; a non-streaming one watches
   the connection while it waits.
 - `/v1/*` and the tokenizer endpoints (`/tokenize`, `/detokenize`, `/tokenizer_info`) need
-  `Authorization: Bearer KEY` when a key is set; `/health` and `/metrics` are open (probes and
-  scrapers), as in vLLM.
+  `Authorization: Bearer KEY` when a key is set; `/health` (and vLLM's `/ping`), `/version` and
+  `/metrics` are open (probes and scrapers), as in vLLM.
 - Browsers may call it cross-origin only from `allowed_origins` (none by default, unlike vLLM's
   `*`: a page the user visits must not reach a server on their loopback). The CORS layer is
   outside the key check, so a preflight, which carries no key, is answered.
@@ -26,6 +26,7 @@ Invariants:
 
 import asyncio
 import copy
+import importlib.metadata
 import json
 import logging
 import signal
@@ -179,6 +180,15 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
         if not engine.is_running:
             return JSONResponse(error_body("the engine is not running", type="server_error"), status_code=503)
         return {"status": "ok"}
+
+    @app.get("/ping")  # vLLM's names for the same probe (SageMaker's is POST), so its deploy files work
+    @app.post("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("qkiln")}
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -500,7 +510,7 @@ def _unparsable_body(cause: Exception) -> str:
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
 _ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
-           "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /metrics")
+           "POST /detokenize", "GET /tokenizer_info", "GET /health", "GET /ping", "GET /version", "GET /metrics")
 
 
 def _param(loc) -> str | None:

@@ -2,6 +2,7 @@
 driven with httpx (sync and async). Greedy results are checked against the offline `LLM`."""
 
 import asyncio
+import importlib.metadata
 import json
 import re
 import threading
@@ -97,6 +98,9 @@ def test_models_and_health(client, engine):
     assert client.get("/v1/models/tiny").json() == models["data"][0]  # the openai client's models.retrieve
     assert client.get("/v1/models/gpt-4").status_code == 404
     assert client.get("/health").json() == {"status": "ok"}
+    # vLLM's other probe names, so a deploy file written for it works
+    assert client.get("/ping").json() == client.post("/ping").json() == {"status": "ok"}
+    assert client.get("/version").json()["version"] == importlib.metadata.version("qkiln")
     r = client.delete("/v1/models")
     assert r.status_code == 405 and r.headers["allow"] == "GET"
 
