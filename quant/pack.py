@@ -53,11 +53,12 @@ def pack_int4(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor, dim: int = -1, signed: bool = False) -> torch.Tensor:
     """uint8 -> codes with `dim` doubled: uint8 in [0, 15], or int8 in [-8, 7] when signed."""
-    p = packed.movedim(dim, -1).to(torch.int16)
-    q = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).reshape(*p.shape[:-1], -1)
+    p = packed.movedim(dim, -1)  # uint8 throughout: a load unpacks every int4 linear
+    p = p.view(torch.uint8) if p.dtype == torch.int8 else p.to(torch.uint8)
+    q = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(*p.shape[:-1], -1)
     if signed:
-        q = torch.where(q >= 8, q - 16, q)
-    return q.to(torch.int8 if signed else torch.uint8).movedim(-1, dim)
+        q = q.view(torch.int8) - ((q >= 8).to(torch.int8) << 4)
+    return q.movedim(-1, dim)
 
 
 def pack_int32(q: torch.Tensor, dim: int = -1, num_bits: int = 4, order: str = "gptq") -> torch.Tensor:
