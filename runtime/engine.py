@@ -223,6 +223,7 @@ class LLMEngine:
                             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill),
             self.kv_manager, eos_token_ids=stop_token_ids(mc, tokenizer),
             primary_eos_token_id=getattr(tokenizer, "eos_token_id", None))
+        model.rope.fit(self.max_model_len)  # before a runner hands its tables to a decode stack or a graph
         if str(config.device).startswith("cuda") and not config.enforce_eager:  # decode steps replay CUDA graphs
             self.runner = GraphRunner(model, self.caches, config.block_size, config.device,
                                       max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs)

@@ -200,4 +200,6 @@ class CausalLM(nn.Module):
                 raise SourceModelError(f"{input_ids.shape[-1]} tokens exceed the model's context of "
                                        f"{self.config.max_position_embeddings}; score shorter windows")
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+            if input_ids.shape[-1] > self.rope.max_positions:  # an engine fitted the tables to fewer
+                self.rope.fit(self.config.max_position_embeddings)  # once, not per length: tables are kept
         return self.compute_logits(self.hidden_states(input_ids, positions, backend or DenseAttention()))

@@ -53,14 +53,34 @@ def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Caches cos/sin for all positions up to max_position_embeddings (computed in fp32)."""
+    """Caches cos/sin for positions 0 .. max_positions - 1 (computed in fp32): the model's context,
+    or what an engine asked for with fit()."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
-        self.max_positions = config.max_position_embeddings
+        self.context = config.max_position_embeddings
+        self.max_positions = self.context
+        self._fitted = False
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32
         self._by_dtype: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list[tuple[torch.Tensor, ...]] = []
+
+    def fit(self, num_positions: int) -> None:
+        """Cover positions up to num_positions (an engine's max_model_len) rather than the whole
+        context: tables of a 1M-token context are 1.6 GB (fp32 and bf16) at head_dim 128, for a
+        server limited to 8k. Engines sharing a model get the largest; tables they were handed stay
+        alive (a decode stack or a CUDA graph holds their addresses)."""
+        num_positions = min(num_positions, self.context)
+        if self._fitted and num_positions <= self.max_positions:
+            return
+        if self._cos_sin is not None and num_positions <= self.max_positions:
+            self._fitted = True  # already built for more (a forward ran before any engine)
+            return
+        if self._cos_sin is not None:
+            self._retired += [self._cos_sin, *self._by_dtype.values()]
+        self.max_positions, self._fitted = num_positions, True
+        self._cos_sin, self._by_dtype = None, {}
 
     def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed sin) [max_pos, 1, D] in `dtype`: computed in fp32, rounded once."""
