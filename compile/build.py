@@ -23,7 +23,7 @@ from .artifact import Manifest, toolchain_versions
 from .artifact_tensors import stored_precision, to_tensors
 from .artifact_writer import check_destination, output_path, source_date_epoch, write_artifact
 from .calibrate import linear_shapes, quantize_model
-from .evaluate import check_window, evaluate
+from .evaluate import check_window, evaluate, evaluation_tokens
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
 from .kv_calibrate import calibrate_kv
 from .layer_cache import LayerCache, calibration_numerics, default_cache_dir, layer_key
@@ -58,6 +58,9 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     model = source.build_model(torch.float32)
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
     _check_lengths(recipe, source.config.max_position_embeddings, source.tokenizer.add_bos)
+    ev = recipe.evaluation
+    if ev.data is not None:  # unreadable or too short: said now, not after minutes of calibration
+        evaluation_tokens(source.tokenizer, ev.data, ev.seq_len, ev.max_tokens)
     tokens, input_ids = None, None
     if recipe.needs_calibration:
         spec = recipe.calibration

@@ -104,18 +104,26 @@ def evaluate(
                          progress)["model"]
 
 
-def evaluate_many(
-    models: dict[str, Scorer], tokenizer, data_path: str, seq_len: int, max_tokens: int,
-    reference: Scorer | None = None, batch_size: int = 4, progress: bool = True,
-) -> dict[str, dict]:
-    """Score several models on the same windows; the reference runs once per batch for all."""
+def evaluation_tokens(tokenizer, data_path: str, seq_len: int, max_tokens: int) -> tuple[str, str, list[int]]:
+    """(text, its name, its first max_tokens tokens), refusing data that is unreadable or shorter
+    than one window: a build checks this before calibrating, not minutes later."""
     if seq_len < 2 or max_tokens < 2:
         raise QkilnError("--seq-len and --eval-tokens must be at least 2")
     text, data_name = read_eval_text(data_path)
     ids = leading_tokens(tokenizer, text, max_tokens)
     if len(ids) < min(seq_len, max_tokens):
         raise CalibrationDataError(f"{data_path} yields {len(ids)} tokens, fewer than one window of "
-                                   f"{min(seq_len, max_tokens)}: give more text or a smaller --seq-len")
+                                   f"{min(seq_len, max_tokens)}: give more text or a shorter window (qkiln "
+                                   "eval's --seq-len; qkiln build's --eval-seq-len or evaluation.seq_len)")
+    return text, data_name, ids
+
+
+def evaluate_many(
+    models: dict[str, Scorer], tokenizer, data_path: str, seq_len: int, max_tokens: int,
+    reference: Scorer | None = None, batch_size: int = 4, progress: bool = True,
+) -> dict[str, dict]:
+    """Score several models on the same windows; the reference runs once per batch for all."""
+    text, data_name, ids = evaluation_tokens(tokenizer, data_path, seq_len, max_tokens)
     if batch_size < 1:
         raise QkilnError(f"--batch-size must be at least 1, got {batch_size}")
     batch_size = min(batch_size, max(1, MAX_BATCH_TOKENS // seq_len))  # long windows: fewer at a time

@@ -12,6 +12,7 @@ calibration so a bad recipe fails in milliseconds with the offending layers name
 
 import dataclasses
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,17 +133,19 @@ class Recipe:
         from qkiln.plugins.packed_weights import CPU_GROUP_SIZES, cpu_serves_int4_groups
 
         self.scheme.validate(linear_shapes, head_dim)
-        w = self.scheme.weights
-        if w is not None and w.type == "int" and w.num_bits == 8 and (not w.symmetric or w.group_size is not None):
-            # an artifact stores int8 codes with one scale a row, which is what the w8a16 kernels read
-            raise RecipeError("8-bit integer weights are symmetric with one scale per output channel: set "
-                              "symmetric true and group_size null (or use 4 bits for group-wise or asymmetric weights)")
-        if self.target == "cpu" and w is not None and w.type == "int" and w.num_bits == 4 \
-                and not cpu_serves_int4_groups(w.group_size):
-            # the native int4 kernels take groups of whole 32-channel blocks (plugins/packed_weights.py)
-            raise RecipeError(f"target cpu serves int4 groups of a multiple of {CPU_GROUP_SIZES[-1]} channels "
-                              f"(e.g. {', '.join(map(str, CPU_GROUP_SIZES))}) or one group per row (group_size null), "
-                              f"got {w.group_size}")
+        # the head's scheme too: an int8 head with groups had calibrated every layer, then failed
+        for section, w in (("weights", self.scheme.weights), ("lm_head", self.scheme.lm_head)):
+            if w is not None and w.type == "int" and w.num_bits == 8 and (not w.symmetric or w.group_size is not None):
+                # an artifact stores int8 codes with one scale a row, which is what the w8a16 kernels read
+                raise RecipeError(f"{section}: 8-bit integer weights are symmetric with one scale per output channel: "
+                                  f"set {section}.symmetric true and {section}.group_size null (or use 4 bits for "
+                                  "group-wise or asymmetric weights)")
+            if self.target == "cpu" and w is not None and w.type == "int" and w.num_bits == 4 \
+                    and not cpu_serves_int4_groups(w.group_size):
+                # the native int4 kernels take groups of whole 32-channel blocks (plugins/packed_weights.py)
+                raise RecipeError(f"{section}: target cpu serves int4 groups of a multiple of {CPU_GROUP_SIZES[-1]} "
+                                  f"channels (e.g. {', '.join(map(str, CPU_GROUP_SIZES))}) or one group per row "
+                                  f"(group_size null), got {w.group_size}")
 
     @property
     def needs_calibration(self) -> bool:
@@ -172,7 +175,13 @@ class Recipe:
         unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset",
                             "fallbacks"}
         if unknown:
-            raise RecipeError(f"unknown recipe keys {sorted(unknown)}; use scheme/calibration/evaluation/target")
+            raise RecipeError(f"unknown recipe keys {sorted(map(str, unknown))}; use "
+                              "scheme/calibration/evaluation/target")
+        if "scheme" in d and "quantization" in d:  # `quantization` is `scheme`'s other name
+            raise RecipeError("a recipe takes a `scheme:` section or a `quantization:` one (the same section "
+                              "under another name), not both; merge them into `scheme:`")
+        if not isinstance(d.get("name", name), str):
+            raise RecipeError(f"name must be a string, got {d['name']!r}")
         if "preset" in d and not isinstance(d["preset"], str):
             raise RecipeError(f"preset must be a name such as w4a16-gptq, got {d['preset']!r}")
         base = preset(d["preset"]) if "preset" in d else None
@@ -192,7 +201,7 @@ def _spec(cls, section: str, d):
     known = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(d, dict):
         raise RecipeError(f"{section} must be a mapping with keys {known}, got {type(d).__name__}")
-    unknown = sorted(set(d) - set(known))
+    unknown = sorted(map(str, set(d) - set(known)))
     if unknown:
         raise RecipeError(f"unknown {section} keys {unknown}; known: {known}")
     return cls(**d)
@@ -228,12 +237,60 @@ def load_recipe(spec: str) -> Recipe:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         elif path.suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_json_object)
         else:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_RecipeLoader)
+    except _RecipeTextError as e:
+        raise RecipeError(f"{spec}: {e}") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
         mark = getattr(e, "problem_mark", None)  # PyYAML's message runs to 4 lines with a caret
         what = f"{e.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None \
             else " ".join(str(e).split())
         raise RecipeError(f"{spec} is not valid {path.suffix[1:].upper() or 'YAML'}: {what}") from None
     return Recipe.from_dict(data, name=path.stem)
+
+
+class _RecipeTextError(ValueError):
+    pass
+
+
+def _json_object(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:  # json keeps the last one: a whole section could vanish unsaid
+            raise _RecipeTextError(f"the key {key!r} appears twice in one object; keep one")
+    return dict(pairs)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML as a recipe author means it: a key twice is refused (PyYAML keeps the last, so a second
+    `scheme:` silently dropped the first), numbers YAML 1.1 reads in another base (0200 is 128,
+    0x40 is 64) or sexagesimal (1:30 is 90) are refused, and 1e-2 is the float YAML 1.2 reads (1.1
+    reads it as a string)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: what follows may override it
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _RecipeTextError(f"the key {key!r} appears twice in one mapping (lines "
+                                       f"{seen[key] + 1} and {key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        if not _DECIMAL_INT.fullmatch(node.value):
+            value = super().construct_yaml_int(node)
+            raise _RecipeTextError(f"{node.value} (line {node.start_mark.line + 1}) is read by YAML as {value}; "
+                                   "write whole numbers in decimal without leading zeros")
+        return super().construct_yaml_int(node)
+
+
+_DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+_RecipeLoader.add_constructor("tag:yaml.org,2002:int", _RecipeLoader.construct_yaml_int)
+_RecipeLoader.add_constructor("tag:yaml.org,2002:map", _RecipeLoader.construct_mapping)
+_RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
+                                    list("-+0123456789"))
+

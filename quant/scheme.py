@@ -22,6 +22,7 @@ compressed-tensors layouts); `zero_point="float"` keeps an exact fp32 zero, i.e.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,8 +169,8 @@ class GPTQOptions:
 
     def __post_init__(self) -> None:
         _check_field_types(self)
-        if not self.dampening_frac > 0:
-            _fail(f"gptq.dampening_frac must be > 0, got {self.dampening_frac}")
+        if not 0 < self.dampening_frac < math.inf:
+            _fail(f"gptq.dampening_frac must be a finite number > 0, got {self.dampening_frac}")
         if self.block_size < 1:
             _fail(f"gptq.block_size must be a positive integer, got {self.block_size!r}")
         if self.act_order and not self.static_groups:
@@ -262,7 +263,7 @@ class QuantScheme:
             if not isinstance(value, sub_cls) and not (value is None and key not in ("gptq", "awq")):
                 _fail(f"{key} must be a {sub_cls.__name__}{'' if key in ('gptq', 'awq') else ' or null'}, "
                       f"got {type(value).__name__} (use QuantScheme.from_dict for plain mappings)")
-        if isinstance(self.ignore, str) or not all(isinstance(p, str) for p in self.ignore):
+        if not isinstance(self.ignore, (list, tuple)) or not all(isinstance(p, str) for p in self.ignore):
             _fail(f"ignore must be a list of layer names or 're:' patterns, got {self.ignore!r}")
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pattern in self.ignore:
@@ -374,6 +375,11 @@ class QuantScheme:
                 _fail(f"{key} must be a mapping, got {type(value).__name__}")
             _check_keys(sub_cls, value, key)
             kwargs[key] = sub_cls(**value)
+        algorithm = kwargs.get("algorithm", "rtn")
+        for key in ("gptq", "awq"):  # a manifest lists both at their defaults, which read back as they are
+            if data.get(key) is not None and kwargs[key] != _SUBSCHEMES[key]() and algorithm != key:
+                _fail(f"{key} options are given but algorithm is {algorithm!r}, so they would not apply: set "
+                      f"algorithm: {key}, or remove the {key} section")
         return cls(**kwargs)
 
 
@@ -388,6 +394,6 @@ def count_layers(names) -> int | None:
 
 def _check_keys(cls, data: dict, where: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(map(str, set(data) - known))
     if unknown:
         _fail(f"unknown {where} field(s) {unknown}; known fields: {sorted(known)}")

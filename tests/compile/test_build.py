@@ -1,6 +1,7 @@
 """`qkiln build` end to end on a tiny real checkpoint: verify, tamper, reproducibility, cache,
 recipes refused up front, and the artifact served by the runtime without transformers."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -13,7 +14,7 @@ import torch
 
 from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
-from qkiln.compile.recipe import load_recipe, preset
+from qkiln.compile.recipe import EvalSpec, load_recipe, preset
 from qkiln.errors import ArtifactError, CalibrationDataError, RecipeError
 from qkiln.quant.scheme import WeightScheme
 from tiny_models import write_tiny_model_and_text
@@ -28,8 +29,6 @@ def tiny(tmp_path_factory):
 
 
 def _recipe(name, text, **calibration):
-    import dataclasses
-
     r = preset(name)
     return dataclasses.replace(
         r, calibration=dataclasses.replace(r.calibration, source=str(text), num_samples=4, seq_len=64, **calibration),
@@ -169,8 +168,6 @@ def test_bad_recipes_are_refused_before_any_work(tiny, tmp_path):
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(str(bad))
     long = _recipe("w4a16-rtn", text)
-    import dataclasses
-
     long = dataclasses.replace(long, calibration=dataclasses.replace(long.calibration, seq_len=100_000))
     with pytest.raises(RecipeError, match="exceeds the model's context"):
         build(str(model), long, tmp_path / "x", progress=False, log=lambda m: None)
@@ -311,8 +308,6 @@ def test_fp8_rtn_preset_is_data_free_and_quantizes_every_layer(tiny, tmp_path, m
 
 
 def test_awq_module_level_loss_builds(tiny, tmp_path, monkeypatch):
-    import dataclasses
-
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     r = _recipe("w4a16-awq", text)
@@ -325,8 +320,6 @@ def test_awq_module_level_loss_builds(tiny, tmp_path, monkeypatch):
 
 
 def test_awq_options_build_and_are_recorded(tiny, tmp_path, monkeypatch):
-    import dataclasses
-
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     r = _recipe("w4a16-awq", text)
@@ -369,12 +362,67 @@ def test_the_accuracy_report_describes_the_artifact(tiny, tmp_path, monkeypatch)
     ("preset: w4a16-rtn\nevaluation: {seq_len: 1}\n", "seq_len >= 2"),
     ("preset: w4a16-rtn\nevaluation: {data: 123}\n", "evaluation.data must be str or null"),
     ("preset: w4a16-rtn\nevaluation: {window: 5}\n", "unknown evaluation keys ['window']"),
+    # an llm-compressor user's recipes (s49 probe): each was accepted meaning something else, or a traceback
+    ("scheme:\n  weights: {num_bits: 4, group_size: 64}\nscheme:\n  kv_cache: {dtype: int4}\n",
+     "the key 'scheme' appears twice in one mapping (lines 1 and 3)"),  # was: a KV-only artifact
+    ("scheme: {weights: {num_bits: 4, group_size: 64, group_size: 128}}\n", "'group_size' appears twice"),
+    ("scheme: {weights: {num_bits: 4, group_size: 0200}}\n", "0200 (line 1) is read by YAML as 128"),
+    ("scheme: {weights: {num_bits: 4, group_size: 0x40}}\n", "read by YAML as 64"),
+    ("scheme: {weights: {num_bits: 4}}\nquantization: {kv_cache: {dtype: int4}}\n", "not both"),
+    ("preset: w4a16-rtn\n1: a\nfoo: b\n", "unknown recipe keys ['1', 'foo']"),
+    ("scheme: {weights: {4: x, foo: y}}\n", "unknown weights field(s) ['4', 'foo']"),
+    ("scheme: {weights: {num_bits: 4}, ignore: null}\n", "ignore must be a list"),
+    ("name: [a, b]\npreset: w4a16-rtn\n", "name must be a string"),
+    ("scheme: {weights: {num_bits: 4}, algorithm: gptq, gptq: {dampening_frac: .inf}}\n", "finite number > 0"),
+    ("scheme: {weights: {num_bits: 4}, gptq: {dampening_frac: 0.1}}\n", "algorithm is 'rtn', so they would not"),
+    ("scheme: {weights: {num_bits: 4}, algorithm: gptq, awq: {clip: false}}\n", "awq options are given"),
 ])
 def test_recipe_files_with_wrong_types_are_refused_with_the_field(tmp_path, recipe, message):
     path = tmp_path / "r.yaml"
     path.write_text(recipe)
     with pytest.raises(RecipeError, match=re.escape(message)):
         load_recipe(str(path))
+
+
+def test_recipe_files_read_numbers_and_merges_as_their_authors_mean(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("scheme:\n  weights:\n    <<: {num_bits: 4, symmetric: false, group_size: 32}\n    group_size: 64\n"
+                    "  algorithm: gptq\n  gptq: {dampening_frac: 1e-2}\n")
+    scheme = load_recipe(str(path)).scheme
+    # 1e-2 was a string to YAML 1.1 ("must be float, got '1e-2'"); a merged key may be overridden
+    assert scheme.gptq.dampening_frac == 0.01 and scheme.weights.group_size == 64 and not scheme.weights.symmetric
+    (tmp_path / "r.json").write_text('{"preset": "w4a16-rtn", "name": "a", "name": "b"}')
+    with pytest.raises(RecipeError, match="'name' appears twice"):
+        load_recipe(str(tmp_path / "r.json"))
+
+
+@pytest.mark.parametrize("head, message", [
+    ("{num_bits: 8}", "lm_head: 8-bit integer weights are symmetric"),  # group_size 128 by default
+    ("{num_bits: 4, symmetric: false, group_size: 20}", "lm_head: target cpu serves int4 groups"),
+])
+def test_a_head_scheme_the_artifact_cannot_hold_is_refused_before_calibration(tiny, tmp_path, head, message):
+    """Only the weights' scheme was checked: an int8 head with groups calibrated every layer (47 s on
+    SmolLM2 with 4 samples) and then failed with exit 6; an int4 head in 20-channel groups built,
+    then could not be served."""
+    root, model, text = tiny
+    path = tmp_path / "r.yaml"
+    path.write_text(f"scheme:\n  weights: {{num_bits: 4, symmetric: false, group_size: 64}}\n  algorithm: gptq\n"
+                    f"  lm_head: {head}\ncalibration: {{source: {text}, num_samples: 2, seq_len: 32}}\n")
+    said = []
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        build(str(model), load_recipe(str(path)), tmp_path / "a", progress=False, log=said.append)
+    assert not any("calibration:" in line for line in said), said
+
+
+def test_evaluation_data_too_short_is_refused_before_calibration(tiny, tmp_path):
+    """It failed after the whole calibration (5 min 48 s for GPTQ on SmolLM2), naming eval's --seq-len."""
+    root, model, text = tiny
+    (tmp_path / "short.txt").write_text("a")
+    recipe = dataclasses.replace(_recipe("w4a16-gptq", text), evaluation=EvalSpec(str(tmp_path / "short.txt"), 32, 64))
+    said = []
+    with pytest.raises(CalibrationDataError, match="--eval-seq-len or evaluation.seq_len"):
+        build(str(model), recipe, tmp_path / "a", progress=False, log=said.append)
+    assert not any("calibration:" in line for line in said), said
 
 
 def test_unreadable_recipe_files_are_recipe_errors(tmp_path):
@@ -387,8 +435,6 @@ def test_unreadable_recipe_files_are_recipe_errors(tmp_path):
 
 def test_ignore_entries_must_name_a_linear(tiny, tmp_path):
     root, model, text = tiny
-    import dataclasses
-
     rtn = _recipe("w4a16-rtn", text)
     for ignore, message in ((("lm_head", "layerz"), r"ignore entries \['layerz'\] match no linear"),
                             (("re:.*",), "leaves no linear to quantize")):
@@ -403,8 +449,6 @@ def test_ignore_entries_must_name_a_linear(tiny, tmp_path):
 def test_the_evaluation_window_is_checked_only_when_there_is_evaluation_data():
     """A 512-token model that adds BOS had been refused for the 512-token evaluation window of a
     build without evaluation data."""
-    import dataclasses
-
     from qkiln.compile.build import _check_lengths
 
     recipe = preset("w4a16-rtn")
