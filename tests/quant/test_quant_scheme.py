@@ -86,8 +86,13 @@ def test_dict_round_trip_through_json():
     scheme = QuantScheme(WeightScheme(4, symmetric=False, group_size=64, zero_point="float"),
                          kv_cache=KVCacheScheme("int4", 16, key_smoothing_alpha=0.7),
                          ignore=("lm_head", "re:.*embed.*"), algorithm="gptq",
-                         gptq=GPTQOptions(act_order=True, dampening_frac=0.05), awq=AWQOptions(grid_size=10))
+                         gptq=GPTQOptions(act_order=True, dampening_frac=0.05))
     assert QuantScheme.from_dict(json.loads(json.dumps(scheme.to_dict()))) == scheme
+    awq = QuantScheme(WeightScheme(4, symmetric=False, group_size=64), algorithm="awq", awq=AWQOptions(grid_size=10))
+    assert QuantScheme.from_dict(json.loads(json.dumps(awq.to_dict()))) == awq
+    # options of an algorithm that does not run are refused from a file, not recorded as if applied
+    with pytest.raises(RecipeError, match="awq options are given but algorithm is 'gptq'"):
+        QuantScheme.from_dict(json.loads(json.dumps(scheme.to_dict())) | {"awq": {"grid_size": 10}})
     fp8 = QuantScheme(WeightScheme(8, "float", group_size=None), ActivationScheme(dynamic=False),
                       KVCacheScheme("fp8"))
     assert QuantScheme.from_dict(json.loads(json.dumps(fp8.to_dict()))) == fp8
