@@ -274,6 +274,8 @@ class _RecipeLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: what follows may override it
                 continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)):  # a list as a key: PyYAML's own error says it
+                continue
             if key in seen:
                 raise _RecipeTextError(f"the key {key!r} appears twice in one mapping (lines "
                                        f"{seen[key] + 1} and {key_node.start_mark.line + 1}); keep one")
@@ -293,4 +295,3 @@ _RecipeLoader.add_constructor("tag:yaml.org,2002:int", _RecipeLoader.construct_y
 _RecipeLoader.add_constructor("tag:yaml.org,2002:map", _RecipeLoader.construct_mapping)
 _RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+$"),
                                     list("-+0123456789"))
-
