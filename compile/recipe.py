@@ -101,8 +101,9 @@ class EvalSpec:
     def __post_init__(self):
         _check_types("evaluation", self, {"data": (str, type(None)), "seq_len": int, "max_tokens": int})
         if self.seq_len < 2 or self.max_tokens < 2:
-            raise RecipeError(f"evaluation needs seq_len >= 2 and max_tokens >= 2 (--eval-tokens, the recipe's "
-                              f"evaluation.seq_len), got seq_len {self.seq_len}, max_tokens {self.max_tokens}")
+            raise RecipeError(f"evaluation needs seq_len >= 2 and max_tokens >= 2 (--eval-seq-len or "
+                              f"evaluation.seq_len, --eval-tokens or evaluation.max_tokens), got seq_len "
+                              f"{self.seq_len}, max_tokens {self.max_tokens}")
 
 
 def _check_types(section: str, spec, types: dict) -> None:
@@ -222,21 +223,33 @@ def preset(name: str) -> Recipe:
     return Recipe(name, QuantScheme(**kwargs))
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
 def load_recipe(spec: str) -> Recipe:
     """A preset name or a .yaml/.yml/.toml/.json file."""
     path = Path(spec)
-    if not path.suffix or not path.exists():
-        if path.suffix in (".yaml", ".yml", ".toml", ".json"):
-            raise RecipeError(f"recipe file {spec} does not exist")
-        return preset(spec)
+    suffix = path.suffix.lower()  # r.YML is YAML too
+    if suffix not in RECIPE_SUFFIXES:
+        if "/" not in spec:
+            try:
+                return preset(spec)
+            except RecipeError:
+                if not path.exists():
+                    raise
+        # a file, or a path: "unknown preset" would mislead
+        raise RecipeError(f"recipe {spec}: a recipe file's name ends in {', '.join(RECIPE_SUFFIXES)}, which says "
+                          "its format (rename it), or give a preset name")
+    if not path.exists():
+        raise RecipeError(f"recipe file {spec} does not exist")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"recipe file {spec} cannot be read as UTF-8 text ({e}); give a YAML, TOML or JSON file") from None
     try:
-        if path.suffix == ".toml":
+        if suffix == ".toml":
             data = tomllib.loads(text)
-        elif path.suffix == ".json":
+        elif suffix == ".json":
             data = json.loads(text, object_pairs_hook=_json_object)
         else:
             data = yaml.load(text, Loader=_RecipeLoader)
@@ -246,7 +259,7 @@ def load_recipe(spec: str) -> Recipe:
         mark = getattr(e, "problem_mark", None)  # PyYAML's message runs to 4 lines with a caret
         what = f"{e.problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None \
             else " ".join(str(e).split())
-        raise RecipeError(f"{spec} is not valid {path.suffix[1:].upper() or 'YAML'}: {what}") from None
+        raise RecipeError(f"{spec} is not valid {suffix[1:].upper().replace('YML', 'YAML')}: {what}") from None
     return Recipe.from_dict(data, name=path.stem)
 
 

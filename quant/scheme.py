@@ -37,6 +37,12 @@ def _fail(message: str) -> None:
 
 
 _SIMPLE_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "int | None": (int, type(None))}
+_TYPE_WORDS = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "a string",
+               "int | None": "a whole number or null"}
+# where each class sits in a recipe, so an error names the field as the file spells it (an
+# lm_head's WeightScheme is relabelled by QuantScheme.from_dict)
+_SECTIONS = {"WeightScheme": "weights", "ActivationScheme": "activations", "KVCacheScheme": "kv_cache",
+             "GPTQOptions": "gptq", "AWQOptions": "awq", "QuantScheme": "scheme"}
 
 
 def _pattern_matches(pattern: str, name: str) -> bool:
@@ -53,7 +59,8 @@ def _check_field_types(obj) -> None:
         if allowed is None:
             continue
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            _fail(f"{type(obj).__name__}.{f.name} must be {f.type}, got {value!r}")
+            name = type(obj).__name__
+            _fail(f"{_SECTIONS.get(name, name)}.{f.name} must be {_TYPE_WORDS[f.type]}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -374,7 +381,13 @@ class QuantScheme:
             if not isinstance(value, dict):
                 _fail(f"{key} must be a mapping, got {type(value).__name__}")
             _check_keys(sub_cls, value, key)
-            kwargs[key] = sub_cls(**value)
+            try:
+                kwargs[key] = sub_cls(**value)
+            except RecipeError as e:
+                if key != "lm_head":
+                    raise
+                raise RecipeError(str(e).replace("weights.", "lm_head.").replace("integer weights", "an integer "
+                                                                                  "lm_head")) from None
         algorithm = kwargs.get("algorithm", "rtn")
         for key in ("gptq", "awq"):  # a manifest lists both at their defaults, which read back as they are
             if data.get(key) is not None and kwargs[key] != _SUBSCHEMES[key]() and algorithm != key:

@@ -376,12 +376,30 @@ def test_the_accuracy_report_describes_the_artifact(tiny, tmp_path, monkeypatch)
     ("scheme: {weights: {num_bits: 4}, algorithm: gptq, gptq: {dampening_frac: .inf}}\n", "finite number > 0"),
     ("scheme: {weights: {num_bits: 4}, gptq: {dampening_frac: 0.1}}\n", "algorithm is 'rtn', so they would not"),
     ("scheme: {weights: {num_bits: 4}, algorithm: gptq, awq: {clip: false}}\n", "awq options are given"),
+    # errors name the field as the file spells it (were 'weights.type' for the head, 'WeightScheme.', 'int | None')
+    ("scheme: {weights: {num_bits: 4}, lm_head: {type: fp8}}\n", "lm_head.type must be 'int' or 'float'"),
+    ("scheme: {weights: {num_bits: 4, group_size: '64'}}\n", "weights.group_size must be a whole number or null"),
+    ("preset: w4a16-rtn\nevaluation: {max_tokens: 1}\n", "--eval-tokens or evaluation.max_tokens"),
 ])
 def test_recipe_files_with_wrong_types_are_refused_with_the_field(tmp_path, recipe, message):
     path = tmp_path / "r.yaml"
     path.write_text(recipe)
     with pytest.raises(RecipeError, match=re.escape(message)):
         load_recipe(str(path))
+
+
+def test_recipe_files_are_told_from_preset_names(tmp_path, monkeypatch):
+    """A recipe file without a suffix, or a path, was taken for a preset name ("unknown preset")."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("nosuffix", "UP.YML", "w4a16-rtn"):
+        (tmp_path / name).write_text("preset: w4a8-rtn\n" if name == "w4a16-rtn" else "preset: w4a16-rtn\n")
+    assert load_recipe("UP.YML").name == "UP"  # the suffix in any case
+    assert load_recipe("w4a16-rtn").name == "w4a16-rtn"  # a preset, though a file has its name
+    for spec in ("nosuffix", "sub/recipe", str(tmp_path / "nosuffix")):
+        with pytest.raises(RecipeError, match="a recipe file's name ends in .yaml"):
+            load_recipe(spec)
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe("missing.YML")
 
 
 def test_recipe_files_read_numbers_and_merges_as_their_authors_mean(tmp_path):
