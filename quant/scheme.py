@@ -335,11 +335,12 @@ class QuantScheme:
                   + "\n  ".join(lines))
 
     def _check_ignore(self, names: list[str]) -> None:
-        """An entry that names no linear is a typo that would quantize what it meant to keep ("lm_head",
-        every preset's default, is exempt: a tied head is no linear); ignoring everything is no recipe."""
+        """An entry that names no linear is a typo that would quantize what it meant to keep (one that
+        names the head, as "lm_head" in every preset or llm-compressor's "re:.*lm_head", is exempt: a
+        tied head is no linear); ignoring everything is no recipe."""
         if not names:
             return
-        single = {p: dataclasses.replace(self, ignore=(p,)) for p in self.ignore if p != "lm_head"}
+        single = {p: dataclasses.replace(self, ignore=(p,)) for p in self.ignore if not _pattern_matches(p, "lm_head")}
         unmatched = [p for p, one in single.items() if len(one.targets(names)) == len(names)]
         if unmatched:
             _fail(f"ignore entries {unmatched} match no linear of this model (e.g. {names[0]!r}); "
