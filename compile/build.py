@@ -9,6 +9,7 @@
     write the artifact atomically                 artifact_tensors.py + artifact_writer.py
 """
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
         evaluation_tokens(source.tokenizer, ev.data, ev.seq_len, ev.max_tokens)
     tokens, input_ids = None, None
     if recipe.needs_calibration:
+        _check_calibration_memory(recipe, source.config.hidden_size)
         spec = recipe.calibration
         text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress, warn=log), spec.seed)
         tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
@@ -131,6 +133,34 @@ def _check_evaluation_data(recipe: Recipe) -> None:
     if data is not None and not eval_data_file(data)[0].is_file():
         raise CalibrationDataError(f"evaluation data {data}: no such file; fix the path, or leave "
                                    "evaluation.data / --eval-data out to build without an accuracy report")
+
+
+def _check_calibration_memory(recipe: Recipe, hidden_size: int) -> None:
+    """Calibration holds every sample's activations in fp32 twice (a layer's inputs and outputs):
+    more than the host has failed with an allocation traceback after the samples were drawn."""
+    spec = recipe.calibration
+    need = 2 * spec.num_samples * spec.seq_len * hidden_size * 4
+    available = _available_memory()
+    if available is not None and need > available:
+        raise RecipeError(f"calibration holds {spec.num_samples} x {spec.seq_len} x {hidden_size} fp32 activations "
+                          f"twice ({need / 2**30:.1f} GiB) and this host has {available / 2**30:.1f} GiB free: lower "
+                          "--num-samples or calibration.seq_len")
+
+
+def _available_memory() -> int | None:
+    """Linux's MemAvailable (free memory and what the page cache would give back), else the
+    physical memory; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
 
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:

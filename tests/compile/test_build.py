@@ -475,3 +475,14 @@ def test_the_evaluation_window_is_checked_only_when_there_is_evaluation_data():
     with pytest.raises(RecipeError, match="a window of 513 tokens"):
         _check_lengths(dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data="x.txt")),
                        512, True)
+
+
+def test_calibration_larger_than_the_host_is_refused_before_sampling(tiny, tmp_path):
+    """num_samples 100000 failed with an allocator traceback after the samples were drawn."""
+    root, model, text = tiny
+    r = _recipe("w4a16-gptq", text)
+    recipe = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, num_samples=10**7))  # 610 GiB
+    said = []
+    with pytest.raises(RecipeError, match="lower --num-samples or calibration.seq_len"):
+        build(str(model), recipe, tmp_path / "a", progress=False, log=said.append)
+    assert not any("calibration:" in line for line in said), said
