@@ -9,7 +9,6 @@
     write the artifact atomically                 artifact_tensors.py + artifact_writer.py
 """
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,29 +137,15 @@ def _check_evaluation_data(recipe: Recipe) -> None:
 def _check_calibration_memory(recipe: Recipe, hidden_size: int) -> None:
     """Calibration holds every sample's activations in fp32 twice (a layer's inputs and outputs):
     more than the host has failed with an allocation traceback after the samples were drawn."""
+    import psutil
+
     spec = recipe.calibration
     need = 2 * spec.num_samples * spec.seq_len * hidden_size * 4
-    available = _available_memory()
-    if available is not None and need > available:
+    available = psutil.virtual_memory().available  # as onnx_check.check_fits_in_memory reads it
+    if need > available:
         raise RecipeError(f"calibration holds {spec.num_samples} x {spec.seq_len} x {hidden_size} fp32 activations "
                           f"twice ({need / 2**30:.1f} GiB) and this host has {available / 2**30:.1f} GiB free: lower "
                           "--num-samples or calibration.seq_len")
-
-
-def _available_memory() -> int | None:
-    """Linux's MemAvailable (free memory and what the page cache would give back), else the
-    physical memory; None where neither is known."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
 
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:
