@@ -364,16 +364,18 @@ class AsyncLLMEngine:
             # Mostly we cannot tell which of the step's requests broke it: fail them all, keep the
             # engine and the requests the step did not touch (those waiting for their turn).
             self._num_step_errors += 1
-            if isinstance(e, NonFiniteLogitsError):  # those requests only; the rest run the step again
+            nonfinite = isinstance(e, NonFiniteLogitsError)  # those requests only; the rest run the step again
+            if nonfinite:
                 print(f"warning: {e}", file=sys.stderr)
                 message, in_step = e.for_request, e.request_ids
             else:
                 failure = f"the engine failed while running this request ({e!r}); it was aborted"
                 message, in_step = (lambda _: failure), self.engine.last_step_request_ids
-                failed = sorted(self._streams) if in_step is None else list(in_step)
+            failed = list(self._streams) if in_step is None else list(in_step)
+            if not nonfinite:
                 log.error("an engine step failed; aborted requests: %s", ", ".join(map(str, failed)) or "none",
                           exc_info=True)
-            for request_id in list(self._streams) if in_step is None else in_step:
+            for request_id in failed:
                 self.engine.abort_request(request_id)
                 self.engine.scheduler.abort(request_id)  # also when the engine lost its own record of it
                 stream = self._streams.pop(request_id, None)
