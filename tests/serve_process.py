@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import httpx
 
@@ -28,13 +29,28 @@ def serve_process(path, tmpdir, *args) -> tuple[subprocess.Popen, int]:
     port = free_port()
     server = cli(["serve", str(path), "--port", str(port), *args], tmpdir)
     deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return server, port
-        except httpx.TransportError:
-            pass
+    while not healthy(port):
         if server.poll() is not None or time.monotonic() > deadline:
             server.kill()
             raise AssertionError(server.stderr.read())
         time.sleep(0.2)
+    return server, port
+
+
+def healthy(port: int) -> bool:
+    """Whether a server on this loopback port answers GET /health with 200."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextmanager
+def killed_on_exit(server: subprocess.Popen):
+    """The process is killed when the block ends, if it is still running (a failed assertion must
+    not leave a server behind)."""
+    try:
+        yield server
+    finally:
+        if server.poll() is None:
+            server.kill()

@@ -16,7 +16,7 @@ import pytest
 from qkiln.compile.artifact_archive import write_archive
 from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
-from serve_process import cli as _cli, serve_process as _serve
+from serve_process import cli as _cli, killed_on_exit, serve_process as _serve
 from tiny_models import write_tiny_model_and_text
 
 
@@ -68,7 +68,7 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     server, port = _serve(path, tmpdir, "--shutdown-timeout", "0.5")
-    try:
+    with killed_on_exit(server):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "tiny-w4", r.text
         assert len(list(tmpdir.iterdir())) == 1  # the unpacked artifact, while serving
@@ -83,9 +83,6 @@ def test_served_archive_is_cleaned_up_on_sigterm(archive, tmp_path):
         assert time.monotonic() - signalled < 15
         for r in in_flight:
             assert r.status_code == 200 or (r.status_code == 503 and "shut down" in r.json()["error"]["message"]), r.text
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert list(tmpdir.iterdir()) == []
 
 
@@ -101,7 +98,7 @@ def test_serve_on_port_0_names_the_port_it_bound_and_logs_only_to_stderr(archive
                   tmp_path)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in server.stderr], daemon=True).start()
-    try:
+    with killed_on_exit(server):
         said = []
         while not (match := re.search(r"on http://127\.0\.0\.1:(\d+)/v1", said[-1] if said else "")):
             said.append(lines.get(timeout=120))
@@ -113,9 +110,6 @@ def test_serve_on_port_0_names_the_port_it_bound_and_logs_only_to_stderr(archive
         said += list(lines.queue)
         assert server.stdout.read() == ""
         assert any('"GET /health HTTP/1.1" 200' in line for line in said), said
-    finally:
-        if server.poll() is None:
-            server.kill()
 
 
 def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
@@ -124,7 +118,7 @@ def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
     path, _ = archive
     server, port = _serve(path, tmp_path, "--shutdown-timeout", "60")
     url = f"http://127.0.0.1:{port}"
-    try:
+    with killed_on_exit(server):
         body = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
 
         def streamed(_):
@@ -151,6 +145,3 @@ def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
             assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
         err = server.stderr.read()
         assert "Traceback" not in err, err
-    finally:
-        if server.poll() is None:
-            server.kill()

@@ -14,7 +14,7 @@ from qkiln.compile.build import build
 from qkiln.compile.recipe import preset
 from qkiln.runtime.async_engine import AsyncLLMEngine
 from qkiln.runtime.server import serve
-from serve_process import free_port, serve_process
+from serve_process import free_port, healthy, killed_on_exit, serve_process
 from tiny_models import write_tiny_hf_model
 
 LONG = {"prompt": "hi", "max_tokens": 1000, "ignore_eos": True}
@@ -37,23 +37,20 @@ def test_sighup_drains_as_sigterm_does(artifact, tmp_path):
     """SIGHUP (the shell that started it closed, systemctl reload) killed the server at once: a
     stream cut without an error event, an archive's unpacked copy left in /tmp."""
     server, port = serve_process(artifact, tmp_path, "--shutdown-timeout", "0.5")
-    try:
+    with killed_on_exit(server):
         stream = ThreadPoolExecutor(1).submit(_stream, f"http://127.0.0.1:{port}")
         time.sleep(0.5)
         server.send_signal(signal.SIGHUP)
         assert server.wait(timeout=60) == 0
         lines = stream.result()
         assert lines[-1] == "data: [DONE]", lines[-3:]
-    finally:
-        if server.poll() is None:
-            server.kill()
 
 
 def test_a_second_sigterm_cuts_the_drain_short(artifact, tmp_path):
     """Only a second Ctrl-C forced the exit: a second `kill` waited out the whole grace period."""
     server, port = serve_process(artifact, tmp_path, "--shutdown-timeout", "60")
     url = f"http://127.0.0.1:{port}"
-    try:
+    with killed_on_exit(server):
         pool = ThreadPoolExecutor(2)
         plain = [pool.submit(httpx.post, f"{url}/v1/completions", json=LONG | {"n": 8}, timeout=60) for _ in range(2)]
         time.sleep(1.0)
@@ -66,23 +63,17 @@ def test_a_second_sigterm_cuts_the_drain_short(artifact, tmp_path):
         for r in plain:
             r = r.result()
             assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text
-    finally:
-        if server.poll() is None:
-            server.kill()
 
 
 def test_request_lines_and_no_access_lines_when_asked(artifact, tmp_path):
     server, port = serve_process(artifact, tmp_path, "--disable-uvicorn-access-log", "--enable-log-requests")
-    try:
+    with killed_on_exit(server):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
                        headers={"x-request-id": "trace-abc-123"}, timeout=60)
         assert r.status_code == 200, r.text
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
         log = server.stderr.read()
-    finally:
-        if server.poll() is None:
-            server.kill()
     mine = [line for line in log.splitlines() if "trace-abc-123" in line]
     assert len(mine) == 2 and "received:" in mine[0] and "finished (length)" in mine[1], log
     assert mine[1].startswith("INFO:") and "3 generated" in mine[1] and "first token" in mine[1], mine
@@ -104,7 +95,7 @@ def test_without_its_engine_the_server_exits_with_status_1(artifact, capfd):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
-    while not _answers(port) and time.monotonic() < deadline:
+    while not healthy(port) and time.monotonic() < deadline:
         time.sleep(0.05)
 
     def broken_publish():  # a bug in the engine loop itself (not in a step, which only fails its requests)
@@ -129,10 +120,3 @@ def test_a_port_taken_while_the_model_loaded_is_exit_status_2(artifact, capfd):
             serve(engine, port=taken.getsockname()[1])
     assert e.value.code == 2
     assert "error: cannot listen on 127.0.0.1" in capfd.readouterr().err
-
-
-def _answers(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
