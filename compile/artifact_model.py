@@ -3,8 +3,6 @@ would, fake-quant activations and KV. Used by `qkiln eval ARTIFACT` and the qual
 
 from pathlib import Path
 
-import torch
-
 from qkiln.quant import QuantScheme
 from qkiln.runtime.config import ModelConfig
 from qkiln.runtime.tokenizer import Tokenizer

@@ -42,8 +42,6 @@ The front doors (`cache_write(key, value, cache, slot_mapping)`, `paged_attentio
 ...)`, `w4a16_linear(x, weight, bias)`, ...) unpack a KVCache or a prepared weight into them.
 """
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
