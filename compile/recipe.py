@@ -243,7 +243,7 @@ def load_recipe(spec: str) -> Recipe:
     if not path.exists():
         raise RecipeError(f"recipe file {spec} does not exist")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a BOM (Windows editors write one) is not content
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"recipe file {spec} cannot be read as UTF-8 text ({e}); give a YAML, TOML or JSON file") from None
     try:

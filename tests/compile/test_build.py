@@ -414,6 +414,15 @@ def test_recipe_files_read_numbers_and_merges_as_their_authors_mean(tmp_path):
         load_recipe(str(tmp_path / "r.json"))
 
 
+@pytest.mark.parametrize("suffix, text", [(".json", '{"preset": "w8a16"}'), (".toml", 'preset = "w8a16"\n'),
+                                          (".yaml", "preset: w8a16\n")])
+def test_recipe_files_saved_with_a_byte_order_mark_read_as_without(tmp_path, suffix, text):
+    """Notepad saves UTF-8 with a BOM: JSON and TOML refused such a file ("Unexpected UTF-8 BOM")."""
+    path = tmp_path / f"r{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_recipe(str(path)).scheme == load_recipe("w8a16").scheme
+
+
 @pytest.mark.parametrize("head, message", [
     ("{num_bits: 8}", "lm_head: 8-bit integer weights are symmetric"),  # group_size 128 by default
     ("{num_bits: 4, symmetric: false, group_size: 20}", "lm_head: target cpu serves int4 groups"),
