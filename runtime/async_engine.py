@@ -16,8 +16,8 @@ Invariants:
   while scheduling), frees their blocks, and the engine keeps serving the rest. `shutdown` ends
   the open streams itself, at once, rather than after the step in progress (which may take
   seconds); what that step then puts is dropped.
-- `snapshot` is an immutable `EngineSnapshot` replaced after every loop turn, so metrics and
-  health checks read it from any thread without locking.
+- `snapshot` is an immutable `EngineSnapshot` replaced after every loop turn and once a step is
+  scheduled, so metrics and health checks read it from any thread without locking.
 
     event loop thread                         engine thread
     add_request ─┐                            ┌─ drain commands (add / abort / call)
@@ -52,13 +52,14 @@ class EngineError(QkilnError):
 class EngineSnapshot:
     """What the engine looked like after its latest loop turn (read from any thread)."""
 
-    num_waiting: int = 0
+    num_waiting: int = 0  # in the scheduler's queue, or received and not yet handed to the engine
     num_running: int = 0
     num_unfinished: int = 0
     kv_usage: float = 0.0
     num_free_blocks: int = 0
     num_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found there
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
@@ -133,6 +134,7 @@ class _Add:
     stream: RequestStream
     prompt: str | list[int]
     params: SamplingParams
+    arrival_time: float
 
 
 class AsyncLLMEngine:
@@ -161,6 +163,7 @@ class AsyncLLMEngine:
         self._num_step_errors = 0
         self._open: set[RequestStream] = set()  # submitted, not yet ended; guarded by `_open_lock`
         self._aborted: set[RequestStream] = set()  # of those, the ones abort() asked to end
+        self._num_queued_adds = 0  # submitted, not yet drained by the engine thread; guarded by `_open_lock`
         self._open_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
         self._thread.start()
@@ -195,19 +198,24 @@ class AsyncLLMEngine:
 
     # ---- public API (any thread / the event loop) -------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestStream:
+               request_id: str | None = None, arrival_time: float | None = None) -> RequestStream:
         """Queue a request without waiting (call it on the event loop its stream belongs to):
         `await stream.accepted` raises the engine's refusal. Raises `RequestError` for bad
-        parameters and `EngineError` when the engine is not running."""
+        parameters and `EngineError` when the engine is not running. arrival_time: when the request
+        arrived (time.perf_counter(); None: now), from which its latencies count."""
+        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         params = (params or SamplingParams()).admitted()  # now: the caller may change its object next
         stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
                                asyncio.get_running_loop(), on_end=self._request_ended)
         with self._open_lock:
             self._open.add(stream)
+            self._num_queued_adds += 1
         try:
-            self._send(_Add(stream, prompt, params))
+            self._send(_Add(stream, prompt, params, arrival_time))
         except EngineError:
             self._request_ended(stream)
+            with self._open_lock:
+                self._num_queued_adds -= 1
             raise
         return stream
 
@@ -324,11 +332,13 @@ class AsyncLLMEngine:
                         future.set_exception(e)
 
     def _apply_add(self, add: _Add) -> None:
+        with self._open_lock:
+            self._num_queued_adds -= 1
         request_id = add.stream.request_id
         try:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use; use a unique id")
-            self.engine.add_request(add.prompt, add.params, request_id)
+            self.engine.add_request(add.prompt, add.params, request_id, add.arrival_time)
         except QkilnError as e:
             add.stream.put(e)
             return
@@ -359,7 +369,7 @@ class AsyncLLMEngine:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(on_scheduled=self._publish)
         except Exception as e:
             # Mostly we cannot tell which of the step's requests broke it: fail them all, keep the
             # engine and the requests the step did not touch (those waiting for their turn).
@@ -400,11 +410,15 @@ class AsyncLLMEngine:
                 self._apply_abort(out.request_id)
 
     def _publish(self) -> None:
+        """A new snapshot: after each loop turn's commands, once a step is scheduled, after it ran."""
         e, kv = self.engine, self.engine.kv_manager
+        with self._open_lock:
+            queued = self._num_queued_adds
         self.snapshot = EngineSnapshot(
-            num_waiting=e.scheduler.num_waiting, num_running=e.scheduler.num_running,
+            num_waiting=e.scheduler.num_waiting + queued, num_running=e.scheduler.num_running,
             num_unfinished=len(e.requests), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks, prefix_cache_hit_rate=kv.prefix_cache_hit_rate,
+            num_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
             num_prompt_tokens=e.stats["num_prompt_tokens"], num_generated_tokens=e.stats["num_generated_tokens"],
             num_steps=e.stats["num_steps"], num_step_errors=self._num_step_errors, num_aborted=e.stats["num_aborted"],
             num_preemptions=e.scheduler.num_preemptions, time=time.monotonic())
@@ -425,6 +439,6 @@ class AsyncLLMEngine:
 
 def _log_finished(out: RequestOutput) -> None:
     m = out.metrics
-    timing = f", first token {m['ttft']:.3f} s, total {m['e2e']:.3f} s" if m else ""
+    timing = f", queued {m['queue']:.3f} s, first token {m['ttft']:.3f} s, total {m['e2e']:.3f} s" if m else ""
     log.info("request %s finished (%s): %d prompt tokens (%d from the prefix cache), %d generated%s", out.request_id,
              out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids), timing)

@@ -11,6 +11,7 @@ import math
 import numbers
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +119,10 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # for new tokens, when asked: {"token_id", "logprob", "rank", "top": {token id: logprob}} each
     logprobs: list[dict] = field(default_factory=list)
+    # On the finished output of a request that ran to its end: seconds from its arrival to its first
+    # schedule ("queue"), first token ("ttft") and last token ("e2e"), from first schedule to first
+    # token ("prefill") and to the last ("inference"), from first to last token ("decode"); and
+    # "num_output_tokens" (vLLM's request timing stats)
     metrics: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
     # None for the first (nothing scores it), else {"token_id", "logprob", "rank", "top"} as in `logprobs`
@@ -154,7 +159,8 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer | NoText
     generator: torch.Generator | None
-    arrival: float
+    arrival: float  # time.perf_counter() clock, as the other times
+    scheduled_time: float | None = None  # first put in a step
     first_token_time: float | None = None
     prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
 
@@ -245,7 +251,10 @@ class LLMEngine:
         return SamplingParams(**self.sampling_defaults)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """arrival_time: when the request arrived, on the time.perf_counter() clock (None: now); a
+        server passes the moment it received it, so the time it waited to be handed to the engine
+        counts in its latencies (vLLM's arrival_time)."""
         params = (params or SamplingParams()).admitted()
         if params.n != 1:  # one request is one sequence
             raise RequestError(f"the engine runs one choice per request, got n {params.n}: add params.choices() "
@@ -282,7 +291,8 @@ class LLMEngine:
             if params.detokenize else NoText()
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
         scored = None if params.prompt_logprobs is None else [None] * len(ids)  # filled as the prompt is computed
-        self.requests[request_id] = _Request(seq, detok, generator, time.perf_counter(), prompt_logprobs=scored)
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
+        self.requests[request_id] = _Request(seq, detok, generator, arrival, prompt_logprobs=scored)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
 
@@ -295,7 +305,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One step: schedule, run the model, sample. on_scheduled: called once the step's requests are
+        scheduled, before the model runs (a server publishes its gauges then: a prefill step can take
+        seconds, and gauges from before it showed its requests as still waiting)."""
         # which requests a step that raises had in it (None: it failed before it knew), so that a
         # server fails those and keeps the rest
         self.last_step_request_ids = None
@@ -303,6 +316,13 @@ class LLMEngine:
         self.last_step_request_ids = tuple(s.seq_id for s in plan.scheduled)
         if plan.is_empty:
             return []
+        now = time.perf_counter()
+        for seq_id in self.last_step_request_ids:
+            req = self.requests.get(seq_id)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = now
+        if on_scheduled is not None:
+            on_scheduled()
         try:
             out = self._run(plan)
         except BaseException:  # an interrupt too: the caller may abort the requests or go on
@@ -413,7 +433,10 @@ class LLMEngine:
         if is_done:
             self.requests.pop(s.seq_id, None)
             self.stats["num_finished"] += 1
+            scheduled = req.scheduled_time  # set by the step that produced its first token
             result.metrics = {"ttft": req.first_token_time - req.arrival, "e2e": now - req.arrival,
+                              "queue": scheduled - req.arrival, "prefill": req.first_token_time - scheduled,
+                              "decode": now - req.first_token_time, "inference": now - scheduled,
                               "num_output_tokens": s.seq.num_output_tokens}
         return result
 

@@ -4,6 +4,7 @@ a body is read and on every response, refusals included."""
 
 import logging
 import secrets
+import time
 import uuid
 
 from fastapi import HTTPException
@@ -61,7 +62,9 @@ class RequestIdMiddleware:
         given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"")
         request_id = given.decode() if 0 < len(given) <= 256 and all(0x21 <= c <= 0x7e for c in given) \
             else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        # arrival: when the headers came in, from which the engine counts the request's latencies
+        # (the body's upload, tokenization and the wait for the step in progress included, as in vLLM)
+        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter())
 
         started = False
 

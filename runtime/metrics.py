@@ -5,8 +5,13 @@ share or clash), latency histograms observed by the server when a request finish
 collector that turns the async engine's latest `EngineSnapshot` into gauges and counters at
 scrape time. Must not touch the `LLMEngine`: only the immutable snapshot is read here.
 
-Metric names follow Prometheus conventions (`_seconds`, `_total`, `_ratio`); the set mirrors
-what vLLM exports: queue sizes, KV usage, prefix hit rate, token counters, TTFT / TPOT / e2e.
+What vLLM also measures carries vLLM's name, label (`model_name`) and meaning, so dashboards and
+alerts built for vLLM work unchanged: queue sizes, KV usage, token and prefix-cache counters,
+preemptions, successes by `finished_reason`, and per request TTFT, e2e, queue / prefill / decode /
+inference time, time per output token and prompt / output lengths, all timed from the request's
+arrival at the server. What only qkiln has is `qkiln_*`: the artifact served, refusals, aborts,
+failed steps, the KV pool in blocks, a tokens/s gauge. (vLLM's per-token inter-token latency
+histogram is not kept.)
 """
 
 import collections
@@ -19,8 +24,31 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .async_engine import AsyncLLMEngine
 from .engine import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+# vLLM's buckets, with finer ones in front for a CPU host's short requests and fast tokens; the
+# request buckets reach 2 hours, so a long generation is not just "+Inf"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TIMES = (  # RequestOutput.metrics key, vLLM's histogram, help
+    ("queue", "vllm:request_queue_time_seconds", "Time from arrival to the request's first step."),
+    ("prefill", "vllm:request_prefill_time_seconds", "Time from the first step to the first output token."),
+    ("decode", "vllm:request_decode_time_seconds", "Time from the first output token to the last."),
+    ("inference", "vllm:request_inference_time_seconds", "Time from the first step to the last output token."),
+)
+
+
+def _length_buckets(max_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_len (vLLM's build_1_2_5_buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(buckets)
+            buckets.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
@@ -29,16 +57,25 @@ class ServerMetrics:
     def __init__(self, engine: AsyncLLMEngine, model_name: str):
         self.registry = CollectorRegistry()
         labels = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("qkiln_time_to_first_token_seconds", "Time from arrival to the first output token.",
-                              buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
-        self.tpot = Histogram("qkiln_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per request.",
-                              buckets=_TPOT_BUCKETS, **labels).labels(model_name)
-        self.e2e = Histogram("qkiln_e2e_request_latency_seconds", "Time from arrival to the last output token.",
-                             buckets=_LATENCY_BUCKETS, **labels).labels(model_name)
-        self._finished = Counter("qkiln_request_success", "Engine requests (a choice is one) that finished, by "
-                                 "finish reason.",
-                                 labelnames=["model_name", "finish_reason"], registry=self.registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, buckets=buckets, **labels).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first output token.",
+                              _TTFT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last output token.",
+                             _REQUEST_BUCKETS)
+        self.times = {key: histogram(name, doc, _REQUEST_BUCKETS) for key, name, doc in _TIMES}
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request.", _TPOT_BUCKETS)
+        lengths = _length_buckets(engine.max_model_len)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+                                       lengths)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Output tokens of each finished "
+                                           "request.", lengths)
+        self._finished = Counter("vllm:request_success", "Engine requests (a choice is one) that finished, by "
+                                 "finish reason (aborted ones: qkiln_request_aborted_total).",
+                                 labelnames=["model_name", "finished_reason"], registry=self.registry)
         self.refused_busy = Counter("qkiln_request_refused_busy", "Requests answered 429: the server was at its "
                                     "limit of requests in flight.", **labels).labels(model_name)
         self.refused_invalid = Counter("qkiln_request_refused_invalid", "HTTP requests answered 400: a malformed "
@@ -50,14 +87,18 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine, model_name))
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Record the latencies of a request that ran to completion (stop or length)."""
+        """Record a request that ran to its end (stop or length; an aborted one has no metrics)."""
         m = output.metrics
         if not m:
             return
         self.ttft.observe(m["ttft"])
         self.e2e.observe(m["e2e"])
+        for key, histogram in self.times.items():
+            histogram.observe(m[key])
         if m["num_output_tokens"] > 1:
-            self.tpot.observe((m["e2e"] - m["ttft"]) / (m["num_output_tokens"] - 1))
+            self.tpot.observe(m["decode"] / (m["num_output_tokens"] - 1))
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(m["num_output_tokens"])
         self._finished.labels(self._model_name, output.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
@@ -96,31 +137,33 @@ class _EngineCollector:
         snap = self.engine.snapshot
         rate = self._rate(snap.num_generated_tokens)
         gauges = (
-            ("qkiln_num_requests_waiting", "Requests queued, not yet scheduled (incl. preempted).", snap.num_waiting),
-            ("qkiln_num_requests_running", "Requests holding KV blocks and stepping.", snap.num_running),
-            ("qkiln_kv_cache_usage_ratio", "Fraction of KV blocks referenced by running requests.", snap.kv_usage),
+            ("vllm:num_requests_waiting", "Requests waiting for a step: queued (preempted ones too), or received and "
+             "not yet handed to the engine.", snap.num_waiting),
+            ("vllm:num_requests_running", "Requests holding KV blocks and stepping.", snap.num_running),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks referenced by requests (1 = all).", snap.kv_usage),
             ("qkiln_kv_cache_free_blocks", "KV blocks free or evictable (prefix-cached, unreferenced).",
              snap.num_free_blocks),
             ("qkiln_kv_cache_blocks", "KV blocks in the pool.", snap.num_blocks),
-            ("qkiln_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up.",
-             snap.prefix_cache_hit_rate),
             ("qkiln_generation_tokens_per_second", f"Output tokens per second over the last {RATE_WINDOW_S:g} s "
-             "or a little more (any scraper's; for alerts, rate() of qkiln_generation_tokens_total).", rate),
+             "or a little more (any scraper's; for alerts, rate() of vllm:generation_tokens_total).", rate),
         )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
         counters = (
-            ("qkiln_prompt_tokens", "Prompt tokens admitted, per engine request (n choices count a prompt n "
+            ("vllm:prompt_tokens", "Prompt tokens admitted, per engine request (n choices count a prompt n "
              "times).", snap.num_prompt_tokens),
-            ("qkiln_generation_tokens", "Output tokens generated.", snap.num_generated_tokens),
+            ("vllm:generation_tokens", "Output tokens generated.", snap.num_generated_tokens),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", snap.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (rate() over rate() of "
+             "queries: the hit rate).", snap.prefix_cache_hits),
+            ("vllm:num_preemptions", "Running requests sent back to wait for KV blocks (their KV is computed "
+             "again): the pool is too small for the load.", snap.num_preemptions),
             ("qkiln_engine_step_errors", "Engine steps that raised (their requests were aborted).",
              snap.num_step_errors),
             ("qkiln_request_aborted", "Engine requests (a choice is one) ended before they finished: the client "
              "went away, a sibling choice was refused, or a step failed.", snap.num_aborted),
-            ("qkiln_num_preemptions", "Running requests sent back to wait for KV blocks (their KV is computed "
-             "again): the pool is too small for the load.", snap.num_preemptions),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])

@@ -296,7 +296,7 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
     for c in choices:
         check_sampling_token_ids(c.params, engine.vocab_size)
     _check_capacity(engine, metrics, len(choices), request.app.state.max_concurrent_requests)
-    streams = await _admit(engine, choices)
+    streams = await _admit(engine, choices, request.state.arrival)
     builders = [c.builder for c in choices]
     if is_stream:
         return StreamingResponse(_sse(engine, metrics, streams, builders), media_type="text/event-stream",
@@ -338,7 +338,7 @@ def _check_capacity(engine: AsyncLLMEngine, metrics: ServerMetrics, num_choices:
                          code="server_busy", type="server_busy", headers={"Retry-After": "1"})
 
 
-async def _admit(engine: AsyncLLMEngine, choices: list[_Choice]) -> list[RequestStream]:
+async def _admit(engine: AsyncLLMEngine, choices: list[_Choice], arrival_time: float) -> list[RequestStream]:
     """Every choice admitted (at once: one engine round trip, not one per choice), or none: a
     refused one aborts the others and is a 400 naming its prompt's place in the batch.
     Everything up to the first await is synchronous, so a capacity check just before holds."""
@@ -351,7 +351,7 @@ async def _admit(engine: AsyncLLMEngine, choices: list[_Choice]) -> list[Request
     streams: list[RequestStream] = []
     try:
         for i, c in enumerate(choices):
-            streams.append(engine.submit(c.prompt_ids, c.params, engine_id(i)))
+            streams.append(engine.submit(c.prompt_ids, c.params, engine_id(i), arrival_time))
         admitted = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
     except BaseException:  # a bad parameter, the engine stopped, or the client went away
         _abort_unfinished(engine, streams)
@@ -419,8 +419,8 @@ async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, streams: list[Req
             if chunk is not None:
                 yield _event(chunk)
             finals[index] = out
-        for final in finals:
-            metrics.observe_finished(final)
+            if out.finished:  # now: a choice that finished counts though its client leaves before the others
+                metrics.observe_finished(out)
         if builders[0].include_usage:
             yield _event(usage_chunk(builders, finals))
     except QkilnError as e:  # the engine failed mid-stream: headers are sent, so report it in-band

@@ -85,10 +85,11 @@ def wait_idle(engine, timeout=30.0):
     assert kv[0] == kv[1], f"{kv[1] - kv[0]} KV blocks still held after every request ended"
 
 
-def metric(text: str, name: str) -> float:
-    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+def metric(text: str, name: str, default: float | None = None) -> float:
+    """A sample's value: `name` alone matches any labels, or name with its labels matches them exactly."""
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match or default is not None, f"{name} missing from /metrics"
+    return float(match.group(1)) if match else default
 
 
 def test_models_and_health(client, engine):
@@ -349,26 +350,78 @@ def test_every_response_carries_a_request_id_the_caller_may_choose(server, clien
 def test_metrics_change_after_requests(client):
     before = client.get("/metrics")
     assert before.headers["content-type"].startswith("text/plain")
-    for name in ("qkiln_num_requests_waiting", "qkiln_num_requests_running", "qkiln_kv_cache_usage_ratio",
-                 "qkiln_prefix_cache_hit_rate", "qkiln_generation_tokens_per_second"):
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "qkiln_generation_tokens_per_second"):
         metric(before.text, name)
     prompt = "count me, count me again, count me thrice"  # byte-level: one token per character
     completion(client, prompt=prompt, max_tokens=5)
     completion(client, prompt=prompt, max_tokens=5)  # a prefix-cache hit
     after = client.get("/metrics").text
-    assert metric(after, "qkiln_generation_tokens_total") - metric(before.text, "qkiln_generation_tokens_total") == 10
-    assert metric(after, "qkiln_prompt_tokens_total") - metric(before.text, "qkiln_prompt_tokens_total") == 2 * len(prompt)
-    for hist in ("qkiln_time_to_first_token_seconds", "qkiln_time_per_output_token_seconds",
-                 "qkiln_e2e_request_latency_seconds"):
-        assert metric(after, hist + "_count") - metric(before.text, hist + "_count") == 2
-    assert metric(after, "qkiln_prefix_cache_hit_rate") > 0
+
+    def grew(name, text=after, base=before.text):
+        return metric(text, name) - metric(base, name, default=0)
+
+    assert grew("vllm:generation_tokens_total") == 10 and grew("vllm:prompt_tokens_total") == 2 * len(prompt)
+    assert grew("vllm:prefix_cache_queries_total") == 2 * len(prompt)
+    assert 0 < grew("vllm:prefix_cache_hits_total") < len(prompt)  # the second's full blocks
+    assert grew('vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 2
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens"):
+        assert grew(hist + "_count") == 2, hist
+    assert grew("vllm:request_prompt_tokens_sum") == 2 * len(prompt)
+    assert grew("vllm:request_generation_tokens_sum") == 10
     rates = [metric(client.get("/metrics").text, "qkiln_generation_tokens_per_second") for _ in range(3)]
     assert metric(after, "qkiln_generation_tokens_per_second") > 0 and min(rates) > 0  # a scrape does not reset it
     assert completion(client, prompt="x", max_tokens=-1).status_code == 400
     assert client.post("/v1/completions", content=b"{", headers={"content-type": "application/json"}).status_code == 400
     last = client.get("/metrics").text
-    assert metric(last, "qkiln_request_refused_invalid_total") - metric(after, "qkiln_request_refused_invalid_total") == 2
-    assert metric(last, "qkiln_num_preemptions_total") == 0 and metric(last, "qkiln_request_aborted_total") >= 0
+    assert grew("qkiln_request_refused_invalid_total", last, after) == 2
+    assert metric(last, "vllm:num_preemptions_total") == 0 and metric(last, "qkiln_request_aborted_total") >= 0
+
+
+def test_latencies_count_from_arrival_at_the_server(client, engine):
+    """TTFT and e2e started when the engine thread took the request in, between steps: a request
+    that arrived during a 5.6 s prefill step recorded 0.043 s (probe s50)."""
+    before = client.get("/metrics").text
+    gate = threading.Event()
+    blocked = engine.call(lambda e: gate.wait(30))  # the engine thread busy, as in a long step
+    timer = threading.Timer(0.6, gate.set)
+    timer.start()
+    assert completion(client, prompt="late", max_tokens=2).status_code == 200
+    blocked.result(30)
+    after = client.get("/metrics").text
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds"):
+        assert metric(after, name + "_count") - metric(before, name + "_count") == 1
+        assert metric(after, name + "_sum") - metric(before, name + "_sum") >= 0.5, name
+
+
+def test_gauges_show_a_step_while_it_runs(engine):
+    """The snapshot was published before a step scheduled and after it ran, so during a prefill
+    step its request read as waiting with no KV in use ("waiting 1, running 0": a stuck-scheduler alert)."""
+    seen = []
+    runner = engine.engine.runner
+    run = runner.run
+
+    def run_and_look(*args, **kwargs):
+        snap = engine.snapshot
+        seen.append((snap.num_waiting, snap.num_running, snap.kv_usage))
+        return run(*args, **kwargs)
+
+    runner.run = run_and_look
+    try:
+        async def go():
+            async for _ in engine.generate("a prompt of some length", SamplingParams(max_tokens=2, temperature=0)):
+                pass
+
+        asyncio.run(go())
+    finally:
+        del runner.run
+    waiting, running, kv_usage = seen[0]
+    assert (waiting, running) == (0, 1) and kv_usage > 0
 
 
 def test_api_key(engine):
@@ -614,6 +667,25 @@ def test_client_disconnect_mid_stream_aborts(server, engine):
     wait_idle(engine)
     assert engine.snapshot.num_generated_tokens - before < 100, "the request ran to completion: not aborted"
     assert engine.snapshot.num_aborted - aborted == 1  # /metrics: qkiln_request_aborted_total
+
+
+def test_a_choice_that_finished_counts_though_the_stream_is_left_early(server, client, engine):
+    """A streamed batch counted its choices only once all had ended: one that finished was lost
+    from request_success and the histograms when the client left before the others (probe s50)."""
+    before = client.get("/metrics").text
+    # max_tokens null: each prompt runs to the end of the context, the long one first
+    body = {"model": "tiny", "prompt": ["x" * 100, "short"], "max_tokens": None, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"]:
+                    break  # the first choice to finish; leaving closes the connection
+    wait_idle(engine)
+    after = client.get("/metrics").text
+    assert metric(after, "vllm:e2e_request_latency_seconds_count") - \
+        metric(before, "vllm:e2e_request_latency_seconds_count") == 1
+    assert metric(after, "qkiln_request_aborted_total") - metric(before, "qkiln_request_aborted_total") == 1
 
 
 def test_client_disconnect_while_waiting_for_a_plain_response_aborts(server, engine):
