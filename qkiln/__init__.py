@@ -6,3 +6,15 @@ from qkiln import host_memory, host_threads
 # little longer before they sleep (host_threads.py).
 host_memory.set_up()
 host_threads.set_up()
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """`from qkiln import LLM, SamplingParams`, as vLLM's users write it: loaded on first use, so
+    `import qkiln` stays light (the CLI's start-up)."""
+    if name in __all__:
+        from qkiln import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'qkiln' has no attribute {name!r}")

@@ -10,6 +10,9 @@ Invariants:
   So an abort sent after an add always finds the request, and KV blocks are only ever freed by
   the thread that allocates them.
 - Idle means asleep: with no unfinished request the thread blocks on `_wake` (no busy-wait).
+- The thread holds the engine only through a weak reference while it sleeps, so an engine dropped
+  without `shutdown()` (or a `with` block) is collected, model and KV pool with it, and its thread
+  ends; while a request's stream is alive, that stream keeps the engine alive.
 - Every stream ends exactly once: with a finished `RequestOutput` (stop, length, or abort) or
   with an exception (`RequestError` at admission, `EngineError` when a step fails or the engine
   shuts down). A failing step aborts the requests it had in it (every open one if it failed
@@ -33,6 +36,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -165,23 +169,42 @@ class AsyncLLMEngine:
         self._aborted: set[RequestStream] = set()  # of those, the ones abort() asked to end
         self._num_queued_adds = 0  # submitted, not yet drained by the engine thread; guarded by `_open_lock`
         self._open_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="qkiln-engine", daemon=True)
+        self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self), self._wake),
+                                        name="qkiln-engine", daemon=True)
+        weakref.finalize(self, self._wake.set)  # collected while the thread sleeps: wake it to end
         self._thread.start()
 
     @classmethod
     def from_model(cls, model: str, dtype: str = "auto", name: str | None = None,
-                   int8_activations: bool = False, log_requests: bool = False, **engine_kwargs) -> "AsyncLLMEngine":
-        """Load an artifact directory or a source model (alias, HF dir, .gguf) and start serving it
-        (int8_activations: loader.load_for_serving)."""
+                   int8_activations: bool = False, log_requests: bool = False, device: str = "cpu",
+                   **engine_kwargs) -> "AsyncLLMEngine":
+        """Load an artifact directory or a source model (alias, HF dir, .gguf) on `device` and start
+        serving it (int8_activations: loader.load_for_serving; engine_kwargs: EngineConfig's fields,
+        checked before the model loads)."""
         from qkiln.compile.artifact import serving_digest
 
-        from .loader import load_for_serving
+        from .loader import check_engine_options, load_for_serving
 
-        loaded = load_for_serving(model, dtype=dtype, int8_activations=int8_activations)
+        check_engine_options(engine_kwargs, device, "AsyncLLMEngine.from_model()",
+                             "model, dtype, name, int8_activations, log_requests, device")
+        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
         manifest = loaded.manifest
         artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest,
                                                   "serving_digest": serving_digest(manifest)}
-        return cls(loaded.engine(**engine_kwargs), name or loaded.name, artifact, log_requests)
+        return cls(loaded.engine(device=device, **engine_kwargs), name or loaded.name, artifact, log_requests)
+
+    # `with` / `async with` end in shutdown(): the thread, the model and the KV pool go with the block
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)  # it joins the thread: not on the event loop
 
     @property
     def is_running(self) -> bool:
@@ -204,7 +227,11 @@ class AsyncLLMEngine:
         parameters and `EngineError` when the engine is not running. arrival_time: when the request
         arrived (time.perf_counter(); None: now), from which its latencies count."""
         arrival_time = time.perf_counter() if arrival_time is None else arrival_time
-        params = (params or SamplingParams()).admitted()  # now: the caller may change its object next
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, not {type(params).__name__} (the order is prompt, "
+                               "params, request_id)", "sampling_params")
+        # None: the model's recommended values (generation_config.json), as LLM.generate and the server use
+        params = (params or self.engine.default_sampling_params()).admitted()  # now: the caller may change it next
         stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
                                asyncio.get_running_loop(), on_end=self._request_ended)
         with self._open_lock:
@@ -241,7 +268,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; leaving the loop early (or being cancelled) aborts it."""
+        """Stream this request's outputs; leaving the loop early (or being cancelled) aborts it. One
+        request is one choice: for n > 1, submit each of `params.choices()` (the server does)."""
         stream = await self.add_request(prompt, params, request_id)
         try:
             async for output in stream:
@@ -290,28 +318,20 @@ class AsyncLLMEngine:
             self._commands.put(command)
         self._wake.set()
 
-    # ---- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._drain_commands()
-                self._publish()
-                if not self.engine.has_unfinished():
-                    # Commands queued between the drain and here left `_wake` set: no lost wake-up.
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                self._step()
-        except BaseException:  # a bug in the loop itself: fail every stream rather than hang them
-            # not re-raised: the thread's excepthook printed the traceback a second time; a server
-            # sees is_running go false and exits so that it is restarted
-            log.critical("the engine loop failed; every request in flight is failed and the engine stops",
-                         exc_info=True)
-            self._stopping = True
-        finally:
-            with self._send_lock:
-                self._closed = True
-            self._fail_all(EngineError("the engine has shut down; retry against a running server"))
+    # ---- engine thread (_engine_thread below runs these) ---------------------------------------
+    def _turn(self) -> bool:
+        """One loop turn: commands, then a step; False when idle (nothing to step)."""
+        self._drain_commands()
+        self._publish()
+        if not self.engine.has_unfinished():
+            return False
+        self._step()
+        return True
+
+    def _close(self) -> None:
+        with self._send_lock:
+            self._closed = True
+        self._fail_all(EngineError("the engine has shut down; retry against a running server"))
 
     def _drain_commands(self) -> None:
         while True:
@@ -435,6 +455,30 @@ class AsyncLLMEngine:
                 command.stream.put(error)
             elif command[0] == "call" and command[2].set_running_or_notify_cancel():  # its caller may have left
                 command[2].set_exception(error)
+
+
+def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event) -> None:
+    """The engine thread's loop. Asleep it holds no reference to the engine, so a dropped engine is
+    collected (its finalizer sets `wake`) and the loop ends."""
+    engine = ref()
+    try:
+        while engine is not None and not engine._stopping:
+            if not engine._turn():
+                engine = None
+                # Commands queued between the drain and here left `wake` set: no lost wake-up.
+                wake.wait()
+                wake.clear()
+                engine = ref()
+    except BaseException:  # a bug in the loop itself: fail every stream rather than hang them
+        # not re-raised: the thread's excepthook printed the traceback a second time; a server
+        # sees is_running go false and exits so that it is restarted
+        log.critical("the engine loop failed; every request in flight is failed and the engine stops",
+                     exc_info=True)
+        if engine is not None:
+            engine._stopping = True
+    finally:
+        if engine is not None:
+            engine._close()
 
 
 def _log_finished(out: RequestOutput) -> None:

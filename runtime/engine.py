@@ -18,7 +18,7 @@ import torch
 
 from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
-from qkiln.plugins.kv_cache import KV_SCALE_NAMES, float_dtype_name
+from qkiln.plugins.kv_cache import KV_DTYPES, KV_SCALE_NAMES, float_dtype_name
 
 from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
@@ -99,6 +99,9 @@ class EngineConfig:
                 raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
             raise QkilnError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
+            raise QkilnError(f"kv_dtype must be 'auto' (the model's, or the artifact's KV scheme) or one of "
+                             f"{', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise QkilnError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
                              f"(SamplingParams' own), got {self.generation_config!r}")
@@ -254,8 +257,12 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """arrival_time: when the request arrived, on the time.perf_counter() clock (None: now); a
         server passes the moment it received it, so the time it waited to be handed to the engine
-        counts in its latencies (vLLM's arrival_time)."""
-        params = (params or SamplingParams()).admitted()
+        counts in its latencies (vLLM's arrival_time). params None: the model's recommended values
+        (default_sampling_params), as LLM.generate takes them."""
+        if params is not None and not isinstance(params, SamplingParams):  # vLLM's order is (id, prompt, params)
+            raise RequestError(f"params must be a SamplingParams, not {type(params).__name__} (the order is prompt, "
+                               "params, request_id)", "sampling_params")
+        params = (params or self.default_sampling_params()).admitted()
         if params.n != 1:  # one request is one sequence
             raise RequestError(f"the engine runs one choice per request, got n {params.n}: add params.choices() "
                                "one by one (LLM.generate and the server do)", "n")
@@ -332,7 +339,18 @@ class LLMEngine:
         sampled = dict(zip((s.seq_id for s in sampling), out.token_ids.tolist()))
         finished = {seq.seq_id for seq in self.scheduler.update(plan, sampled)}
         self.stats["num_steps"] += 1
-        return [self._postprocess(s, sampled[s.seq_id], out, row, finished) for row, s in enumerate(sampling)]
+        outputs = []
+        try:
+            for row, s in enumerate(sampling):
+                outputs.append(self._postprocess(s, sampled[s.seq_id], out, row, finished))
+        except BaseException:
+            # The sequences hold this step's tokens already; one not post-processed (an interrupt, or a
+            # detokenizer failure) would go on with its text a token short, or, finished, never leave
+            # `requests`: those are aborted, so the caller may go on with the rest.
+            for s in sampling[len(outputs):]:
+                self.abort_request(s.seq_id)
+            raise
+        return outputs
 
     def _run(self, plan) -> SamplerOutput:
         """The model and the sampler on one step's plan (prompt logprobs recorded on the way)."""

@@ -3,7 +3,6 @@ through the continuously batched engine and returns the outputs in prompt order;
 renders conversations with the model's chat template first. Names follow vLLM's `LLM` where
 qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}` prompts)."""
 
-import dataclasses
 import itertools
 import threading
 from collections.abc import Callable
@@ -13,9 +12,9 @@ from tqdm import tqdm
 
 from qkiln.errors import RequestError, SourceModelError
 
-from .engine import EngineConfig, NonFiniteLogitsError, RequestOutput, is_token_ids
+from .engine import NonFiniteLogitsError, RequestOutput, is_token_ids
 from .hf_tokenizer import TransformersStyleTokenizer
-from .loader import load_for_serving
+from .loader import check_engine_options, load_for_serving
 from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
 from .sampling_params import SamplingParams
 
@@ -63,12 +62,6 @@ class LLM:
         vLLM's options, for scripts written for it: trust_remote_code changes nothing (qkiln runs no
         code of a checkpoint's, only the architectures it implements), tensor_parallel_size must be
         1 (one device), kv_cache_dtype is kv_dtype ("fp8" / "fp8_e4m3": fp8)."""
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
-        unknown = sorted(set(engine_kwargs) - known)
-        if unknown:  # before the model loads; EngineConfig's own TypeError named an internal class
-            raise TypeError(f"LLM() has no option {', '.join(unknown)}; it takes model, dtype, int8_activations, "
-                            f"device, vLLM's trust_remote_code, tensor_parallel_size and kv_cache_dtype, and the "
-                            f"engine's {', '.join(sorted(known))}")
         if not isinstance(trust_remote_code, bool):
             raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
         if type(tensor_parallel_size) is not int or tensor_parallel_size != 1:
@@ -76,6 +69,8 @@ class LLM:
                              "leave it at 1")
         if kv_cache_dtype is not None:
             engine_kwargs["kv_dtype"] = _kv_dtype(kv_cache_dtype, engine_kwargs.get("kv_dtype"))
+        check_engine_options(engine_kwargs, device, "LLM()", "model, dtype, int8_activations, device, vLLM's "
+                             "trust_remote_code, tensor_parallel_size and kv_cache_dtype")
         loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
         self.engine = loaded.engine(device=device, **engine_kwargs)
         self.tokenizer = loaded.tokenizer
@@ -99,9 +94,11 @@ class LLM:
         ids, {"prompt": str} or {"prompt_token_ids": [...]}, or a list of those. sampling_params: one
         for all prompts, or one per prompt. A prompt the engine refuses, or an interrupt, aborts every
         request of this call: the LLM stays usable. Calls from several threads run one after another.
-        use_tqdm: a progress bar over the prompts on stderr (vLLM's default), or a tqdm-like class to
-        make it with."""
+        use_tqdm: a progress bar over the prompts on stderr (vLLM's default), or, as in vLLM, a
+        callable that makes one (called with total, desc and dynamic_ncols; then update and close)."""
         prompts = _prompt_list(prompts)
+        if isinstance(sampling_params, tuple):  # any sequence of them, as vLLM takes
+            sampling_params = list(sampling_params)
         if isinstance(sampling_params, list) and len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} SamplingParams; give one for "
                                "all or one per prompt")
@@ -159,8 +156,11 @@ class LLM:
         prompt_of = {i: k for k, ids in enumerate(request_ids) for i in ids}
         unfinished = [len(ids) for ids in request_ids]  # choices per prompt: the bar counts prompts, as vLLM's
         failed: list[NonFiniteLogitsError] = []
-        progress = use_tqdm if callable(use_tqdm) else tqdm
-        with progress(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm) as bar:
+        if callable(use_tqdm):  # vLLM's use: a factory called with total, desc, dynamic_ncols; update, close
+            bar = use_tqdm(total=len(request_ids), desc="generate", dynamic_ncols=True)
+        else:
+            bar = tqdm(total=len(request_ids), desc="generate", unit="prompt", disable=not use_tqdm)
+        try:
             while self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
@@ -177,6 +177,8 @@ class LLM:
                         finished[out.request_id] = out
                         unfinished[prompt_of[out.request_id]] -= 1
                         bar.update(unfinished[prompt_of[out.request_id]] == 0)
+        finally:
+            bar.close()
         results, convert = [], LogprobConverter(self.tokenizer)
         for prompt, ids, detokenize in zip(prompts, request_ids, detokenizes):
             if any(i not in finished for i in ids):  # a choice failed

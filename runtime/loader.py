@@ -4,6 +4,7 @@ source model (unquantized, so the runtime is useful before a build).
 The artifact path imports only `compile.artifact` (the schema leaf), never `transformers`.
 """
 
+import dataclasses
 import os
 import sys
 from contextlib import contextmanager
@@ -49,6 +50,20 @@ class ServingModel:
         kv_group_size = engine_kwargs.pop("kv_group_size", None) or self.kv_group_size
         config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs)
         return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales)
+
+
+def check_engine_options(options: dict, device: str, who: str, takes: str) -> None:
+    """Refuse an unknown engine option or a bad value before the model loads (seconds, or minutes
+    for a large one): EngineConfig's own TypeError named an internal class, after the load.
+    who: the caller's name ("LLM()"); takes: what else it takes, for the message."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{who} has no option {', '.join(unknown)}; it takes {takes}, and the engine's "
+                        f"{', '.join(sorted(known))}")
+    # None for these two means the model's (ServingModel.engine); anything else is checked now
+    EngineConfig(device=device, **{k: v for k, v in options.items()
+                                   if not (k in ("kv_dtype", "kv_group_size") and v is None)})
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -50,6 +50,26 @@ def test_offline_generate_without_params_takes_them(model_dir):
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
+def test_the_engines_without_params_take_them_as_llm_does(model_dir):
+    """LLMEngine.add_request and AsyncLLMEngine.generate fell back to SamplingParams() (16 tokens,
+    temperature 1) where LLM.generate took the model's values (probe s50)."""
+    import asyncio
+
+    from qkiln.runtime.async_engine import AsyncLLMEngine
+
+    llm = LLM(str(model_dir), dtype="fp32", **ENGINE_KW)
+    expected = llm.generate("hello world")[0].token_ids
+    request_id = llm.engine.add_request("hello world")
+    assert llm.engine.requests[request_id].seq.sampling_params.max_tokens == 7
+    llm.engine.abort_request(request_id)
+
+    async def stream(engine):
+        return [out async for out in engine.generate("hello world")][-1].token_ids
+
+    with AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", **ENGINE_KW) as engine:
+        assert asyncio.run(stream(engine)) == expected
+
+
 def test_an_out_of_range_value_is_left_out_with_a_warning(tmp_path):
     path = write_tiny_hf_model(tmp_path, "llama")
     (path / "generation_config.json").write_text(json.dumps({"top_p": 0.0, "temperature": 0.5}))

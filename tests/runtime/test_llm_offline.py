@@ -129,21 +129,18 @@ def test_a_progress_bar_by_default_as_in_vllm(llm, capsys):
     assert capsys.readouterr().err == ""
     made = []
 
-    class Bar:  # vLLM takes a tqdm-like class (a notebook's, a logger's)
-        def __init__(self, **kw):
-            made.append(kw)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
+    class Bar:  # vLLM takes a tqdm-like factory (a notebook's, a logger's): called, then update and close
+        def __init__(self, total, desc, dynamic_ncols):  # what vLLM passes, no more (unit= broke one)
+            made.append(total)
 
         def update(self, n=1):
             made.append(n)
 
+        def close(self):
+            made.append("closed")
+
     llm.generate(["abc", "def"], GREEDY, use_tqdm=Bar)
-    assert made[0]["total"] == 2 and sum(made[1:]) == 2
+    assert made[0] == 2 and sum(made[1:-1]) == 2 and made[-1] == "closed"
 
 
 def test_an_empty_token_list_is_named_as_empty(llm):
@@ -155,6 +152,7 @@ def test_params_list_must_match_the_prompts(llm):
     with pytest.raises(RequestError, match="3 prompts but 1 SamplingParams"):
         llm.generate(["a", "b", "c"], [GREEDY])
     assert len(llm.generate(["a", "b"], [GREEDY, GREEDY])) == 2
+    assert len(llm.generate(["a", "b"], (GREEDY, GREEDY))) == 2  # a tuple too, as vLLM takes any sequence
 
 
 def test_prompts_in_vllm_s_forms(llm):
@@ -177,6 +175,46 @@ def test_prompts_in_vllm_s_forms(llm):
 def test_unknown_llm_options_are_named_before_loading():
     with pytest.raises(TypeError, match="no option gpu_memory_utilization; .* max_num_seqs"):
         LLM("no-such-model", gpu_memory_utilization=0.9)
+    # a bad value too: "no-such-model" would fail to load, so these are checked first (were after a
+    # load of seconds to minutes)
+    for bad, message in ((dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+                         (dict(kv_dtype="int3"), "kv_dtype must be 'auto'"),
+                         (dict(generation_config="off"), "generation_config must be")):
+        with pytest.raises(QkilnError, match=message):
+            LLM("no-such-model", **bad)
+
+
+def test_an_interrupt_after_sampling_aborts_the_requests_not_yet_answered(llm):
+    """Tokens are appended when the step's outputs are made: an interrupt there left the text a token
+    short of the tokens, and a finished request in `requests` for good (its id "in use") (probe s50)."""
+    engine = llm.engine
+    first = engine.add_request("hello", GREEDY, "first")
+    second = engine.add_request("world", dataclasses.replace(GREEDY, max_tokens=1), "second")
+    postprocess = engine._postprocess
+
+    def interrupted(s, *args):
+        if s.seq_id == second:
+            raise KeyboardInterrupt
+        return postprocess(s, *args)
+
+    engine._postprocess = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    finally:
+        del engine._postprocess
+    assert second not in engine.requests and first in engine.requests  # the one answered goes on
+    engine.abort_request(first)
+    assert not engine.has_unfinished() and engine.kv_manager.usage == 0.0
+    engine.add_request("world", GREEDY, "second")  # its id is free again
+    engine.abort_request("second")
+
+
+def test_the_offline_api_imports_from_the_top_package_as_vllm_s_does():
+    import qkiln
+    from qkiln import SamplingParams as TopSamplingParams
+
+    assert qkiln.LLM is LLM and TopSamplingParams is SamplingParams
 
 
 def test_two_threads_share_one_llm(llm):
