@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 
 import jinja2
@@ -52,9 +53,10 @@ class Tokenizer:
         self.config = config
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
-        # tokenizer.json's post-processor decides only what tokenizer_config.json leaves unsaid
-        says_both = "add_bos_token" in config and "add_eos_token" in config
-        before, after = ([], []) if says_both else self._post_processor_tokens()
+        # tokenizer.json's post-processor decides only what tokenizer_config.json leaves unsaid (as
+        # transformers 4's Llama tokenizers did; transformers 5 drops the flags beside a tokenizer.json,
+        # so `save` writes a post-processor that agrees with them, and a disagreement is warned about)
+        before, after = self._post_processor_tokens()
         if "add_bos_token" in config:
             self.add_bos = bool(config["add_bos_token"]) and self.bos_token_id is not None
         else:  # Llama 3's layout: no flag, tokenizer.json's post-processor puts BOS first (transformers follows it)
@@ -65,6 +67,18 @@ class Tokenizer:
         else:
             self.add_eos = len(after) == 1 and after[0] == self.eos_token_id
         self.chat_template = config.get("chat_template")
+        flagged = [f"{flag} {str(config[flag]).lower()}" for flag, says, policy in (
+            ("add_bos_token", before, self._policy_tokens()[0]), ("add_eos_token", after, self._policy_tokens()[1]))
+            if flag in config and says != policy]
+        if flagged:
+            warnings.warn(f"tokenizer_config.json says {' and '.join(flagged)}, which tokenizer.json's post-processor "
+                          f"does not do; qkiln follows tokenizer_config.json (transformers 4's Llama tokenizers did, "
+                          f"transformers 5 follows tokenizer.json), and a build's tokenizer.json is written to agree",
+                          stacklevel=2)
+
+    def _policy_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids `encode` adds before and after a text."""
+        return [self.bos_token_id] * self.add_bos, [self.eos_token_id] * self.add_eos
 
     def _post_processor_tokens(self) -> tuple[list[int], list[int]]:
         """The ids tokenizer.json's post-processor adds before and after a text."""
@@ -189,8 +203,14 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def save(self, directory: Path) -> None:
+        """tokenizer.json and tokenizer_config.json; the first's post-processor adds what `encode`
+        adds, so transformers (lm-eval's HF tokenizer backend), which follows it, gives the same ids."""
         directory.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(directory / "tokenizer.json"))
+        backend = self.backend
+        if self._post_processor_tokens() != self._policy_tokens():
+            backend = _with_post_processor(backend, *(None if not ids else backend.id_to_token(ids[0])
+                                                      for ids in self._policy_tokens()))
+        backend.save(str(directory / "tokenizer.json"))
         (directory / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True))
 
     @classmethod
@@ -252,7 +272,25 @@ def _bos_eos_processor(backend: HFTokenizer, config: dict):
     an artifact's tokenizer loaded by transformers (lm-eval's HF tokenizer backend) read none
     from the config and scored every text without its BOS. None: the policy adds nothing."""
     ends = [(config["bos_token"], config["add_bos_token"]), (config["eos_token"], config["add_eos_token"])]
-    bos, eos = [token if add and token is not None else None for token, add in ends]
+    return _template_processor(backend, *(token if add and token is not None else None for token, add in ends))
+
+
+def _with_post_processor(backend: HFTokenizer, bos: str | None, eos: str | None) -> HFTokenizer:
+    """A copy of `backend` whose post-processor adds `bos` / `eos` (None: nothing) and keeps what
+    else it did (ByteLevel's offsets): its BOS / EOS templates are replaced."""
+    data = json.loads(backend.to_str())
+    current = data.get("post_processor")
+    parts = [] if current is None else current["processors"] if current["type"] == "Sequence" else [current]
+    parts = [p for p in parts if p["type"] not in ("TemplateProcessing", "BertProcessing", "RobertaProcessing")]
+    template = _template_processor(backend, bos, eos)
+    parts += [] if template is None else [json.loads(template.__getstate__())]
+    data["post_processor"] = None if not parts else parts[0] if len(parts) == 1 else \
+        {"type": "Sequence", "processors": parts}
+    return HFTokenizer.from_str(json.dumps(data))
+
+
+def _template_processor(backend: HFTokenizer, bos: str | None, eos: str | None):
+    """A TemplateProcessing that puts `bos` first and `eos` last (None: leave it out); None for neither."""
     if bos is None and eos is None:
         return None
 

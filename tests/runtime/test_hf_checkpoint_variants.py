@@ -3,6 +3,7 @@ compute what transformers computes from the same files, or be refused naming wha
 load and answer wrongly. transformers is the reference."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -43,6 +44,34 @@ def edit_json(path, **changes):
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.parametrize("flags, post_processor_bos", [(dict(add_eos_token=True), False),
+                                                      (dict(add_bos_token=True), False),
+                                                      (dict(add_bos_token=False), True)])
+def test_a_saved_tokenizer_gives_transformers_the_ids_qkiln_runs(tmp_path, flags, post_processor_bos):
+    """transformers 5 drops add_bos_token / add_eos_token beside a tokenizer.json and follows its
+    post-processor; qkiln follows the flags. A SmolLM2 with add_eos_token true put <|im_end|> after
+    every prompt in qkiln, not in transformers, and its artifact's tokenizer kept the conflict, so
+    lm-eval's HF tokenizer scored other ids than the server ran (probe s50). Now qkiln warns, and a
+    saved tokenizer.json agrees with the flags."""
+    model_dir = write_tiny_hf_model(tmp_path / "src", "llama")
+    if post_processor_bos:
+        backend = Tokenizer.from_dir(model_dir).backend
+        backend.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
+                                                      processors.TemplateProcessing(single="<|bos|> $A",
+                                                                                    special_tokens=[("<|bos|>", 256)])])
+        backend.save(str(model_dir / "tokenizer.json"))
+    edit_json(model_dir / "tokenizer_config.json", **flags)
+    with pytest.warns(UserWarning, match="qkiln follows tokenizer_config.json"):
+        tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer.save(tmp_path / "saved")
+    text = "Hello world, it is a bright cold day"
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "saved")
+    assert saved(text).input_ids == tokenizer.encode(text)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the saved pair agrees: no warning
+        assert Tokenizer.from_dir(tmp_path / "saved").encode(text) == tokenizer.encode(text)
+
+
 def test_a_bos_declared_only_by_the_post_processor_is_added_as_transformers_adds_it(tmp_path):
     """Llama 3's layout: tokenizer_config.json has no add_bos_token; tokenizer.json's
     TemplateProcessing puts <|begin_of_text|> first."""
@@ -57,9 +86,10 @@ def test_a_bos_declared_only_by_the_post_processor_is_added_as_transformers_adds
     tokenizer = Tokenizer.from_dir(model_dir)
     assert expected[0] == 256 and tokenizer.encode(text) == expected
     assert tokenizer.add_bos and tokenizer.encode(text, add_special_tokens=False) == expected[1:]
-    # an explicit flag still wins, as before
+    # an explicit flag still wins, as before, said in a warning
     edit_json(model_dir / "tokenizer_config.json", add_bos_token=False)
-    assert Tokenizer.from_dir(model_dir).encode(text) == expected[1:]
+    with pytest.warns(UserWarning, match="says add_bos_token false, which tokenizer.json's post-processor does not"):
+        assert Tokenizer.from_dir(model_dir).encode(text) == expected[1:]
     # two tokens in front are no BOS policy qkiln knows: neither is added, and BOS stays the config's
     backend.post_processor = processors.TemplateProcessing(single="<|eos|> <|bos|> $A", special_tokens=[
         ("<|bos|>", 256), ("<|eos|>", 257)])
