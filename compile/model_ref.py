@@ -30,7 +30,7 @@ class LoadedModel:
 
 def open_model(name: str, int8_activations: bool = False) -> LoadedModel:
     """int8_activations: score an artifact as served with that CPU option (simulated)."""
-    path = Path(name)
+    path = Path(name).expanduser()
     if is_artifact_dir(path):
         from .artifact_model import load_artifact_model  # an artifact: quantized layers from its manifest
 

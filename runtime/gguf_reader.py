@@ -43,6 +43,10 @@ def _open(path: Path):
         if "GGMLQuantizationType" in str(e):  # a type from a newer llama.cpp, not damage
             raise SourceModelError(f"{path} holds a tensor type this `gguf` package does not know ({e}): upgrade "
                                    "gguf (pip install -U gguf) or convert the model to another type") from e
+        if "version" in str(e) and "cannot handle" in str(e):  # a newer file format, not damage
+            raise SourceModelError(f"{path} is a GGUF of a newer format than this `gguf` package reads ({e}): "
+                                   "upgrade gguf (pip install -U gguf), or convert the model with the "
+                                   "llama.cpp this gguf comes from") from e
         raise SourceModelError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); re-download it") from e
 
 

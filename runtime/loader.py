@@ -83,7 +83,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
     torch_dtype = resolve_dtype(dtype)
-    path = Path(name)
+    path = Path(name).expanduser()
     is_artifact = is_artifact_dir(path)
     if int8_activations:
         check_int8_activations(name, is_artifact, device)

@@ -73,10 +73,14 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=
 
 
 def resolve_source(name: str | Path) -> Path:
-    """An alias, a GGUF file or a HF directory -> an existing path."""
-    path = Path(name)
+    """An alias, a GGUF file, a HF directory (`~` expanded) or a Hugging Face hub id already in the
+    local HF cache (nothing is downloaded) -> an existing path."""
+    path = Path(name).expanduser()
     if path.exists():
         return path
+    cached = _hub_cache_snapshot(str(name))
+    if cached is not None:
+        return cached
     if str(name) in ALIASES:
         for candidate in _alias_candidates(ALIASES[str(name)]):
             if candidate.is_file():
@@ -86,9 +90,22 @@ def resolve_source(name: str | Path) -> Path:
             "or place it under ../shared/models/smollm2-135m-instruct/"
         )
     raise SourceModelError(
-        f"{name!r} not found: give an artifact (directory or archive), a Hugging Face directory, a .gguf file "
+        f"{name!r} not found: give an artifact (directory or archive), a Hugging Face directory, a .gguf file, "
+        f"a hub id in the local Hugging Face cache (qkiln downloads nothing: `hf download ID` first) "
         f"or one of the aliases {', '.join(ALIASES)}"
     )
+
+
+def _hub_cache_snapshot(name: str) -> Path | None:
+    """A hub id ("org/name") as transformers and vLLM resolve it offline: its snapshot in the local
+    Hugging Face cache (HF_HOME / HF_HUB_CACHE), when huggingface_hub is installed and has it."""
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not installed, not a valid id, or not in the cache: "not found" says what to do
+        return None
 
 
 def _alias_candidates(filename: str) -> list[Path]:
@@ -101,14 +118,24 @@ def _alias_candidates(filename: str) -> list[Path]:
 
 def load_source(name: str | Path) -> SourceModel:
     path = resolve_source(name)
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf_file(path)):
         from .gguf_reader import load_gguf
 
         config, tokenizer, state_dict = load_gguf(path)
         return SourceModel(path, "gguf", config, tokenizer, state_dict, file_sha256([path]))
     if path.is_dir():
         return _load_hf_dir(path)
-    raise SourceModelError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    raise SourceModelError(f"{path} is neither a GGUF file (its first bytes are not GGUF's magic) nor a Hugging "
+                           "Face model directory")
+
+
+def is_gguf_file(path: Path) -> bool:
+    """By the magic llama.cpp checks, not the name: Ollama keeps its GGUFs as blobs/sha256-<hex>."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _load_hf_dir(path: Path) -> SourceModel:
@@ -202,9 +229,19 @@ def weight_files(path: Path) -> list[Path]:
             raise SourceModelError(f"{index_path} maps weights to {', '.join(missing) or 'no file'}, "
                                    "not in the directory; download every shard")
         return [path / n for n in names]
+    if (path / "adapter_config.json").is_file():  # its adapter_model.safetensors is not the model's weights
+        raise SourceModelError(f"{path} holds a PEFT / LoRA adapter (adapter_config.json), which qkiln does not "
+                               "apply: merge it into its base model first (peft's merge_and_unload(), then "
+                               "save_pretrained) and build from the merged directory")
+    if (path / "model.safetensors").is_file():  # what transformers reads; others beside it are not the model
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise SourceModelError(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded)")
+        pickled = sorted(p.name for p in path.glob("*.bin"))
+        raise SourceModelError(f"{path} has no *.safetensors weights" + (
+            f" ({', '.join(pickled[:3])}: pickled weights, which qkiln does not load, as they can run code; "
+            "re-save them with transformers: from_pretrained(DIR).save_pretrained(NEW_DIR), safetensors by default)"
+            if pickled else ""))
     return files
 
 

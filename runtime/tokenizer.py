@@ -217,6 +217,10 @@ class Tokenizer:
     def from_dir(cls, directory: Path) -> "Tokenizer":
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
+            if (Path(directory) / "tokenizer.model").is_file():
+                raise SourceModelError(f"{directory} has a SentencePiece tokenizer.model but no tokenizer.json, which "
+                                       "is what qkiln reads: write one with transformers, "
+                                       "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
             raise SourceModelError(f"{directory} has no tokenizer.json; copy the model's tokenizer files there")
         try:
             backend = HFTokenizer.from_file(str(path))

@@ -29,6 +29,21 @@ def test_a_plain_gguf_is_the_hf_model(hf_dir, tmp_path):
     assert torch.allclose(_logits(gguf), _logits(load_source(hf_dir)), atol=1e-5)
 
 
+def test_a_gguf_is_known_by_its_magic_not_its_name(hf_dir, tmp_path):
+    """Ollama keeps its GGUFs as blobs/sha256-<hex>: 'neither a .gguf file nor ...' (probe s50); and a
+    file of a newer GGUF version was told to "re-download it", which gives the same file."""
+    blob = write_tiny_gguf(tmp_path / "m.gguf", hf_dir).rename(tmp_path / "sha256-0123abcd")
+    assert torch.equal(_logits(load_source(blob)), _logits(load_source(write_tiny_gguf(tmp_path / "n.gguf", hf_dir))))
+    data = bytearray(blob.read_bytes())
+    data[4:8] = (99).to_bytes(4, "little")  # the version field after the magic
+    (tmp_path / "v99.gguf").write_bytes(bytes(data))
+    with pytest.raises(SourceModelError, match="newer format than this `gguf` package reads.*upgrade gguf"):
+        load_source(tmp_path / "v99.gguf")
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(SourceModelError, match="neither a GGUF file"):
+        load_source(tmp_path / "notes.txt")
+
+
 def test_linear_rope_scaling_keys_are_applied(hf_dir, tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.scaling.type": ("string", "linear"),
                                                                    "llama.rope.scaling.factor": ("float32", 4.0)})

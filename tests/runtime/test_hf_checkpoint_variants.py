@@ -232,6 +232,43 @@ def test_a_quantized_checkpoint_as_a_source_names_qkiln_import(tmp_path):
         load_source(str(model_dir))
 
 
+def test_folders_as_users_have_them_are_read_or_told_what_to_do(tmp_path, monkeypatch):
+    """Probe s50: a LoRA adapter saved beside the weights was loaded as weights ("config and tensors
+    disagree"); a tokenizer.model-only or .bin-only folder was told what it already had or nothing
+    of what to do; `~` was not expanded; a hub id in the local cache was "not found"."""
+    import shutil
+
+    model_dir = write_tiny_hf_model(tmp_path / "m", "llama")
+    reference = load_source(model_dir).state_dict["model.norm.weight"]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert torch.equal(load_source("~/m").state_dict["model.norm.weight"], reference)
+    # the hub cache's layout: models--org--name/snapshots/<commit>/, refs/main naming the commit
+    repo = tmp_path / "hub" / "models--someorg--tiny"
+    shutil.copytree(model_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert torch.equal(load_source("someorg/tiny").state_dict["model.norm.weight"], reference)
+    with pytest.raises(SourceModelError, match="not found: .*a hub id in the local Hugging Face cache"):
+        load_source("someorg/absent")
+
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 4)}, str(model_dir / "adapter_model.safetensors"))
+    (model_dir / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    with pytest.raises(SourceModelError, match="PEFT / LoRA adapter .* merge it into its base model first"):
+        load_source(model_dir)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        (model_dir / name).unlink()
+    (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
+    with pytest.raises(SourceModelError, match="pytorch_model.bin: pickled weights.*save_pretrained"):
+        load_source(model_dir)
+    (model_dir / "tokenizer.json").rename(model_dir / "tokenizer.model")
+    with pytest.raises(SourceModelError, match="SentencePiece tokenizer.model but no tokenizer.json"):
+        Tokenizer.from_dir(model_dir)
+
+
 def test_a_checkpoint_another_user_cannot_read_is_said_so(other_user):
     """transformers saves model.safetensors 0600, and safetensors reports EACCES as "No such file or
     directory": a teammate's checkpoint was 'not a valid safetensors file ...; re-download it'."""
