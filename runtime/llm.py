@@ -218,8 +218,12 @@ def _kv_dtype(kv_cache_dtype: str, kv_dtype: str | None) -> str:
 
 
 def _template_message(message: dict) -> dict:
-    """A chat message as templates read it: OpenAI's content parts joined as the server joins them
-    (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
+    """A chat message as templates read it: keys whose value is None left out, as transformers and
+    vLLM leave them (an OpenAI SDK message's `tool_calls: None` crashed Llama 3's template, and
+    `content: None` was printed as "None"), and OpenAI's content parts joined as the server joins
+    them (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
+    if isinstance(message, dict):
+        message = {key: value for key, value in message.items() if value is not None}
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, list):
         return message

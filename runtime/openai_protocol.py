@@ -266,6 +266,7 @@ class ChatMessage(BaseModel):
     # OpenAI's roles; "tool" / "function" turns are refused with `tools` (no function calling)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # a participant's name: templates that know it print it (vLLM passes it on)
     tool_calls: list | None = None  # an assistant's function calls: refused, not dropped from the prompt
 
     @field_validator("role", mode="before")
@@ -299,7 +300,7 @@ class ChatMessage(BaseModel):
         # OpenAI's newer name for the system role; a template that has never heard of it would put
         # the instructions in a turn the model was not trained on, after its default system prompt
         role = "system" if self.role == "developer" and not template_knows_developer else self.role
-        return {"role": role, "content": content or ""}
+        return {"role": role, "content": content or ""} | ({"name": self.name} if self.name is not None else {})
 
 
 # Checked before the messages are validated: a million empty ones held the event loop 6 s.

@@ -22,7 +22,7 @@ from qkiln.errors import ArtifactError, SourceModelError
 
 from .config import ModelConfig
 from .model import CausalLM
-from .tokenizer import TOKENIZER_FILES, Tokenizer, read_json_config
+from .tokenizer import NAMED_TEMPLATES_DIR, TOKENIZER_FILES, Tokenizer, read_json_config
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
@@ -253,7 +253,7 @@ def source_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     named = [path / name for name in ("config.json", GENERATION_CONFIG, *TOKENIZER_FILES) if (path / name).is_file()]
-    return named + weight_files(path)
+    return named + sorted((path / NAMED_TEMPLATES_DIR).glob("*.jinja")) + weight_files(path)
 
 
 def file_sha256(paths: list[Path]) -> str:

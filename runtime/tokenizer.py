@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
 from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
                         processors)
 
@@ -22,8 +23,10 @@ from qkiln.errors import SourceModelError
 
 from .template_limits import BoundedSandbox, render_bounded
 
-# transformers 5 saves the chat template beside tokenizer_config.json, in its own file
+# transformers 5 saves the chat template beside tokenizer_config.json, in its own file, and named
+# ones (Hermes' and Command-R's "tool_use") as additional_chat_templates/NAME.jinja
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+NAMED_TEMPLATES_DIR = "additional_chat_templates"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE)
 # Texts longer than this are encoded through encode_batch, which lets other threads run (the
 # server's event loop, the engine); 1M characters took 0.58 s with the GIL held throughout.
@@ -66,7 +69,13 @@ class Tokenizer:
             self.add_eos = bool(config["add_eos_token"]) and self.eos_token_id is not None
         else:
             self.add_eos = len(after) == 1 and after[0] == self.eos_token_id
-        self.chat_template = config.get("chat_template")
+        # tokenizer_config.json's chat_template: one template, or named ones [{"name", "template"}]
+        raw = config.get("chat_template")
+        self.chat_templates: dict[str, str] = \
+            {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)} if isinstance(raw, list) \
+            else {"default": raw} if raw else {}
+        self.chat_template = self.chat_templates.get("default")
+        self._compiled: dict[str, jinja2.Template] = {}
         flagged = [f"{flag} {str(config[flag]).lower()}" for flag, says, policy in (
             ("add_bos_token", before, self._policy_tokens()[0]), ("add_eos_token", after, self._policy_tokens()[1]))
             if flag in config and says != policy]
@@ -173,15 +182,15 @@ class Tokenizer:
         refused, not run. continue_final_message: end the text inside the last message, so that
         generation continues it. template_kwargs: more variables for the template (vLLM's
         chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
-        template = self._compiled_template if chat_template is None else _compile_template(chat_template)
+        template = self._template(chat_template, has_tools=bool((template_kwargs or {}).get("tools")))
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final:
                 raise SourceModelError("continue_final_message needs text in the last message to continue")
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         # as transformers: the caller's variables may replace the special tokens, not the conversation
-        variables = {"bos_token": _token_text(self.config.get("bos_token")),
-                     "eos_token": _token_text(self.config.get("eos_token")),
+        variables = {**{key: _token_text(self.config.get(key)) for key in ("bos_token", "eos_token", "unk_token",
+                                                                         "pad_token")},
                      **(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
             text = render_bounded(template, variables)
@@ -189,11 +198,20 @@ class Tokenizer:
             raise SourceModelError(f"chat template error: {e}") from None
         return _cut_at_continue_tag(text, final) if continue_final_message else text
 
-    @functools.cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        if not self.chat_template:
-            raise SourceModelError("this model's tokenizer has no chat template; use /v1/completions instead")
-        return _compile_template(self.chat_template)
+    def _template(self, chat_template: str | None, has_tools: bool) -> jinja2.Template:
+        """As transformers' get_chat_template picks: `chat_template` by name among the model's named
+        templates, or as a template's source; else "tool_use" when tools are given and the model has
+        one, else the default."""
+        if chat_template is not None and chat_template not in self.chat_templates:
+            return _compile_template(chat_template)
+        name = chat_template or ("tool_use" if has_tools and "tool_use" in self.chat_templates else "default")
+        if name not in self.chat_templates:
+            named = f" (it has {', '.join(sorted(self.chat_templates))}: name one)" if self.chat_templates else ""
+            raise SourceModelError(f"this model's tokenizer has no default chat template{named}; use "
+                                   "/v1/completions instead")
+        if name not in self._compiled:
+            self._compiled[name] = _compile_template(self.chat_templates[name])
+        return self._compiled[name]
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_options) -> list[int]:
         """A conversation rendered with the chat template (apply_chat_template's options), as token
@@ -228,12 +246,18 @@ class Tokenizer:
             raise SourceModelError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from e
         config = read_json_config(Path(directory) / "tokenizer_config.json") or {}
         config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
+        raw = config.get("chat_template")
+        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)} if isinstance(raw, list) \
+            else {"default": raw} if isinstance(raw, str) else {}
         template_path = Path(directory) / CHAT_TEMPLATE_FILE
         if template_path.is_file():  # transformers reads it in preference to the config's
-            config["chat_template"] = template_path.read_text(encoding="utf-8")
-        elif isinstance(config.get("chat_template"), list):  # the older named-templates form
-            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
-            config["chat_template"] = named.get("default")
+            named["default"] = template_path.read_text(encoding="utf-8")
+        for path in sorted((Path(directory) / NAMED_TEMPLATES_DIR).glob("*.jinja")):
+            named[path.stem] = path.read_text(encoding="utf-8")
+        config.pop("chat_template", None)
+        if named:  # one string, or the named form, as tokenizer_config.json holds them
+            config["chat_template"] = named["default"] if list(named) == ["default"] else \
+                [{"name": name, "template": template} for name, template in named.items()]
         return cls(backend, config)
 
     @classmethod
@@ -256,7 +280,7 @@ class Tokenizer:
             "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token",
                                            kind == "llama" or meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE)),
             "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-            "chat_template": meta.get("tokenizer.chat_template"),
+            "chat_template": _gguf_chat_templates(meta),
             "unk_token": name("unknown_token_id"),
         }
         # UNKNOWN (2) and CONTROL (3) tokens are special, and so are BOS, EOS and UNK whatever their
@@ -277,6 +301,17 @@ def _bos_eos_processor(backend: HFTokenizer, config: dict):
     from the config and scored every text without its BOS. None: the policy adds nothing."""
     ends = [(config["bos_token"], config["add_bos_token"]), (config["eos_token"], config["add_eos_token"])]
     return _template_processor(backend, *(token if add and token is not None else None for token, add in ends))
+
+
+def _gguf_chat_templates(meta: dict) -> str | list[dict] | None:
+    """tokenizer.chat_template, and the named ones llama.cpp writes as tokenizer.chat_template.NAME,
+    in tokenizer_config.json's forms."""
+    named = {"default" if key == "tokenizer.chat_template" else key.removeprefix("tokenizer.chat_template."): value
+             for key, value in meta.items()
+             if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template.")}
+    if not named:
+        return None
+    return named.get("default") if list(named) == ["default"] else [{"name": k, "template": v} for k, v in named.items()]
 
 
 def _with_post_processor(backend: HFTokenizer, bos: str | None, eos: str | None) -> HFTokenizer:
@@ -466,10 +501,21 @@ def _token_text(token) -> str:
     return token if isinstance(token, str) else ""  # a list or a number names no token (it failed as a TypeError)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for
+    training masks; TRL writes it into fine-tunes, SmolLM3 ships it): the body, rendered as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _template_environment() -> jinja2.Environment:
-    """transformers' chat-template environment: sandboxed and immutable, loop controls, tojson
-    that keeps non-ASCII text, and the raise_exception / strftime_now globals templates call."""
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    """transformers' chat-template environment: sandboxed and immutable, loop controls, the
+    generation tag, tojson that keeps non-ASCII text, and the raise_exception / strftime_now
+    globals templates call."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationTag])
     env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
         json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise_template_error

@@ -108,10 +108,61 @@ def test_a_template_saved_in_its_own_file_is_used(model_dir, tmp_path):
     assert Tokenizer.from_dir(saved).apply_chat_template(MESSAGES) == rendered_by_transformers(saved)
 
 
-def test_the_named_templates_form_uses_the_default_one(model_dir):
-    with_template(model_dir, [{"name": "tool_use", "template": "tools"},
-                              {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"}])
-    assert Tokenizer.from_dir(model_dir).apply_chat_template(MESSAGES) == "Be brief.Héllo ✓"
+NAMED = [{"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+         {"name": "tool_use", "template": "{{ tools | length }} tools:{% for m in messages %}{{ m.content }}{% endfor %}"}]
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+
+
+def test_named_templates_are_picked_as_transformers_picks_them(model_dir, tmp_path):
+    """Hermes' and Command-R's form: only "default" was kept, so tools went unsaid, and
+    chat_template="tool_use" rendered the text "tool_use" (probe s50)."""
+    with_template(model_dir, NAMED)
+    tokenizer, reference = Tokenizer.from_dir(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.apply_chat_template(MESSAGES) == "Be brief.Héllo ✓"
+    for kwargs in ({"tools": TOOLS}, {"chat_template": "tool_use", "tools": TOOLS}, {"chat_template": "default"}):
+        expected = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+        variables = {"tools": kwargs["tools"]} if "tools" in kwargs else None
+        assert tokenizer.apply_chat_template(MESSAGES, template_kwargs=variables,
+                                             chat_template=kwargs.get("chat_template")) == expected
+    assert expected == "Be brief.Héllo ✓" and "1 tools:" in tokenizer.apply_chat_template(
+        MESSAGES, template_kwargs={"tools": TOOLS})
+    # transformers 5 saves them as chat_template.jinja + additional_chat_templates/tool_use.jinja; a
+    # saved tokenizer (an artifact's) keeps them in tokenizer_config.json's named form
+    reference.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "additional_chat_templates" / "tool_use.jinja").is_file()
+    Tokenizer.from_dir(tmp_path / "saved").save(tmp_path / "ours")
+    for folder in ("saved", "ours"):
+        assert "1 tools:" in Tokenizer.from_dir(tmp_path / folder).apply_chat_template(
+            MESSAGES, template_kwargs={"tools": TOOLS})
+
+
+def test_the_generation_tag_renders_its_body_as_transformers_does(model_dir):
+    """TRL's assistant-only-loss fine-tunes and SmolLM3 mark the assistant's turns with it: every
+    chat request was a 400 "the chat template does not parse" (probe s50)."""
+    with_template(model_dir, "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                             "<a>{{ m.content }}{% endgeneration %}{% else %}<u>{{ m.content }}{% endif %}{% endfor %}")
+    messages = MESSAGES + [{"role": "assistant", "content": "Hi."}]
+    assert Tokenizer.from_dir(model_dir).apply_chat_template(messages) == rendered_by_transformers(model_dir, messages)
+
+
+def test_none_valued_message_keys_are_left_out_as_transformers_leaves_them(model_dir):
+    """An OpenAI SDK message (model_dump()) has tool_calls: None; content None was printed "None"."""
+    from qkiln.runtime import LLM, SamplingParams
+
+    with_template(model_dir, "{% for m in messages %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}]"
+                             "{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}{{ m.content }}"
+                             "{% endfor %}")
+    messages = [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": None, "refusal": None}]
+    expected = rendered_by_transformers(model_dir, messages)
+    assert expected.startswith("[user:ann]hi[assistant]") and "None" not in expected
+    llm = LLM(str(model_dir), dtype="fp32", num_kv_blocks=8)
+    assert llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == expected
+    out = llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    with serving_model(model_dir, dtype="fp32", num_kv_blocks=16, max_model_len=64) as (_, server):
+        ids = httpx.post(f"{server.url}/tokenize", json={"messages": messages[:1]}).json()["tokens"]
+        assert llm.tokenizer.decode(ids).startswith("[user:ann]hi")  # the server passes `name` on, as vLLM does
 
 
 LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
