@@ -32,7 +32,7 @@ def unpacked(model: str, check_target: bool = False):
     that lives as long as the `with` block, named like the archive without its suffix (the served
     model name; check_target: also refuse one this machine cannot run); any other path or model
     name as it is."""
-    path = Path(model)
+    path = Path(model).expanduser()
     if not _is_archive(path):
         yield model
         return

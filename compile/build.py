@@ -222,7 +222,7 @@ def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: P
         quantization=quantization,
         kv_cache=None if kv is None else kv.to_dict(),
         calibration=None if tokens is None else tokens.provenance,
-        source={"name": source.path.name, "kind": source.kind, "sha256": source.sha256},
+        source={"name": source.name, "kind": source.kind, "sha256": source.sha256},
         toolchain=toolchain_versions(),
         accuracy=accuracy,
         num_parameters=num_params,

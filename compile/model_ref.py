@@ -5,12 +5,11 @@ evaluation. An artifact directory is recognised by its manifest.json.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from qkiln.runtime.loader import check_int8_activations
-from qkiln.runtime.source import load_source
+from qkiln.runtime.source import load_source, local_path
 
 from .artifact import is_artifact_dir
 
@@ -30,7 +29,7 @@ class LoadedModel:
 
 def open_model(name: str, int8_activations: bool = False) -> LoadedModel:
     """int8_activations: score an artifact as served with that CPU option (simulated)."""
-    path = Path(name).expanduser()
+    path = local_path(name)  # an artifact may be named by a hub id too
     if is_artifact_dir(path):
         from .artifact_model import load_artifact_model  # an artifact: quantized layers from its manifest
 

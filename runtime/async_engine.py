@@ -169,7 +169,7 @@ class AsyncLLMEngine:
         self._aborted: set[RequestStream] = set()  # of those, the ones abort() asked to end
         self._num_queued_adds = 0  # submitted, not yet drained by the engine thread; guarded by `_open_lock`
         self._open_lock = threading.Lock()
-        self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self), self._wake),
+        self._thread = threading.Thread(target=_engine_thread, args=(weakref.ref(self), self._wake, self._commands),
                                         name="qkiln-engine", daemon=True)
         weakref.finalize(self, self._wake.set)  # collected while the thread sleeps: wake it to end
         self._thread.start()
@@ -225,8 +225,8 @@ class AsyncLLMEngine:
         """Queue a request without waiting (call it on the event loop its stream belongs to):
         `await stream.accepted` raises the engine's refusal. Raises `RequestError` for bad
         parameters and `EngineError` when the engine is not running. arrival_time: when the request
-        arrived (time.perf_counter(); None: now), from which its latencies count."""
-        arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        arrived (a time.time(), as vLLM's; None: now), from which its latencies count."""
+        arrival_time = time.time() if arrival_time is None else arrival_time
         if params is not None and not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, not {type(params).__name__} (the order is prompt, "
                                "params, request_id)", "sampling_params")
@@ -446,20 +446,25 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):
             self._streams.pop(request_id).put(error)
-        while True:  # requests that were queued but never added
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                command.stream.put(error)
-            elif command[0] == "call" and command[2].set_running_or_notify_cancel():  # its caller may have left
-                command[2].set_exception(error)
+        _fail_queued(self._commands, error)
 
 
-def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event) -> None:
+def _fail_queued(commands: queue.SimpleQueue, error: BaseException) -> None:
+    """Requests and calls that were queued but never applied."""
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(command, _Add):
+            command.stream.put(error)
+        elif command[0] == "call" and command[2].set_running_or_notify_cancel():  # its caller may have left
+            command[2].set_exception(error)
+
+
+def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event, commands: queue.SimpleQueue) -> None:
     """The engine thread's loop. Asleep it holds no reference to the engine, so a dropped engine is
-    collected (its finalizer sets `wake`) and the loop ends."""
+    collected (its finalizer sets `wake`) and the loop ends, failing a call queued just before."""
     engine = ref()
     try:
         while engine is not None and not engine._stopping:
@@ -479,6 +484,9 @@ def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event) ->
     finally:
         if engine is not None:
             engine._close()
+        else:  # a queued request holds its engine (its stream does); a queued call does not
+            _fail_queued(commands, EngineError("the engine was garbage-collected before it ran this call; keep a "
+                                               "reference to it until its calls are answered"))
 
 
 def _log_finished(out: RequestOutput) -> None:

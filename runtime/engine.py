@@ -122,10 +122,11 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # for new tokens, when asked: {"token_id", "logprob", "rank", "top": {token id: logprob}} each
     logprobs: list[dict] = field(default_factory=list)
-    # On the finished output of a request that ran to its end: seconds from its arrival to its first
-    # schedule ("queue"), first token ("ttft") and last token ("e2e"), from first schedule to first
-    # token ("prefill") and to the last ("inference"), from first to last token ("decode"); and
-    # "num_output_tokens" (vLLM's request timing stats)
+    # vLLM's request timing stats, in seconds. On the first token's output: "ttft" (arrival to first
+    # token). On the finished output of a request that ran to its end, also: "e2e" (arrival to last
+    # token), "queue" (the engine's receipt to first schedule), "prefill" (first schedule to first
+    # token), "decode" (first to last token), "inference" (first schedule to last token) and
+    # "num_output_tokens"
     metrics: dict = field(default_factory=dict)
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
     # None for the first (nothing scores it), else {"token_id", "logprob", "rank", "top"} as in `logprobs`
@@ -163,6 +164,7 @@ class _Request:
     detok: IncrementalDetokenizer | NoText
     generator: torch.Generator | None
     arrival: float  # time.perf_counter() clock, as the other times
+    queued_time: float  # received by the engine
     scheduled_time: float | None = None  # first put in a step
     first_token_time: float | None = None
     prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
@@ -255,9 +257,9 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """arrival_time: when the request arrived, on the time.perf_counter() clock (None: now); a
+        """arrival_time: when the request arrived, a time.time() (vLLM's arrival_time; None: now); a
         server passes the moment it received it, so the time it waited to be handed to the engine
-        counts in its latencies (vLLM's arrival_time). params None: the model's recommended values
+        counts in its latencies. params None: the model's recommended values
         (default_sampling_params), as LLM.generate takes them."""
         if params is not None and not isinstance(params, SamplingParams):  # vLLM's order is (id, prompt, params)
             raise RequestError(f"params must be a SamplingParams, not {type(params).__name__} (the order is prompt, "
@@ -298,8 +300,9 @@ class LLMEngine:
             if params.detokenize else NoText()
         self.scheduler.add(seq)  # raises RequestError for anything it cannot ever schedule
         scored = None if params.prompt_logprobs is None else [None] * len(ids)  # filled as the prompt is computed
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        self.requests[request_id] = _Request(seq, detok, generator, arrival, prompt_logprobs=scored)
+        now = time.perf_counter()  # the latencies' clock: monotonic, unlike time.time()
+        arrival = now if arrival_time is None else now - max(0.0, time.time() - arrival_time)
+        self.requests[request_id] = _Request(seq, detok, generator, arrival, now, prompt_logprobs=scored)
         self.stats["num_prompt_tokens"] += len(ids)
         return request_id
 
@@ -421,6 +424,7 @@ class LLMEngine:
     def _postprocess(self, s, token_id, out, row, finished) -> RequestOutput:
         req = self.requests[s.seq_id]
         now = time.perf_counter()
+        first_token = req.first_token_time is None
         req.first_token_time = req.first_token_time or now
         is_done = s.seq_id in finished
         if is_done and s.seq.finish_reason == "stop":  # the scheduler stops on tokens: EOS, stop_token_ids
@@ -453,9 +457,11 @@ class LLMEngine:
             self.stats["num_finished"] += 1
             scheduled = req.scheduled_time  # set by the step that produced its first token
             result.metrics = {"ttft": req.first_token_time - req.arrival, "e2e": now - req.arrival,
-                              "queue": scheduled - req.arrival, "prefill": req.first_token_time - scheduled,
+                              "queue": scheduled - req.queued_time, "prefill": req.first_token_time - scheduled,
                               "decode": now - req.first_token_time, "inference": now - scheduled,
                               "num_output_tokens": s.seq.num_output_tokens}
+        elif first_token:
+            result.metrics = {"ttft": now - req.arrival}
         return result
 
     def check_integrity(self) -> None:

@@ -64,7 +64,7 @@ class RequestIdMiddleware:
             else uuid.uuid4().hex
         # arrival: when the headers came in, from which the engine counts the request's latencies
         # (the body's upload, tokenization and the wait for the step in progress included, as in vLLM)
-        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.perf_counter())
+        scope.setdefault("state", {}).update(request_id=request_id, arrival=time.time())
 
         started = False
 

@@ -26,7 +26,7 @@ from .engine import EngineConfig, LLMEngine
 from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
 from .quantized_linear import QuantizedLinear, make_quantized_linear
-from .source import build_model, load_source
+from .source import build_model, load_source, local_path
 from .tokenizer import Tokenizer
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -83,7 +83,7 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
     torch_dtype = resolve_dtype(dtype)
-    path = Path(name).expanduser()
+    path = local_path(name)  # an artifact may be named by a hub id too
     is_artifact = is_artifact_dir(path)
     if int8_activations:
         check_int8_activations(name, is_artifact, device)

@@ -86,12 +86,17 @@ class ServerMetrics:
                 .labels(model_name).info(dict(engine.artifact))
         self.registry.register(_EngineCollector(engine, model_name))
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """Record a request that ran to its end (stop or length; an aborted one has no metrics)."""
+    def observe(self, output: RequestOutput) -> None:
+        """Record what an engine output carries: TTFT with a request's first token (as vLLM, so a
+        request whose client leaves later counts too), the rest once it ran to its end (stop or
+        length; an aborted one's last output has no metrics)."""
         m = output.metrics
         if not m:
             return
-        self.ttft.observe(m["ttft"])
+        if len(output.token_ids) == 1:  # the first token's output (the last too, for one token)
+            self.ttft.observe(m["ttft"])
+        if not output.finished:
+            return
         self.e2e.observe(m["e2e"])
         for key, histogram in self.times.items():
             histogram.observe(m[key])

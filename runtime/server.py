@@ -303,12 +303,10 @@ async def _respond(engine: AsyncLLMEngine, metrics: ServerMetrics, request: Requ
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_abort_on_disconnect(engine, request, streams))
     try:
-        results = await asyncio.gather(*(_collect(stream) for stream in streams))
+        results = await asyncio.gather(*(_collect(stream, metrics) for stream in streams))
     finally:
         watcher.cancel()
         _abort_unfinished(engine, streams)
-    for outputs in results:
-        metrics.observe_finished(outputs[-1])
     _share_prompt_logprobs(choices, results)
     return batch_response([b.response(outputs) for b, outputs in zip(builders, results)])
 
@@ -368,8 +366,12 @@ async def _admit(engine: AsyncLLMEngine, choices: list[_Choice], arrival_time: f
     return streams
 
 
-async def _collect(stream: RequestStream) -> list:
-    return [out async for out in stream]
+async def _collect(stream: RequestStream, metrics: ServerMetrics) -> list:
+    outputs = []
+    async for out in stream:
+        metrics.observe(out)  # as they come: a choice's first token counts though its client leaves
+        outputs.append(out)
+    return outputs
 
 
 def _abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
@@ -419,8 +421,7 @@ async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, streams: list[Req
             if chunk is not None:
                 yield _event(chunk)
             finals[index] = out
-            if out.finished:  # now: a choice that finished counts though its client leaves before the others
-                metrics.observe_finished(out)
+            metrics.observe(out)  # now: a first token or a finished choice counts though its client leaves
         if builders[0].include_usage:
             yield _event(usage_chunk(builders, finals))
     except QkilnError as e:  # the engine failed mid-stream: headers are sent, so report it in-band

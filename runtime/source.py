@@ -37,6 +37,7 @@ class SourceModel:
     tokenizer: Tokenizer
     state_dict: dict[str, torch.Tensor]  # fp32, HF names
     sha256: str
+    name: str = ""  # what provenance calls it (provenance_name); load_source sets it
 
     def build_model(self, dtype: torch.dtype = torch.float32) -> CausalLM:
         return build_model(self.config, self.state_dict, dtype)
@@ -72,15 +73,28 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=
     return model.eval()
 
 
-def resolve_source(name: str | Path) -> Path:
-    """An alias, a GGUF file, a HF directory (`~` expanded) or a Hugging Face hub id already in the
-    local HF cache (nothing is downloaded) -> an existing path."""
+def local_path(name: str | Path) -> Path:
+    """A path as given (`~` expanded), or a Hugging Face hub id ("org/name") that is no path here as
+    its snapshot in the local HF cache (nothing is downloaded); else the path as given."""
     path = Path(name).expanduser()
     if path.exists():
         return path
     cached = _hub_cache_snapshot(str(name))
-    if cached is not None:
-        return cached
+    return path if cached is None else cached
+
+
+def provenance_name(name: str | Path, path: Path) -> str:
+    """What provenance calls a source: the file or folder's name, or for a hub id its id and the
+    snapshot's commit ("org/name@abc123", not the bare commit folder name)."""
+    return path.name if Path(name).expanduser().exists() or str(name) in ALIASES else f"{name}@{path.name}"
+
+
+def resolve_source(name: str | Path) -> Path:
+    """An alias, a GGUF file, a HF directory (`~` expanded) or a Hugging Face hub id already in the
+    local HF cache (nothing is downloaded) -> an existing path."""
+    path = local_path(name)
+    if path.exists():
+        return path
     if str(name) in ALIASES:
         for candidate in _alias_candidates(ALIASES[str(name)]):
             if candidate.is_file():
@@ -122,9 +136,10 @@ def load_source(name: str | Path) -> SourceModel:
         from .gguf_reader import load_gguf
 
         config, tokenizer, state_dict = load_gguf(path)
-        return SourceModel(path, "gguf", config, tokenizer, state_dict, file_sha256([path]))
+        return SourceModel(path, "gguf", config, tokenizer, state_dict, file_sha256([path]),
+                           provenance_name(name, path))
     if path.is_dir():
-        return _load_hf_dir(path)
+        return dataclasses.replace(_load_hf_dir(path), name=provenance_name(name, path))
     raise SourceModelError(f"{path} is neither a GGUF file (its first bytes are not GGUF's magic) nor a Hugging "
                            "Face model directory")
 
@@ -140,6 +155,7 @@ def is_gguf_file(path: Path) -> bool:
 
 def _load_hf_dir(path: Path) -> SourceModel:
     config_path = path / "config.json"
+    _refuse_an_adapter(path)
     if not config_path.is_file():
         if is_artifact_dir(path):
             raise SourceModelError(f"{path} is a qkiln artifact, already quantized: build from the model it was "
@@ -229,10 +245,6 @@ def weight_files(path: Path) -> list[Path]:
             raise SourceModelError(f"{index_path} maps weights to {', '.join(missing) or 'no file'}, "
                                    "not in the directory; download every shard")
         return [path / n for n in names]
-    if (path / "adapter_config.json").is_file():  # its adapter_model.safetensors is not the model's weights
-        raise SourceModelError(f"{path} holds a PEFT / LoRA adapter (adapter_config.json), which qkiln does not "
-                               "apply: merge it into its base model first (peft's merge_and_unload(), then "
-                               "save_pretrained) and build from the merged directory")
     if (path / "model.safetensors").is_file():  # what transformers reads; others beside it are not the model
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
@@ -243,6 +255,18 @@ def weight_files(path: Path) -> list[Path]:
             "re-save them with transformers: from_pretrained(DIR).save_pretrained(NEW_DIR), safetensors by default)"
             if pickled else ""))
     return files
+
+
+def _refuse_an_adapter(path: Path) -> None:
+    """A PEFT / LoRA adapter, alone (as PEFT saves it) or beside its base model's files (its
+    adapter_model.safetensors had been loaded as the model's weights)."""
+    adapter = path / "adapter_config.json"
+    if not adapter.is_file():
+        return
+    base = (read_json_config(adapter) or {}).get("base_model_name_or_path")
+    raise SourceModelError(f"{path} holds a PEFT / LoRA adapter (adapter_config.json), which qkiln does not apply: "
+                           f"merge it into its base model{f' ({base})' if base else ''} first (peft's "
+                           "merge_and_unload(), then save_pretrained) and build from the merged directory")
 
 
 def source_files(path: Path) -> list[Path]:

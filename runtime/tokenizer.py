@@ -70,10 +70,7 @@ class Tokenizer:
         else:
             self.add_eos = len(after) == 1 and after[0] == self.eos_token_id
         # tokenizer_config.json's chat_template: one template, or named ones [{"name", "template"}]
-        raw = config.get("chat_template")
-        self.chat_templates: dict[str, str] = \
-            {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)} if isinstance(raw, list) \
-            else {"default": raw} if raw else {}
+        self.chat_templates = _named_templates(config.get("chat_template"))
         self.chat_template = self.chat_templates.get("default")
         self._compiled: dict[str, jinja2.Template] = {}
         flagged = [f"{flag} {str(config[flag]).lower()}" for flag, says, policy in (
@@ -82,7 +79,8 @@ class Tokenizer:
         if flagged:
             warnings.warn(f"tokenizer_config.json says {' and '.join(flagged)}, which tokenizer.json's post-processor "
                           f"does not do; qkiln follows tokenizer_config.json (transformers 4's Llama tokenizers did, "
-                          f"transformers 5 follows tokenizer.json), and a build's tokenizer.json is written to agree",
+                          f"transformers 5 follows tokenizer.json), and a build's tokenizer.json is written to agree (an "
+                          f"artifact built before qkiln did that warns too: rebuild it so transformers reads the same)",
                           stacklevel=2)
 
     def _policy_tokens(self) -> tuple[list[int], list[int]]:
@@ -246,9 +244,7 @@ class Tokenizer:
             raise SourceModelError(f"{path} is not a valid tokenizer.json ({e}); re-download it") from e
         config = read_json_config(Path(directory) / "tokenizer_config.json") or {}
         config = {k: v for k, v in config.items() if k in _KEPT_CONFIG_KEYS}
-        raw = config.get("chat_template")
-        named = {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)} if isinstance(raw, list) \
-            else {"default": raw} if isinstance(raw, str) else {}
+        named = _named_templates(config.get("chat_template"))
         template_path = Path(directory) / CHAT_TEMPLATE_FILE
         if template_path.is_file():  # transformers reads it in preference to the config's
             named["default"] = template_path.read_text(encoding="utf-8")
@@ -301,6 +297,13 @@ def _bos_eos_processor(backend: HFTokenizer, config: dict):
     from the config and scored every text without its BOS. None: the policy adds nothing."""
     ends = [(config["bos_token"], config["add_bos_token"]), (config["eos_token"], config["add_eos_token"])]
     return _template_processor(backend, *(token if add and token is not None else None for token, add in ends))
+
+
+def _named_templates(raw) -> dict[str, str]:
+    """tokenizer_config.json's chat_template, one template or named ones [{"name", "template"}], by name."""
+    if isinstance(raw, list):
+        return {t.get("name"): t.get("template") for t in raw if isinstance(t, dict)}
+    return {"default": raw} if isinstance(raw, str) and raw else {}
 
 
 def _gguf_chat_templates(meta: dict) -> str | list[dict] | None:

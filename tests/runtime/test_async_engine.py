@@ -306,6 +306,12 @@ def test_an_engine_dropped_without_shutdown_is_freed(model_dir):
     gc.collect()
     thread.join(10)
     assert ref() is None and not thread.is_alive()
+    # a call queued on an engine dropped at once is answered (it ran, or it failed), never left hanging
+    future = AsyncLLMEngine.from_model(str(model_dir), dtype="fp32", **ENGINE_KW).call(lambda e: "ran")
+    try:
+        assert future.result(timeout=10) == "ran"
+    except EngineError as e:
+        assert "garbage-collected" in str(e)
 
 
 def test_a_with_block_shuts_the_engine_down(model_dir):

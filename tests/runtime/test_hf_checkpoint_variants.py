@@ -252,6 +252,7 @@ def test_folders_as_users_have_them_are_read_or_told_what_to_do(tmp_path, monkey
     import huggingface_hub.constants
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert torch.equal(load_source("someorg/tiny").state_dict["model.norm.weight"], reference)
+    assert load_source("someorg/tiny").name == "someorg/tiny@abc123"  # provenance: not the bare commit
     with pytest.raises(SourceModelError, match="not found: .*a hub id in the local Hugging Face cache"):
         load_source("someorg/absent")
 
@@ -261,6 +262,11 @@ def test_folders_as_users_have_them_are_read_or_told_what_to_do(tmp_path, monkey
         load_source(model_dir)
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         (model_dir / name).unlink()
+    adapter_only = tmp_path / "my-lora"  # as PEFT saves one: no config.json
+    adapter_only.mkdir()
+    (adapter_only / "adapter_config.json").write_text('{"peft_type": "LORA", "base_model_name_or_path": "org/base"}')
+    with pytest.raises(SourceModelError, match=r"LoRA adapter .* merge it into its base model \(org/base\)"):
+        load_source(adapter_only)
     (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
     with pytest.raises(SourceModelError, match="pytorch_model.bin: pickled weights.*save_pretrained"):
         load_source(model_dir)

@@ -210,6 +210,17 @@ def test_an_interrupt_after_sampling_aborts_the_requests_not_yet_answered(llm):
     engine.abort_request("second")
 
 
+def test_arrival_time_is_vllm_s_wall_clock_time(llm):
+    """It was time.perf_counter(): a vLLM caller's time.time() gave latencies of -1.8e9 s."""
+    import time
+
+    engine = llm.engine
+    engine.add_request("hello", dataclasses.replace(GREEDY, max_tokens=2), "late", arrival_time=time.time() - 2.0)
+    while engine.has_unfinished():
+        finished = [out for out in engine.step() if out.finished]
+    assert 2.0 <= finished[0].metrics["e2e"] < 60 and finished[0].metrics["queue"] < 2.0
+
+
 def test_the_offline_api_imports_from_the_top_package_as_vllm_s_does():
     import qkiln
     from qkiln import SamplingParams as TopSamplingParams

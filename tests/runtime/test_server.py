@@ -396,7 +396,28 @@ def test_latencies_count_from_arrival_at_the_server(client, engine):
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_queue_time_seconds"):
         assert metric(after, name + "_count") - metric(before, name + "_count") == 1
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
         assert metric(after, name + "_sum") - metric(before, name + "_sum") >= 0.5, name
+    # vLLM's queue time runs from the engine's receipt, between steps: the busy thread is not in it
+    queued = "vllm:request_queue_time_seconds_sum"
+    assert metric(after, queued) - metric(before, queued) < 0.5
+
+
+def test_a_first_token_counts_though_its_client_leaves(server, client, engine):
+    """TTFT was recorded when a request finished: a stream its client stopped (a chat UI's stop
+    button) never counted, and a long one's counted minutes late; vLLM records it at the first token."""
+    before = client.get("/metrics").text
+    body = {"model": "tiny", "prompt": "go on", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first token; leaving closes the connection
+    wait_idle(engine)
+    after = client.get("/metrics").text
+    ttft = "vllm:time_to_first_token_seconds_count"
+    assert metric(after, ttft) - metric(before, ttft) == 1
+    assert metric(after, "qkiln_request_aborted_total") - metric(before, "qkiln_request_aborted_total") == 1
 
 
 def test_gauges_show_a_step_while_it_runs(engine):
