@@ -17,6 +17,7 @@ import torch
 
 from qkiln.calib_data import eval_data_file, load_text_source, sample_token_set
 from qkiln.errors import CalibrationDataError, RecipeError
+from qkiln.runtime.memory_limits import available_bytes
 from qkiln.runtime.source import load_source
 
 from .artifact import Manifest, toolchain_versions
@@ -136,16 +137,15 @@ def _check_evaluation_data(recipe: Recipe) -> None:
 
 def _check_calibration_memory(recipe: Recipe, hidden_size: int) -> None:
     """Calibration holds every sample's activations in fp32 twice (a layer's inputs and outputs):
-    more than the host has failed with an allocation traceback after the samples were drawn."""
-    import psutil
-
+    more than the host (or the container) has failed with an allocation traceback after the samples
+    were drawn. Checked once the model is in memory, so what is available is what is left for them."""
     spec = recipe.calibration
     need = 2 * spec.num_samples * spec.seq_len * hidden_size * 4
-    available = psutil.virtual_memory().available  # as onnx_check.check_fits_in_memory reads it
+    available = available_bytes()
     if need > available:
         raise RecipeError(f"calibration holds {spec.num_samples} x {spec.seq_len} x {hidden_size} fp32 activations "
-                          f"twice ({need / 2**30:.1f} GiB) and this host has {available / 2**30:.1f} GiB free: lower "
-                          "--num-samples or calibration.seq_len")
+                          f"twice ({need / 2**30:.1f} GiB) and {available / 2**30:.1f} GiB is free (the host's, or "
+                          "the container's limit): lower --num-samples or calibration.seq_len")
 
 
 def _check_lengths(recipe: Recipe, max_len: int, add_bos: bool) -> None:

@@ -253,10 +253,10 @@ def _bytes_differing(a: list[KVCache], b: list[KVCache]) -> float:
 
 def check_fits_in_memory(num_parameters: int | None) -> str | None:
     """None when a check fits in the memory available now; else why it would not."""
-    import psutil
+    from qkiln.runtime.memory_limits import available_bytes
 
     need = (num_parameters or 0) * CHECK_BYTES_PER_PARAMETER
-    have = psutil.virtual_memory().available
+    have = available_bytes()  # the host's, or less under a container's limit
     if need <= have:
         return None
     return (f"checking needs ~{need / 2**30:.0f} GiB (float32 and float64 simulations of "

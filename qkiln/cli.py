@@ -23,6 +23,10 @@ from qkiln.errors import ArtifactError, QkilnError, exit_with
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
+DensePrefill = Annotated[bool, typer.Option(
+    help="CPU: an artifact's int4 / int8 linears also keep a dense copy (bf16, 2 bytes a weight; fp32 on CPUs "
+         "without fast bf16) for prompts' many-row GEMMs; --no-dense-prefill computes prompts from the codes: "
+         "less memory, slower prefill")]
 
 try:  # typer 0.29 vendors click; before, it used click itself
     from typer._click.exceptions import NoArgsIsHelpError, UsageError
@@ -164,6 +168,7 @@ def generate_cmd(
     dtype: Annotated[str, typer.Option(help="activation dtype: auto, bf16, fp16, fp32")] = "auto",
     kv_dtype: KvDtype = None,
     int8_activations: Int8Activations = False,
+    dense_prefill: DensePrefill = True,
 ):
     """Generate from one prompt and stream the text to stdout."""
     from qkiln.runtime.llm import LLM
@@ -175,7 +180,8 @@ def generate_cmd(
                                 seed=seed, repetition_penalty=repetition_penalty, min_p=min_p)
         prompt = _prompt_text(prompt, prompt_file)
         with unpacked(model) as path:
-            llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype)
+            llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype,
+                      dense_prefill=dense_prefill)
             tok = llm.tokenizer
             ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
             llm.engine.add_request(ids, params)
@@ -225,6 +231,7 @@ def serve_cmd(
     kv_dtype: KvDtype = None,
     served_model_name: Annotated[Optional[str], typer.Option(help="name clients send as 'model'")] = None,
     int8_activations: Int8Activations = False,
+    dense_prefill: DensePrefill = True,
     shutdown_timeout: Annotated[float, typer.Option(min=0, help="on SIGTERM / Ctrl-C, seconds to let requests in flight finish before they are aborted")] = 5.0,
     allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
     max_concurrent_requests: Annotated[int, typer.Option(min=1, help="requests running or queued at once (a request with n choices counts n); past it new ones get 429 with Retry-After")] = 4096,
@@ -243,6 +250,7 @@ def serve_cmd(
             path = stack.enter_context(unpacked(model))
             engine = AsyncLLMEngine.from_model(path, dtype=dtype, name=served_model_name,
                                                int8_activations=int8_activations, log_requests=enable_log_requests,
+                                               dense_prefill=dense_prefill,
                                                max_num_seqs=max_num_seqs,
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                long_prefill_token_threshold=long_prefill_token_threshold,
@@ -251,6 +259,10 @@ def serve_cmd(
                                                max_model_len=max_model_len, kv_cache_bytes=kv_cache_mb << 20)
         except QkilnError as e:
             exit_with(e)
+        core = engine.engine
+        print(f"KV cache: {core.kv_manager.num_blocks} blocks of {core.config.block_size} tokens "
+              f"({core.kv_manager.num_blocks * core.config.block_size} tokens, {core.kv_dtype}, "
+              f"{core.kv_pool_bytes / 2**20:.0f} MiB)", file=sys.stderr)
         if engine.sampling_defaults:  # as vLLM says it: a request's defaults are not the API's
             print(f"note: requests that leave them out take the model's generation_config.json sampling values "
                   f"{engine.sampling_defaults}; --generation-config vllm turns them off", file=sys.stderr)

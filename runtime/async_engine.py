@@ -177,17 +177,18 @@ class AsyncLLMEngine:
     @classmethod
     def from_model(cls, model: str, dtype: str = "auto", name: str | None = None,
                    int8_activations: bool = False, log_requests: bool = False, device: str = "cpu",
-                   **engine_kwargs) -> "AsyncLLMEngine":
+                   dense_prefill: bool = True, **engine_kwargs) -> "AsyncLLMEngine":
         """Load an artifact directory or a source model (alias, HF dir, .gguf) on `device` and start
-        serving it (int8_activations: loader.load_for_serving; engine_kwargs: EngineConfig's fields,
-        checked before the model loads)."""
+        serving it (int8_activations, dense_prefill: loader.load_for_serving; engine_kwargs:
+        EngineConfig's fields, checked before the model loads)."""
         from qkiln.compile.artifact import serving_digest
 
         from .loader import check_engine_options, load_for_serving
 
         check_engine_options(engine_kwargs, device, "AsyncLLMEngine.from_model()",
-                             "model, dtype, name, int8_activations, log_requests, device")
-        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
+                             "model, dtype, name, int8_activations, log_requests, device, dense_prefill")
+        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations,
+                                  dense_prefill=dense_prefill)
         manifest = loaded.manifest
         artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest,
                                                   "serving_digest": serving_digest(manifest)}

@@ -24,6 +24,7 @@ from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
 from .cuda_graphs import GraphRunner
 from .detokenizer import IncrementalDetokenizer, NoText
+from .memory_limits import available_bytes
 from .model import CausalLM
 from .runner import ModelRunner
 from .sampler import Sampler, SamplerOutput, make_generator, score_tokens
@@ -198,6 +199,16 @@ def check_sampling_token_ids(params: SamplingParams, vocab_size: int, bad_words=
         check_in_vocabulary(token_ids, vocab_size, what, param)
 
 
+def check_kv_pool_fits(pool_bytes: int) -> None:
+    """The KV pool is allocated whole at start: one larger than the memory left (the host's, or a
+    container's limit) died in an allocation traceback after the model loaded, or was OOM-killed."""
+    available = available_bytes()
+    if pool_bytes > available:
+        raise QkilnError(f"the KV cache pool needs {pool_bytes / 2**20:.0f} MiB and {available / 2**20:.0f} MiB is "
+                         "free (the host's, or the container's limit): lower --kv-cache-mb (kv_cache_bytes) or "
+                         "num_kv_blocks")
+
+
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None):
         config = config or EngineConfig()
@@ -209,9 +220,12 @@ class LLMEngine:
             # as vLLM: positions past the trained context are not extended (no RoPE scaling is applied)
             raise QkilnError(f"max_model_len {config.max_model_len} exceeds the model's context of "
                              f"{mc.max_position_embeddings} tokens; lower it or leave it out")
-        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // kv_bytes_per_block(
-            mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim, kv_dtype,
-            config.kv_group_size))
+        block_bytes = kv_bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
+                                         mc.head_dim, kv_dtype, config.kv_group_size)
+        num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
+        if str(config.device) == "cpu":
+            check_kv_pool_fits(num_blocks * block_bytes)
+        self.kv_pool_bytes = num_blocks * block_bytes
         self.caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
                                         mc.head_dim, kv_dtype, config.kv_group_size, config.device,
                                         has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")),

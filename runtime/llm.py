@@ -54,11 +54,13 @@ class PromptOutput:
 
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, device: str = "cpu",
-                 *, trust_remote_code: bool = False, tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
+                 *, dense_prefill: bool = True, trust_remote_code: bool = False, tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
                  **engine_kwargs):
         """model: an artifact directory or archive, or a source model (alias, HF directory, .gguf).
         engine_kwargs: EngineConfig's fields (max_num_seqs, num_kv_blocks, kv_dtype, seed, ...).
         int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact).
+        dense_prefill=False: an artifact's int4 / int8 linears keep no dense copy for prompts (CPU:
+        less memory, slower prefill; quantized_linear.make_quantized_linear).
         vLLM's options, for scripts written for it: trust_remote_code changes nothing (qkiln runs no
         code of a checkpoint's, only the architectures it implements), tensor_parallel_size must be
         1 (one device), kv_cache_dtype is kv_dtype ("fp8" / "fp8_e4m3": fp8)."""
@@ -69,9 +71,10 @@ class LLM:
                              "leave it at 1")
         if kv_cache_dtype is not None:
             engine_kwargs["kv_dtype"] = _kv_dtype(kv_cache_dtype, engine_kwargs.get("kv_dtype"))
-        check_engine_options(engine_kwargs, device, "LLM()", "model, dtype, int8_activations, device, vLLM's "
+        check_engine_options(engine_kwargs, device, "LLM()", "model, dtype, int8_activations, device, dense_prefill, vLLM's "
                              "trust_remote_code, tensor_parallel_size and kv_cache_dtype")
-        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations)
+        loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations,
+                                  dense_prefill=dense_prefill)
         self.engine = loaded.engine(device=device, **engine_kwargs)
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name

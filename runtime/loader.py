@@ -22,7 +22,8 @@ from qkiln.plugins.weight_arena import gather_gemv_weights
 
 from .config import ModelConfig, artifact_config
 from .dense_linear import pack_dense_linears
-from .engine import EngineConfig, LLMEngine
+from .engine import EngineConfig, LLMEngine, check_kv_pool_fits
+from .memory_limits import release_freed_memory
 from .fusion import fuse_tensors, projection_out_sizes
 from .model import CausalLM
 from .quantized_linear import QuantizedLinear, make_quantized_linear
@@ -62,8 +63,10 @@ def check_engine_options(options: dict, device: str, who: str, takes: str) -> No
         raise TypeError(f"{who} has no option {', '.join(unknown)}; it takes {takes}, and the engine's "
                         f"{', '.join(sorted(known))}")
     # None for these two means the model's (ServingModel.engine); anything else is checked now
-    EngineConfig(device=device, **{k: v for k, v in options.items()
-                                   if not (k in ("kv_dtype", "kv_group_size") and v is None)})
+    config = EngineConfig(device=device, **{k: v for k, v in options.items()
+                                            if not (k in ("kv_dtype", "kv_group_size") and v is None)})
+    if config.num_kv_blocks is None and str(device) == "cpu":  # the engine checks the exact pool again
+        check_kv_pool_fits(config.kv_cache_bytes)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -77,18 +80,21 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: bool = True,
-                     int8_activations: bool = False) -> ServingModel:
+                     int8_activations: bool = False, dense_prefill: bool = True) -> ServingModel:
     """fuse: run q/k/v and gate/up as one linear each (fusion.py); False keeps HF's modules.
     int8_activations: an artifact's int4 linears compute every step with activations rounded to
     int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
-    AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py)."""
+    AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py).
+    dense_prefill: see make_quantized_linear (an artifact's int4 / int8 linears on the CPU)."""
     torch_dtype = resolve_dtype(dtype)
     path = local_path(name)  # an artifact may be named by a hub id too
     is_artifact = is_artifact_dir(path)
     if int8_activations:
         check_int8_activations(name, is_artifact, device)
     if is_artifact:
-        return load_artifact(path, torch_dtype, device, fuse, int8_activations)
+        loaded = load_artifact(path, torch_dtype, device, fuse, int8_activations, dense_prefill)
+        release_freed_memory()  # the load's temporaries (~200 MB for SmolLM2) back to the OS
+        return loaded
     src = load_source(name)
     weights = dict(src.state_dict)
     fused = fuse_tensors(weights, {}, src.config.num_hidden_layers, projection_out_sizes(src.config)) if fuse \
@@ -116,7 +122,7 @@ def check_int8_activations(name: str, is_artifact: bool, device: str = "cpu") ->
 
 
 def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: bool = True,
-                  int8_activations: bool = False) -> ServingModel:
+                  int8_activations: bool = False, dense_prefill: bool = True) -> ServingModel:
     # served as its folder's name (an archive's, unpacked), which a registry may have renamed, and a
     # symlink's own (a `current -> releases/<id>` layout keeps its name); the manifest's name is the
     # one it was built under
@@ -137,7 +143,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
                 return torch.nn.Linear(in_features, out_features, bias=bias)
             b = tensors.get(name + ".bias")
             return make_quantized_linear(name, linears[name], tensors, target, dtype,
-                                         None if b is None else b.to(dtype), int8_activations)
+                                         None if b is None else b.to(dtype), int8_activations, dense_prefill)
 
         plain = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in linears and not _is_kv_tensor(k)}
         model = build_model(config, plain, dtype, make_linear=make_linear, strict_quantized=set(linears), fused=fused)

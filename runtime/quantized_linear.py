@@ -34,9 +34,11 @@ class QuantizedLinear(nn.Module):
 
 def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tensor], target: str,
                           dtype: torch.dtype, bias: torch.Tensor | None,
-                          int8_activations: bool = False) -> QuantizedLinear:
+                          int8_activations: bool = False, dense_prefill: bool = True) -> QuantizedLinear:
     """int8_activations (cpu): int4/int8 weights also packed for the int8-activation GEMM of many
-    rows (plugins/packed_weights.py); fp8 linears are unaffected."""
+    rows (plugins/packed_weights.py); fp8 linears are unaffected. dense_prefill (cpu): int4/int8
+    weights also kept as a dense copy (bf16, or fp32 without fast bf16) for the GEMMs of many rows
+    (prefill); False computes every row from the codes: less memory, slower prompts."""
     fmt = entry["format"]
     out_features, in_features = entry["out_features"], entry["in_features"]
     try:
@@ -46,11 +48,12 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
             qweight = codes if zeros is not None else (codes.to(torch.int16) - 8).to(torch.int8)
             gs = entry["group_size"] or in_features
             packed = prepare_w4a16(qweight, tensors[name + ".scales"].float(), zeros, gs, target,
-                                   keep_dequantized=target == "cpu", dtype=dtype,
+                                   keep_dequantized=target == "cpu" and dense_prefill, dtype=dtype,
                                    int8_activations=int8_activations)
         elif fmt == "int8":
             packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target,
-                                   keep_dequantized=target == "cpu", int8_activations=int8_activations)
+                                   keep_dequantized=target == "cpu" and dense_prefill,
+                                   int8_activations=int8_activations)
         elif fmt == "fp8":
             static = entry.get("activations") == "static"  # served with the scale it was evaluated with
             packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float(), target,
