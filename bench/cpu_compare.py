@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from qkiln.plugins import cpu_native
 from qkiln.runtime.source import resolve_source
 
 from .baselines import hf_latency, hf_throughput, llama_cpp_latency, load_hf_model
@@ -50,7 +51,7 @@ _NOT_RUN = {"skipped": "not requested"}
 def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: str = W4A16_RECIPE,
                     num_samples: int | None = None) -> Path:
     """`artifact` if given; else a cached build of `model` with preset `recipe` (calibrating on
-    `num_samples` samples where it calibrates), rebuilt when its source or the scheme changed."""
+    `num_samples` samples where it calibrates), rebuilt when its source, scheme or calibration changed."""
     from qkiln.compile.artifact import is_artifact_dir, read_manifest
     from qkiln.compile.build import build
     from qkiln.compile.recipe import preset
@@ -71,7 +72,9 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
         built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))
     if is_artifact_dir(out):
         m = read_manifest(out)
-        if m.source.get("sha256") == file_sha256(files) and m.recipe.get("scheme") == built.scheme.to_dict():
+        wanted = built.to_dict()  # the calibration too: a --num-samples 4 run reused a 1-sample build
+        if m.source.get("sha256") == file_sha256(files) and \
+                all(m.recipe.get(key) == wanted.get(key) for key in ("scheme", "calibration")):
             log(f"reusing artifact {out}")
             return out
     log(f"building {out} ({recipe})")
@@ -219,8 +222,17 @@ def run_cpu_compare(model: str, artifact: Path | None, work_dir: Path, args: dic
     gc.collect()
     offline["qkiln-w4a16"] = _offline("qkiln-w4a16", w4a16, tput_wl, args)
     del w4a16
-    decode["qkiln-w4a16-python-layers"] = _python_layers_latency(str(artifact), decode_wl, bw, args)
-    if args["include_int8_activations"]:  # the same artifact, many-row steps with int8 activations
+    # without qkiln's native kernels (switched off, or no compiler) there is no decode stack to turn
+    # off, and int8 activations are refused: those rows are skipped with the reason, as a missing
+    # comparator is (the int8 refusal had ended the run after every other row, with no report)
+    no_stack = None if cpu_native.native_ops() is not None else \
+        {"skipped": "no native decode stack here (qkiln's native CPU ops switched off or not built)"}
+    no_int8 = None if cpu_native.native_extension() is not None else \
+        {"skipped": "int8 activations need qkiln's native CPU kernels (QKILN_NATIVE_CPU=0, or they did not build)"}
+    decode["qkiln-w4a16-python-layers"] = no_stack or _python_layers_latency(str(artifact), decode_wl, bw, args)
+    if args["include_int8_activations"] and no_int8:
+        decode["qkiln-w4a16-int8act"] = offline["qkiln-w4a16-int8act"] = no_int8
+    elif args["include_int8_activations"]:  # the same artifact, many-row steps with int8 activations
         decode["qkiln-w4a16-int8act"], offline["qkiln-w4a16-int8act"] = _qkiln_rows(
             "qkiln-w4a16-int8act", str(artifact), decode_wl, tput_wl, bw, args, int8_activations=True)
     if args["include_bf16"]:

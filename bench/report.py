@@ -68,8 +68,25 @@ def summarize_runs(runs: list[dict], keys) -> dict:
     return {k: summarize([r[k] for r in runs]) for k in keys}
 
 
+def reset_peak_rss() -> None:
+    """Start a new peak, so that a row's peak is its own: ru_maxrss never goes down, and a row that ran
+    after the HF model was loaded reported HF's footprint as qkiln's (Linux: writing 5 to
+    /proc/self/clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far (Linux reports ru_maxrss in KiB)."""
+    """Peak resident memory since the last reset_peak_rss (VmHWM), or of the process so far where
+    /proc has none (ru_maxrss, in KiB on Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -117,8 +134,18 @@ def machine_info() -> dict:
     return info
 
 
+def kernel_info() -> dict:
+    """Which CPU kernels ran (qkiln's native ones, or torch's where they did not build or were switched
+    off) and every QKILN_* switch set: the same figures from another kernel path are another result."""
+    from qkiln.plugins import cpu_native
+
+    return {"native_extension": cpu_native.native_extension() is not None,
+            "native_ops": cpu_native.native_ops() is not None,
+            "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("QKILN_")}}
+
+
 def environment() -> dict:
-    return {"git": _git(), "versions": _versions(), "machine": machine_info()}
+    return {"git": _git(), "versions": _versions(), "machine": machine_info(), "kernels": kernel_info()}
 
 
 def _jsonable(x):

@@ -25,7 +25,8 @@ from qkiln.runtime.engine import LLMEngine
 from qkiln.runtime.loader import ServingModel, load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
 
-from .report import fmt, log, make_report, peak_rss_bytes, plot_throughput_vs_concurrency, print_table
+from .report import (fmt, log, make_report, peak_rss_bytes, plot_throughput_vs_concurrency, print_table,
+                     reset_peak_rss)
 from .report import summarize_runs, write_report
 from .workload import BenchConfigError, Workload, check_at_least, make_workload
 
@@ -132,6 +133,7 @@ def run_throughput(engine: LLMEngine, workload: Workload, num_repeats: int = 3, 
                    warmup: bool = True, label: str = "qkiln") -> dict:
     """`num_repeats` timed passes of `workload` -> summaries of every figure, plus peak memory."""
     check_fits(engine, workload)  # the workload's lengths named, not the warm-up's shorter outputs
+    reset_peak_rss()  # this row's peak, not the process's so far
     if warmup:
         head = Workload(workload.prompts[:2], [min(4, n) for n in workload.output_lens[:2]])
         drive(engine, head, sampling)
