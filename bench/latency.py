@@ -62,7 +62,7 @@ def run_latency(engine, workload: Workload, num_repeats: int = 3, label: str = "
 def engine_roofline(engine, bandwidth_bytes_per_s: float, batch_size: int, input_len: int, output_len: int,
                     measured_tokens_per_s: float) -> dict:
     """Decode roofline for this engine's weights and KV dtype at the mean context of the decode."""
-    roof = decode_roofline(bandwidth_bytes_per_s, weight_bytes(engine.model), kv_bytes_per_token(engine),
+    roof = decode_roofline(bandwidth_bytes_per_s, weight_bytes(engine.model, batch_size), kv_bytes_per_token(engine),
                            batch_size, input_len + output_len / 2)
     roof["percent_of_roofline"] = percent_of_roofline(measured_tokens_per_s, roof)
     return roof

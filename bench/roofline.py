@@ -52,26 +52,40 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _packed_tensors(module: nn.Module):
-    """Tensors of a quantized linear's packed weight (a plugins dataclass), minus the many-row
-    copies (`dequantized`, and `int8_act`, a nested dataclass, not a tensor); or a dense linear's
-    oneDNN-packed weight (runtime/dense_linear.PackedLinear)."""
+_MANY_ROW_FORMS = ("dequantized", "amx_tables")
+
+
+def _packed_tensors(module: nn.Module, rows: int = 1):
+    """Tensors a step of `rows` rows reads of a quantized linear's packed weight (a plugins
+    dataclass): the packed codes and scales up to the rows its GEMV serves, past them the many-row
+    form (the dense copy, or the AMX tables) where it has one (`int8_act`, a nested dataclass, is
+    never counted); or a dense linear's oneDNN-packed weight (runtime/dense_linear.PackedLinear)."""
+    from qkiln.plugins.cpu_linear import SMALL_M, int4_gemv_rows
+
     packed = getattr(module, "packed", None)
     if isinstance(packed, torch.Tensor):
         yield packed
     if packed is None or not dataclasses.is_dataclass(packed):
         return
+    many_row = [getattr(packed, name, None) for name in _MANY_ROW_FORMS]
+    many_row = [t for t in many_row if isinstance(t, torch.Tensor)]
+    gemv_rows = int4_gemv_rows(*(getattr(packed, name, None) for name in _MANY_ROW_FORMS)) \
+        if hasattr(packed, "amx_tables") else SMALL_M
+    if many_row and rows > gemv_rows:
+        yield from many_row
+        return
     for f in dataclasses.fields(packed):
         value = getattr(packed, f.name)
-        if isinstance(value, torch.Tensor) and f.name != "dequantized":
+        if isinstance(value, torch.Tensor) and f.name not in _MANY_ROW_FORMS:
             yield value
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes one decode step reads for weights (each storage counted once, tied weights too)."""
+def weight_bytes(model: nn.Module, rows: int = 1) -> int:
+    """Bytes one decode step of `rows` rows reads for weights (each storage counted once, tied
+    weights too): a quantized linear's packed form, or past its GEMV's rows its many-row form."""
     seen: dict[int, int] = {}
     for module in model.modules():
-        tensors = list(module.parameters(recurse=False)) + list(_packed_tensors(module))
+        tensors = list(module.parameters(recurse=False)) + list(_packed_tensors(module, rows))
         for t in tensors:  # oneDNN-packed weights have no data pointer: each is its own storage
             seen[id(t) if t.is_mkldnn else t.data_ptr()] = t.numel() * t.element_size()
     for emb in _gather_only_embeddings(model):

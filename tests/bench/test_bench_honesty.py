@@ -57,3 +57,24 @@ def test_cpu_compare_without_native_kernels_skips_their_rows_and_keeps_the_run(t
     kernels = report["environment"]["kernels"]
     assert not kernels["native_extension"] and not kernels["native_ops"]
     assert kernels["switches"]["QKILN_NATIVE_CPU"] == "0"
+
+
+def test_a_many_row_step_s_roofline_counts_the_weights_it_reads(tmp_path):
+    """Past 8 rows an int4 linear computes from its dense copy, not its codes: the roofline of a
+    batch-16 step counted the 87 MB of codes where it streamed 269 MB of copies."""
+    from qkiln.bench import throughput
+    from qkiln.bench.roofline import _packed_tensors, weight_bytes
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+    from qkiln.runtime.quantized_linear import QuantizedLinear
+
+    tiny = write_tiny_hf_model(tmp_path / "tiny")
+    art = build(str(tiny), preset("w4a16-rtn"), tmp_path / "art", use_cache=False, progress=False,
+                log=lambda m: None).path
+    model = throughput.load_model(str(art)).model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears
+    for m in linears:  # 64 rows: past every GEMV's, each linear streams its dense copy and only it
+        assert [t.data_ptr() for t in _packed_tensors(m, 64)] == [m.packed.dequantized.data_ptr()]
+        assert m.packed.dequantized.data_ptr() not in [t.data_ptr() for t in _packed_tensors(m, 1)]
+    assert weight_bytes(model, 64) > weight_bytes(model, 1)
