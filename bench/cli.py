@@ -236,6 +236,9 @@ def quality_command(
     threads: Annotated[Optional[int], typer.Option(help="torch threads (default: all cores)")] = None,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", "--work-dir", help="keep the row artifacts here")] = None,
     reuse: Annotated[bool, typer.Option("--reuse", help="keep rows already built in --workdir")] = False,
+    data_dir: Annotated[Optional[Path], typer.Option(
+        help="folder holding data/wikitext-2-raw, data/wikitext-2, data/janeausten "
+             "(default: $QKILN_SHARED_DIR, else ../shared beside the checkout)")] = None,
     llmcompressor_python: Annotated[Optional[Path], typer.Option(
         help="an interpreter with llmcompressor (its own venv, see bench/llmc_reference.py): adds its rows")] = None,
     llmc_workdir: Annotated[Optional[Path], typer.Option(help="where llm-compressor's rows are built")] = None,
@@ -246,6 +249,7 @@ def quality_command(
     argv += (["--only", only] if only else []) + (["--threads", str(threads)] if threads else [])
     argv += (["--awq-num-samples", str(awq_num_samples)] if awq_num_samples else [])
     argv += (["--workdir", str(workdir)] if workdir else []) + (["--reuse"] if reuse else [])
+    argv += ["--data-dir", str(data_dir)] if data_dir else []
     argv += ["--llmcompressor-python", str(llmcompressor_python)] if llmcompressor_python else []
     argv += ["--llmc-workdir", str(llmc_workdir)] if llmc_workdir else []
     with exit_on_error():

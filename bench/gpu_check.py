@@ -13,7 +13,10 @@ budget skips what no longer fits, and long sections stop at their own deadline):
   hf          transformers LlamaForCausalLM.generate, bf16, batch 1 (the ratio column)
   offline     LLMEngine + GraphRunner, 2,000 requests of 128 prompt / 128 output tokens, 8B fp8
 
-Roofline of a decode step = (bytes of every weight read once + live K/V bytes) / copy bandwidth.
+Roofline of a decode step = (bytes of every weight read once + live K/V bytes) / copy bandwidth
+(an earlier H200 run's 4.17 TB/s when this run could not measure it: `bandwidth_source` says which).
+A section that catches its rows' errors (checks, kernels, decode) is "ok N/N rows" only when none
+failed; else "failed F/N rows: <first error>", with every error under `row_errors`.
 
 The device machine has torch and triton but qkiln is not installed there: `_import_qkiln` maps
 the repo's folders to the `qkiln` package through a symlink farm in a temp dir (the same mapping
@@ -21,6 +24,7 @@ as pyproject.toml's package-dir), so nothing is pip-installed. It never imports 
 """
 
 import argparse
+import dataclasses
 import faulthandler
 import gc
 import json
@@ -43,6 +47,9 @@ FORMATS = ("bf16", "fp8", "w4a16")
 CONTEXT, BLOCK_SIZE, MAX_MODEL_LEN = 512, 16, 1024
 DEVICE = "cuda"  # "cpu" only for a smoke run of build_model / offline / hf on tiny shapes
 _PACKAGE_PARENT: Path | None = None  # the symlink farm's folder, when _import_qkiln made one
+# An earlier H200 run's copy bandwidth (bench/results/gpu_check_h200.log measured 4.13): the
+# rooflines' ceiling when this run's bandwidth section failed or was skipped.
+ASSUMED_BANDWIDTH_TB_S = 4.17
 
 
 def _import_qkiln() -> None:
@@ -61,6 +68,35 @@ def _import_qkiln() -> None:
     sys.path.insert(0, str(farm.parent))
     _PACKAGE_PARENT = farm.parent
     os.environ["PYTHONPATH"] = f"{farm.parent}:{os.environ.get('PYTHONPATH', '')}"
+
+
+@dataclasses.dataclass
+class RowTally:
+    """A section's rows (one per try: an op check, a kernel variant, a decode model) and the
+    errors of those that failed, each caught so that the others still run."""
+
+    num_ok: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+def section_status(seconds: float, tally: RowTally | None) -> str:
+    """A section's entry in `sections`: a section that catches its rows' errors returns normally
+    even when all of them failed, so its status counts them."""
+    if tally is None:
+        return f"ok {seconds:.0f}s"
+    num_rows = tally.num_ok + len(tally.errors)
+    if num_rows == 0:
+        return f"no rows ran {seconds:.0f}s"
+    if not tally.errors:
+        return f"ok {num_rows}/{num_rows} rows {seconds:.0f}s"
+    return f"failed {len(tally.errors)}/{num_rows} rows {seconds:.0f}s: {tally.errors[0]}"[:200]
+
+
+def roofline_bandwidth(r: dict) -> tuple[float, str]:
+    """TB/s of the rooflines' ceiling, and its source: this run's copy, else the assumed figure."""
+    if "bandwidth_tb_s" in r:
+        return r["bandwidth_tb_s"], "measured"
+    return ASSUMED_BANDWIDTH_TB_S, f"assumed {ASSUMED_BANDWIDTH_TB_S} TB/s (an earlier H200 run's copy)"
 
 
 class Budget:
@@ -232,7 +268,7 @@ def _check_graph_runner(results: list) -> None:
                         _rel(graph_runner.execute(sub), eager), 2e-2))
 
 
-def section_checks(r: dict) -> None:
+def section_checks(r: dict) -> RowTally:
     results = []
     mixed = [(700, 700), (1000, 1), (333, 77), (16, 1), (1, 1), (65, 64)]
     decode = [(int(n), 1) for n in torch.randint(1, 1024, (6,))] + [(1024, 1)]
@@ -245,15 +281,17 @@ def section_checks(r: dict) -> None:
     r["checks"] = [{"name": n, "rel_error": e, "bound": b, "ok": e < b} for n, e, b in results]
     for n, e, b in results:
         print(f"  [{'PASS' if e < b else 'FAIL'}] {n}: rel err {e:.2e} (< {b:g})")
+    failed = [f"{n}: rel err {e:.2e} (bound {b:g})" for n, e, b in results if not e < b]
+    return RowTally(len(results) - len(failed), failed)
 
 
 # ---------------------------------------------------------------------------- kernels
-def section_kernels(r: dict, budget: Budget) -> None:
+def section_kernels(r: dict, budget: Budget) -> RowTally:
     from qkiln.plugins import fp8_w8a8_linear, prepare_fp8_w8a8, prepare_w4a16, w4a16_linear
     from qkiln.plugins import triton_fp8, triton_w4a16
     from qkiln.plugins.reference import fake_quantize_fp8_per_token
 
-    rows_out = []
+    rows_out, tally = [], RowTally()
     for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336)):
         copies = max(2, -(-(256 << 20) // (out_f * in_f)))  # >= 256 MB of weights: past L2
         bf16 = [torch.randn(out_f, in_f, device="cuda").bfloat16() for _ in range(copies)]
@@ -301,11 +339,15 @@ def section_kernels(r: dict, budget: Budget) -> None:
                                          weight_gb_s=gbps))
                     print(f"  {out_f}x{in_f} rows={rows:<3} {name:<28} {us:8.1f} us  "
                           f"{gbps:7.0f} GB/s of weights")
+                    tally.num_ok += 1
                 except Exception as e:  # one variant failing must not hide the others
-                    print(f"  {out_f}x{in_f} rows={rows} {name}: FAILED {type(e).__name__}: {e}")
+                    error = f"{out_f}x{in_f} rows={rows} {name}: {type(e).__name__}: {e}"
+                    print(f"  FAILED {error}")
+                    tally.errors.append(error)
         del bf16, w4, w8
         _free()
     r["kernels"] = rows_out
+    return tally
 
 
 # ---------------------------------------------------------------------------- models
@@ -382,7 +424,7 @@ def _kv_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
 
 
-def section_decode(r: dict, budget: Budget, shapes, batches, formats=None, fused_small_ops=True) -> None:
+def section_decode(r: dict, budget: Budget, shapes, batches, formats=None, fused_small_ops=True) -> RowTally:
     """fused_small_ops=False: the same steps with torch's small ops instead of the Triton ones
     (QKILN_GPU_FUSED_OPS=0), the same-run A/B of plugins/triton_small_ops.py."""
     from qkiln.runtime import fused_ops
@@ -391,15 +433,17 @@ def section_decode(r: dict, budget: Budget, shapes, batches, formats=None, fused
     os.environ["QKILN_GPU_FUSED_OPS"] = "1" if fused_small_ops else "0"
     fused_ops._gpu_fused_ops.cache_clear()
     try:
-        _decode_rows(r, budget, shapes, batches, formats or FORMATS, fused_small_ops, GraphRunner)
+        return _decode_rows(r, budget, shapes, batches, formats or FORMATS, fused_small_ops, GraphRunner)
     finally:
         os.environ.pop("QKILN_GPU_FUSED_OPS")
         fused_ops._gpu_fused_ops.cache_clear()
 
 
-def _decode_rows(r: dict, budget: Budget, shapes, batches, formats, fused_small_ops, GraphRunner) -> None:
-    bandwidth = r.get("bandwidth_tb_s", 4.17) * 1e12
-    rows = r.setdefault("decode", [])
+def _decode_rows(r: dict, budget: Budget, shapes, batches, formats, fused_small_ops, GraphRunner) -> RowTally:
+    """One tally row per model (shape and format): its batches share one build and one runner."""
+    bandwidth_tb_s, r["bandwidth_source"] = roofline_bandwidth(r)
+    bandwidth = bandwidth_tb_s * 1e12
+    rows, tally = r.setdefault("decode", []), RowTally()
     for shape in shapes:
         for fmt in formats:
             if budget.left() < 15:
@@ -430,11 +474,14 @@ def _decode_rows(r: dict, budget: Budget, shapes, batches, formats, fused_small_
                     print(f"  {shape} {fmt:5} b={batch:<3} {row['small_ops']:6} replay {gpu_ms:7.2f} ms "
                           f"{row['tok_s']:9.0f} tok/s ({row['pct_roofline']:4.1f}% of "
                           f"{roofline:.0f}); with host {row['wall_tok_s']:9.0f} tok/s")
-            except Exception:
+                tally.num_ok += 1
+            except Exception as e:
                 traceback.print_exc()
+                tally.errors.append(f"{shape} {fmt}: {type(e).__name__}: {e}")
             finally:
                 del model, runner, caches, graph
                 _free()
+    return tally
 
 
 # ---------------------------------------------------------------------------- HF baseline
@@ -560,8 +607,9 @@ def section_pytest(r: dict, budget: Budget) -> None:
 # ---------------------------------------------------------------------------- report
 def print_table(r: dict) -> None:
     hf = r.get("hf", {})
-    print("\n=== qkiln on", r.get("device"), f"| copy bandwidth {r.get('bandwidth_tb_s', 0):.2f} TB/s"
-          f" | decode context {CONTEXT} ===")
+    bandwidth_tb_s, source = roofline_bandwidth(r)
+    bandwidth = f"copy bandwidth {bandwidth_tb_s:.2f} TB/s" if source == "measured" else f"bandwidth {source}"
+    print("\n=== qkiln on", r.get("device"), f"| {bandwidth} | decode context {CONTEXT} ===")
     print(f"{'model':<12} {'fmt':<6} {'small ops':<9} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'roofline':>9} "
           f"{'%roof':>6} {'host tok/s':>10} {'x HF b1':>8}")
     for row in r.get("decode", []):
@@ -596,6 +644,8 @@ def main() -> None:
     parser.add_argument("--offline-s", type=float, default=60, help="cap per offline run")
     parser.add_argument("--skip", default="", help="comma-separated section names to skip")
     args = parser.parse_args()
+    if not torch.cuda.is_available():  # every section but the CPU-testable helpers needs one
+        parser.exit(2, f"{parser.prog}: needs a CUDA GPU (torch {torch.__version__} sees none)\n")
     budget = Budget(args.budget_s)
     faulthandler.dump_traceback_later(args.budget_s + 15)  # where it hangs, if it does
     _import_qkiln()
@@ -627,8 +677,10 @@ def main() -> None:
         print(f"--- {name} ({budget.left():.0f} s left)")
         start = time.monotonic()
         try:
-            call()
-            r["sections"][name] = f"ok {time.monotonic() - start:.0f}s"
+            tally = call()
+            r["sections"][name] = section_status(time.monotonic() - start, tally)
+            if tally is not None and tally.errors:
+                r.setdefault("row_errors", {})[name] = tally.errors
         except Exception as e:
             traceback.print_exc()
             r["sections"][name] = f"failed: {type(e).__name__}: {e}"[:200]

@@ -12,6 +12,9 @@ tokens of Jane Austen's Persuasion (no calibration source here uses it), same wi
 Calibration: `--calib` (default: the recipe default), 128 samples x 512 tokens, seed 0
 (`--awq-num-samples` for the AWQ rows: its scale search costs ~4x GPTQ's per sample).
 `--reuse` keeps the rows already built in `--workdir` (a run cut short resumes there).
+The texts live under `--data-dir` (default: $QKILN_SHARED_DIR, else the `shared` folder beside the
+checkout); every file a run reads is checked before the first build, as building all the rows takes
+hours and the texts are first read after them.
 `--llmcompressor-python PATH` (an interpreter with llm-compressor, in its own venv: see
 bench/llmc_reference.py) adds llm-compressor's GPTQ / AWQ / FP8 rows on the same protocol, scored
 in the same pass, and a table of ours vs theirs (relative perplexity, calibration time).
@@ -28,25 +31,62 @@ import tempfile
 import time
 from pathlib import Path
 
+from qkiln.bench.report import environment
 from qkiln.bench.workload import BenchConfigError
 from qkiln.compile.artifact import is_artifact_dir
 
-SHARED = Path(__file__).resolve().parents[1] / "../shared"
-WIKI_TEST = SHARED / "data/wikitext-2-raw/wiki.test.raw"
-WIKI_VALID = SHARED / "data/wikitext-2/valid.txt"
-NOVELS = SHARED / "data/janeausten/emma.txt"
-HELD_OUT = SHARED / "data/janeausten/persuasion.txt"
+# Unnormalized on purpose: the calibration specs built from it are part of each row's identity,
+# which --reuse compares with the rows built by earlier runs.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[1] / "../shared"
 HELD_OUT_TOKENS = 4096
 
 
-def calibration_sources() -> dict[str, str]:
+@dataclasses.dataclass(frozen=True)
+class DataFiles:
+    """The texts of the protocol, all under one data folder."""
+
+    root: Path
+    wiki_test: Path
+    wiki_valid: Path
+    novels: Path
+    held_out: Path
+
+    @classmethod
+    def under(cls, root: Path) -> "DataFiles":
+        return cls(root, root / "data/wikitext-2-raw/wiki.test.raw", root / "data/wikitext-2/valid.txt",
+                   root / "data/janeausten/emma.txt", root / "data/janeausten/persuasion.txt")
+
+
+def data_dir(option: Path | None) -> Path:
+    """--data-dir, else $QKILN_SHARED_DIR, else the `shared` folder beside the checkout."""
+    return option or Path(os.environ.get("QKILN_SHARED_DIR") or DEFAULT_DATA_DIR)
+
+
+def _calibration_files(spec: str) -> list[Path]:
+    """The file:PATH parts of a calibration source, a mix:A+B one included."""
+    return [Path(part.removeprefix("file:")) for part in spec.removeprefix("mix:").split("+")
+            if part.startswith("file:")]
+
+
+def check_data_files(data: DataFiles, calib_specs: list[str]) -> None:
+    """Refuse a run whose texts are missing before it builds anything (the builds take hours)."""
+    needed = [data.wiki_test, data.held_out] + [p for spec in calib_specs for p in _calibration_files(spec)]
+    missing = [str(p) for p in dict.fromkeys(needed) if not p.is_file()]
+    if missing:
+        raise BenchConfigError(
+            f"missing data file(s): {', '.join(missing)}; point --data-dir (or QKILN_SHARED_DIR) at the folder "
+            f"that holds data/wikitext-2-raw/wiki.test.raw (now {data.root}), or fix --calib's file: path")
+
+
+def calibration_sources(data: DataFiles) -> dict[str, str]:
     from qkiln.compile.recipe import DEFAULT_CALIBRATION_SOURCE
 
-    return {"default": DEFAULT_CALIBRATION_SOURCE, "self": "self:128", "wiki-valid": f"file:{WIKI_VALID}",
-            "novels": f"file:{NOVELS}", "mix": f"mix:self:128+file:{WIKI_VALID}+file:{NOVELS}"}
+    valid, novels = data.wiki_valid, data.novels
+    return {"default": DEFAULT_CALIBRATION_SOURCE, "self": "self:128", "wiki-valid": f"file:{valid}",
+            "novels": f"file:{novels}", "mix": f"mix:self:128+file:{valid}+file:{novels}"}
 
 
-def rows(calib: str) -> list[dict]:
+def rows(calib: str, data: DataFiles) -> list[dict]:
     """name, preset, weight-scheme overrides, calibration source."""
     out = []
     for group in (128, 64):
@@ -60,7 +100,7 @@ def rows(calib: str) -> list[dict]:
             dict(name="KV FP8", preset="kv-fp8", calib=calib),
             dict(name="GPTQ W4 g128 + KV INT4", preset="w4a16-gptq+kv-int4", calib=calib)]
     seen = {calib}
-    for label, spec in calibration_sources().items():
+    for label, spec in calibration_sources(data).items():
         if spec not in seen:  # which calibration text generalizes: GPTQ is the most data-sensitive
             seen.add(spec)
             out.append(dict(name=f"GPTQ W4 g128 calib={label}", preset="w4a16-gptq", calib=spec))
@@ -99,6 +139,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--only", help="comma-separated row names to run (exact)")
     p.add_argument("--workdir", type=Path)
+    p.add_argument("--data-dir", type=Path, help="the folder holding data/wikitext-2-raw, data/wikitext-2 and "
+                   "data/janeausten (default: $QKILN_SHARED_DIR, else ../shared beside the checkout)")
     p.add_argument("--threads", type=int, help="torch threads for builds and evaluation (default: all cores)")
     p.add_argument("--llmcompressor-python", help="an interpreter with llmcompressor installed (its own venv: "
                    "see bench/llmc_reference.py): adds its GPTQ/AWQ/FP8 rows, side by side with ours")
@@ -119,23 +161,26 @@ def main(argv=None) -> dict:
         args.calib = DEFAULT_CALIBRATION_SOURCE
     from qkiln.bench import llmc_reference  # reference rows: built in llm-compressor's own interpreter
 
+    data = DataFiles.under(data_dir(args.data_dir))
     if args.only:  # a misspelt name silently measured nothing but the unquantized row
-        known = [r["name"] for r in rows(args.calib)] + list(llmc_reference.ROWS)
+        known = [r["name"] for r in rows(args.calib, data)] + list(llmc_reference.ROWS)
         unknown = [n for n in args.only.split(",") if n not in known]
         if unknown:
             raise BenchConfigError(f"--only: no row named {', '.join(map(repr, unknown))}; rows: {', '.join(known)}")
-    selected = [r for r in rows(args.calib) if not args.only or r["name"] in args.only.split(",")]
+    selected = [r for r in rows(args.calib, data) if not args.only or r["name"] in args.only.split(",")]
+    check_data_files(data, [args.calib] + [r["calib"] for r in selected])  # the llmc rows calibrate on args.calib
     for row in selected:
         if row["name"].startswith("AWQ") and args.awq_num_samples:
             row["num_samples"] = args.awq_num_samples
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
+    workdir = args.workdir or _fresh_workdir()
     results = {row["name"]: _build_in_subprocess(row, workdir, args, f"[{i + 1}/{len(selected)}]")
                for i, row in enumerate(selected)}
     results |= llmc_reference.llmc_rows(
         args.llmcompressor_python, args.llmc_workdir or workdir / "llmc", calib=args.calib,
         num_samples=args.num_samples, awq_num_samples=args.awq_num_samples, threads=args.threads, reuse=args.reuse,
         only=args.only and args.only.split(","))
-    report = evaluate_rows(results, args.max_tokens, args.threads)
+    report = evaluate_rows(results, data, args.max_tokens, args.threads)
+    report["environment"] = environment()  # results move with thread count and float reductions
     report["llmc_comparison"] = llmc_reference.compare(report)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
@@ -143,6 +188,13 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(report, args.plot)
     return report
+
+
+def _fresh_workdir() -> Path:
+    """A temp folder for the rows' artifacts, announced: the only way back to hours of builds."""
+    workdir = Path(tempfile.mkdtemp(prefix="qkiln-quality-"))
+    print(f"work dir {workdir} (a rerun with --workdir {workdir} --reuse keeps its rows)", file=sys.stderr)
+    return workdir
 
 
 def _build_in_subprocess(row: dict, workdir: Path, args, label: str) -> dict:
@@ -165,7 +217,7 @@ def _build_in_subprocess(row: dict, workdir: Path, args, label: str) -> dict:
     return result
 
 
-def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) -> dict:
+def evaluate_rows(results: dict, data: DataFiles, max_tokens: int, threads: int | None = None) -> dict:
     import torch
 
     from qkiln.compile.evaluate import evaluate_many
@@ -175,9 +227,9 @@ def evaluate_rows(results: dict, max_tokens: int, threads: int | None = None) ->
     reference = open_model("smollm2-135m")
     models = {"unquantized": reference}
     models |= {name: open_model(r["artifact"]) for name, r in results.items() if "artifact" in r}
-    scores = evaluate_many(models, reference.tokenizer, str(WIKI_TEST), 512, max_tokens, reference=reference)
+    scores = evaluate_many(models, reference.tokenizer, str(data.wiki_test), 512, max_tokens, reference=reference)
     held_out_models = {n: m for n, m in models.items() if n == "unquantized" or " W4 " in n}
-    held_out = evaluate_many(held_out_models, reference.tokenizer, str(HELD_OUT), 512, HELD_OUT_TOKENS)
+    held_out = evaluate_many(held_out_models, reference.tokenizer, str(data.held_out), 512, HELD_OUT_TOKENS)
     for name, s in held_out.items():
         scores[name]["held_out_perplexity"] = s["perplexity"]
     base = scores["unquantized"]["perplexity"]

@@ -383,3 +383,27 @@ def test_onnx_engine_tiny(tiny, tmp_path):
         assert row["matmulnbits"] == results["int4_linears"]  # every int4 linear ran packed
     with pytest.raises(BenchConfigError, match="levels"):
         onnx_engine.main(artifact, levels="7", context=20, repeats=1, threads=1, json_out=None)
+
+
+def test_quality_refuses_missing_data_files_before_building(tmp_path, monkeypatch):
+    """The texts are first read after every row is built (hours): a missing one must stop the run first."""
+    from qkiln.bench import quant_quality
+    from qkiln.cli import app
+
+    def no_build(*args):
+        raise AssertionError("a row was built before the data files were checked")
+
+    monkeypatch.setattr(quant_quality, "_build_in_subprocess", no_build)
+    monkeypatch.delenv("QKILN_SHARED_DIR", raising=False)
+    empty = CliRunner().invoke(app, ["bench", "quality", "--only", "RTN W4 g128", "--data-dir", str(tmp_path),
+                                     "--json", str(tmp_path / "q.json")])
+    assert empty.exit_code == 2 and "--data-dir" in empty.output, empty.output
+    assert str(tmp_path / "data/wikitext-2-raw/wiki.test.raw") in empty.output.replace("\n", "")
+    for name in ("wikitext-2-raw/wiki.test.raw", "janeausten/persuasion.txt"):  # evaluation texts only
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).write_text("text\n")
+    monkeypatch.setenv("QKILN_SHARED_DIR", str(tmp_path))
+    with pytest.raises(BenchConfigError) as refused:  # this row calibrates on a novel that is not there
+        quant_quality.main(["--only", "GPTQ W4 g128 calib=novels", "--json", str(tmp_path / "q.json")])
+    assert str(refused.value).startswith(f"missing data file(s): {tmp_path / 'data/janeausten/emma.txt'};")
+    assert not (tmp_path / "q.json").exists()
