@@ -73,15 +73,10 @@ class Tokenizer:
         self.chat_templates = _named_templates(config.get("chat_template"))
         self.chat_template = self.chat_templates.get("default")
         self._compiled: dict[str, jinja2.Template] = {}
-        flagged = [f"{flag} {str(config[flag]).lower()}" for flag, says, policy in (
+        # the flags the post-processor disagrees with ("add_eos_token true"): from_dir warns of them
+        self.flag_conflicts = [f"{flag} {str(config[flag]).lower()}" for flag, says, policy in (
             ("add_bos_token", before, self._policy_tokens()[0]), ("add_eos_token", after, self._policy_tokens()[1]))
             if flag in config and says != policy]
-        if flagged:
-            warnings.warn(f"tokenizer_config.json says {' and '.join(flagged)}, which tokenizer.json's post-processor "
-                          f"does not do; qkiln follows tokenizer_config.json (transformers 4's Llama tokenizers did, "
-                          f"transformers 5 follows tokenizer.json), and a build's tokenizer.json is written to agree (an "
-                          f"artifact built before qkiln did that warns too: rebuild it so transformers reads the same)",
-                          stacklevel=2)
 
     def _policy_tokens(self) -> tuple[list[int], list[int]]:
         """The ids `encode` adds before and after a text."""
@@ -254,7 +249,14 @@ class Tokenizer:
         if named:  # one string, or the named form, as tokenizer_config.json holds them
             config["chat_template"] = named["default"] if list(named) == ["default"] else \
                 [{"name": name, "template": template} for name, template in named.items()]
-        return cls(backend, config)
+        tokenizer = cls(backend, config)
+        if tokenizer.flag_conflicts:
+            warnings.warn(f"{directory}: tokenizer_config.json says {' and '.join(tokenizer.flag_conflicts)}, which "
+                          "tokenizer.json's post-processor does not do; qkiln follows tokenizer_config.json "
+                          "(transformers 4's Llama tokenizers did, transformers 5 follows tokenizer.json), and a "
+                          "build's tokenizer.json is written to agree (an artifact built before qkiln did that warns "
+                          "too: rebuild it so transformers reads the same)", stacklevel=2)
+        return tokenizer
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":

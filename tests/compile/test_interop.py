@@ -312,9 +312,6 @@ def _damage(src: Path, how: str) -> None:
     if how == "truncated file":
         path.write_bytes(path.read_bytes()[:5000])
         return
-    if how == "a stray second file":
-        shutil.copy(path, src / "model-extra.safetensors")
-        return
     if how in ("quantization_config a string", "group_size 0", "bits a string"):
         config = json.loads((src / "config.json").read_text())
         qc = config["quantization_config"]
@@ -331,7 +328,7 @@ def _damage(src: Path, how: str) -> None:
     save_file(tensors, str(path))
 
 
-DAMAGE = {"truncated file": "not a valid safetensors file", "a stray second file": "is in both",
+DAMAGE = {"truncated file": "not a valid safetensors file",
           "quantization_config a string": "not an object", "group_size 0": "does not describe these weights",
           "bits a string": "must be an integer", "a NaN scale": "NaN", "a short embedding": "wrong shape"}
 
@@ -346,6 +343,15 @@ def test_a_damaged_checkpoint_is_refused_with_what_is_wrong(tiny, tmp_path, how)
     with pytest.raises(SourceModelError, match=DAMAGE[how]):
         import_checkpoint(src, tmp_path / "a")
     assert not (tmp_path / "a").exists()
+
+
+def test_a_stray_file_beside_model_safetensors_is_not_read_as_transformers_does_not(tiny, tmp_path):
+    """Without an index transformers reads model.safetensors alone; a copy beside it (a re-save,
+    an adapter) had been read too ("tensor ... is in both")."""
+    root, model_dir, _ = tiny
+    src = write_gptq(tmp_path / "gptq", model_dir, 4, 32, False, "gptq")
+    shutil.copy(src / "model.safetensors", src / "model-extra.safetensors")
+    assert import_checkpoint(src, tmp_path / "a").is_dir()
 
 
 def _shard(src: Path, stale: bool) -> None:
