@@ -246,9 +246,8 @@ class Tokenizer:
         for path in sorted((Path(directory) / NAMED_TEMPLATES_DIR).glob("*.jinja")):
             named[path.stem] = path.read_text(encoding="utf-8")
         config.pop("chat_template", None)
-        if named:  # one string, or the named form, as tokenizer_config.json holds them
-            config["chat_template"] = named["default"] if list(named) == ["default"] else \
-                [{"name": name, "template": template} for name, template in named.items()]
+        if named:  # written back as tokenizer_config.json holds it (an artifact's tokenizer/ keeps them all)
+            config["chat_template"] = _config_templates(named)
         tokenizer = cls(backend, config)
         if tokenizer.flag_conflicts:
             warnings.warn(f"{directory}: tokenizer_config.json says {' and '.join(tokenizer.flag_conflicts)}, which "
@@ -314,9 +313,14 @@ def _gguf_chat_templates(meta: dict) -> str | list[dict] | None:
     named = {"default" if key == "tokenizer.chat_template" else key.removeprefix("tokenizer.chat_template."): value
              for key, value in meta.items()
              if key == "tokenizer.chat_template" or key.startswith("tokenizer.chat_template.")}
+    return _config_templates(named)
+
+
+def _config_templates(named: dict[str, str]) -> str | list[dict] | None:
+    """Templates by name in tokenizer_config.json's forms: one string, or [{"name", "template"}]."""
     if not named:
         return None
-    return named.get("default") if list(named) == ["default"] else [{"name": k, "template": v} for k, v in named.items()]
+    return named["default"] if list(named) == ["default"] else [{"name": k, "template": v} for k, v in named.items()]
 
 
 def _with_post_processor(backend: HFTokenizer, bos: str | None, eos: str | None) -> HFTokenizer:

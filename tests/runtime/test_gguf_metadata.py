@@ -44,6 +44,17 @@ def test_a_gguf_is_known_by_its_magic_not_its_name(hf_dir, tmp_path):
         load_source(tmp_path / "notes.txt")
 
 
+def test_named_chat_templates_are_kept(hf_dir, tmp_path):
+    """llama.cpp writes a model's named templates as tokenizer.chat_template.NAME: only the default was read."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={
+        "tokenizer.chat_template": ("string", "{{ messages[0].content }}"),
+        "tokenizer.chat_template.tool_use": ("string", "tools: {{ messages[0].content }}")})
+    tokenizer = load_source(path).tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenizer.apply_chat_template(messages) == "hi"
+    assert tokenizer.apply_chat_template(messages, template_kwargs={"tools": [{"name": "f"}]}) == "tools: hi"
+
+
 def test_linear_rope_scaling_keys_are_applied(hf_dir, tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", hf_dir, metadata={"llama.rope.scaling.type": ("string", "linear"),
                                                                    "llama.rope.scaling.factor": ("float32", 4.0)})
