@@ -62,8 +62,9 @@ class RequestIdMiddleware:
         given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"")
         request_id = given.decode() if 0 < len(given) <= 256 and all(0x21 <= c <= 0x7e for c in given) \
             else uuid.uuid4().hex
-        # arrival: when the headers came in, from which the engine counts the request's latencies
-        # (the body's upload, tokenization and the wait for the step in progress included, as in vLLM)
+        # arrival: when the headers came in, from which the engine counts the request's latencies:
+        # the body's upload, tokenization and the wait for the step in progress included (vLLM's
+        # arrival is stamped after tokenization; the wait is in its latencies too)
         scope.setdefault("state", {}).update(request_id=request_id, arrival=time.time())
 
         started = False
