@@ -330,9 +330,13 @@ class AsyncLLMEngine:
         return True
 
     def _close(self) -> None:
+        """Refuse new commands, then fail every open stream and everything still queued."""
         with self._send_lock:
             self._closed = True
-        self._fail_all(EngineError("the engine has shut down; retry against a running server"))
+        error = EngineError("the engine has shut down; retry against a running server")
+        for request_id in list(self._streams):
+            self._streams.pop(request_id).put(error)
+        _fail_queued(self._commands, error)
 
     def _drain_commands(self) -> None:
         while True:
@@ -443,12 +447,6 @@ class AsyncLLMEngine:
             num_prompt_tokens=e.stats["num_prompt_tokens"], num_generated_tokens=e.stats["num_generated_tokens"],
             num_steps=e.stats["num_steps"], num_step_errors=self._num_step_errors, num_aborted=e.stats["num_aborted"],
             num_preemptions=e.scheduler.num_preemptions, time=time.monotonic())
-
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._streams.pop(request_id).put(error)
-        _fail_queued(self._commands, error)
-
 
 def _fail_queued(commands: queue.SimpleQueue, error: BaseException) -> None:
     """Requests and calls that were queued but never applied."""

@@ -223,9 +223,9 @@ class LLMEngine:
         block_bytes = kv_bytes_per_block(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads,
                                          mc.head_dim, kv_dtype, config.kv_group_size)
         num_blocks = config.num_kv_blocks or max(2, config.kv_cache_bytes // block_bytes)
-        if str(config.device) == "cpu":
-            check_kv_pool_fits(num_blocks * block_bytes)
         self.kv_pool_bytes = num_blocks * block_bytes
+        if str(config.device) == "cpu":
+            check_kv_pool_fits(self.kv_pool_bytes)
         self.caches = allocate_kv_cache(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
                                         mc.head_dim, kv_dtype, config.kv_group_size, config.device,
                                         has_k_channel_scale=bool(kv_scales and kv_scales.get("k_channel_scale")),

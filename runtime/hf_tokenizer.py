@@ -119,9 +119,6 @@ class TransformersStyleTokenizer:
                                              continue_final_message, tokenize, return_dict=return_dict, **kwargs)
                     for c in conversation]
         variables = dict(kwargs, **{k: v for k, v in (("tools", tools), ("documents", documents)) if v is not None})
-        # keys whose value is None are left out, as transformers leaves them (an OpenAI SDK message's)
-        conversation = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                        for m in conversation]
         text = self.qkiln_tokenizer.apply_chat_template(conversation, add_generation_prompt, continue_final_message,
                                                         variables, chat_template)
         if not tokenize:

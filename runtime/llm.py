@@ -54,8 +54,8 @@ class PromptOutput:
 
 class LLM:
     def __init__(self, model: str, dtype: str = "auto", int8_activations: bool = False, device: str = "cpu",
-                 *, dense_prefill: bool = True, trust_remote_code: bool = False, tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
-                 **engine_kwargs):
+                 *, dense_prefill: bool = True, trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 kv_cache_dtype: str | None = None, **engine_kwargs):
         """model: an artifact directory or archive, or a source model (alias, HF directory, .gguf).
         engine_kwargs: EngineConfig's fields (max_num_seqs, num_kv_blocks, kv_dtype, seed, ...).
         int8_activations: see loader.load_for_serving (CPU, artifacts, opt-in, not exact).
@@ -71,8 +71,8 @@ class LLM:
                              "leave it at 1")
         if kv_cache_dtype is not None:
             engine_kwargs["kv_dtype"] = _kv_dtype(kv_cache_dtype, engine_kwargs.get("kv_dtype"))
-        check_engine_options(engine_kwargs, device, "LLM()", "model, dtype, int8_activations, device, dense_prefill, vLLM's "
-                             "trust_remote_code, tensor_parallel_size and kv_cache_dtype")
+        check_engine_options(engine_kwargs, device, "LLM()", "model, dtype, int8_activations, device, dense_prefill, "
+                             "vLLM's trust_remote_code, tensor_parallel_size and kv_cache_dtype")
         loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations,
                                   dense_prefill=dense_prefill)
         self.engine = loaded.engine(device=device, **engine_kwargs)
@@ -221,12 +221,8 @@ def _kv_dtype(kv_cache_dtype: str, kv_dtype: str | None) -> str:
 
 
 def _template_message(message: dict) -> dict:
-    """A chat message as templates read it: keys whose value is None left out, as transformers and
-    vLLM leave them (an OpenAI SDK message's `tool_calls: None` crashed Llama 3's template, and
-    `content: None` was printed as "None"), and OpenAI's content parts joined as the server joins
-    them (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
-    if isinstance(message, dict):
-        message = {key: value for key, value in message.items() if value is not None}
+    """A chat message as templates read it: OpenAI's content parts joined as the server joins them
+    (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
     content = message.get("content") if isinstance(message, dict) else None
     if not isinstance(content, list):
         return message

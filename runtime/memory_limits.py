@@ -17,12 +17,13 @@ def available_bytes() -> int:
     for limit, usage in _cgroup_files():
         try:
             text = limit.read_text().strip()
-            if text == "max":
+            if text == "max":  # v2: no limit
                 continue
-            room = int(text) - int(usage.read_text().strip())
+            cap = int(text)
+            room = cap - int(usage.read_text().strip())
         except (OSError, ValueError):
             continue
-        if int(text) < 1 << 60:  # v1 writes "no limit" as a huge number
+        if cap < 1 << 60:  # v1 writes "no limit" as a huge number
             available = min(available, max(room, 0))
     return available
 
@@ -32,11 +33,11 @@ def _cgroup_files() -> list[tuple[Path, Path]]:
     files = []
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
-            controllers, path = _split(line)
-            if controllers == "":  # v2: "0::/path"
+            _, controllers, path = line.split(":", 2)  # "0::/path" (v2), "4:memory:/path" (v1)
+            if controllers == "":
                 folder = _CGROUP_ROOT / path.lstrip("/")
                 files.append((folder / "memory.max", folder / "memory.current"))
-            elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
+            elif "memory" in controllers.split(","):
                 folder = _CGROUP_ROOT / "memory" / path.lstrip("/")
                 files.append((folder / "memory.limit_in_bytes", folder / "memory.usage_in_bytes"))
     except OSError:
@@ -44,12 +45,6 @@ def _cgroup_files() -> list[tuple[Path, Path]]:
     files.append((_CGROUP_ROOT / "memory.max", _CGROUP_ROOT / "memory.current"))  # a container's own root
     files.append((_CGROUP_ROOT / "memory" / "memory.limit_in_bytes", _CGROUP_ROOT / "memory" / "memory.usage_in_bytes"))
     return list(dict.fromkeys(files))
-
-
-def _split(line: str) -> tuple[str, str]:
-    """'0::/path' -> ('', '/path'); '4:memory:/path' -> ('memory', '/path')."""
-    _, controllers, path = line.split(":", 2)
-    return controllers, path
 
 
 def release_freed_memory() -> None:

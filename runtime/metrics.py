@@ -8,8 +8,8 @@ scrape time. Must not touch the `LLMEngine`: only the immutable snapshot is read
 What vLLM also measures carries vLLM's name, label (`model_name`) and meaning, so dashboards and
 alerts built for vLLM work unchanged: queue sizes, KV usage, token and prefix-cache counters,
 preemptions, successes by `finished_reason`, and per request TTFT, e2e, queue / prefill / decode /
-inference time, time per output token and prompt / output lengths, all timed from the request's
-arrival at the server. What only qkiln has is `qkiln_*`: the artifact served, refusals, aborts,
+inference time, time per output token and prompt / output lengths (TTFT and e2e timed from the
+request's arrival at the server, queue time from the engine's receipt, as vLLM's). What only qkiln has is `qkiln_*`: the artifact served, refusals, aborts,
 failed steps, the KV pool in blocks, a tokens/s gauge. (vLLM's per-token inter-token latency
 histogram is not kept.)
 """
@@ -33,7 +33,7 @@ _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TIMES = (  # RequestOutput.metrics key, vLLM's histogram, help
-    ("queue", "vllm:request_queue_time_seconds", "Time from arrival to the request's first step."),
+    ("queue", "vllm:request_queue_time_seconds", "Time from the engine's receipt to the request's first step."),
     ("prefill", "vllm:request_prefill_time_seconds", "Time from the first step to the first output token."),
     ("decode", "vllm:request_decode_time_seconds", "Time from the first output token to the last."),
     ("inference", "vllm:request_inference_time_seconds", "Time from the first step to the last output token."),

@@ -41,6 +41,7 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
     (prefill); False computes every row from the codes: less memory, slower prompts."""
     fmt = entry["format"]
     out_features, in_features = entry["out_features"], entry["in_features"]
+    keep_dequantized = target == "cpu" and dense_prefill
     try:
         if fmt == "int4":
             codes = unpack_int4(tensors[name + ".qweight"])[:, :in_features]  # [out, in] 0..15
@@ -48,12 +49,11 @@ def make_quantized_linear(name: str, entry: dict, tensors: dict[str, torch.Tenso
             qweight = codes if zeros is not None else (codes.to(torch.int16) - 8).to(torch.int8)
             gs = entry["group_size"] or in_features
             packed = prepare_w4a16(qweight, tensors[name + ".scales"].float(), zeros, gs, target,
-                                   keep_dequantized=target == "cpu" and dense_prefill, dtype=dtype,
+                                   keep_dequantized=keep_dequantized, dtype=dtype,
                                    int8_activations=int8_activations)
         elif fmt == "int8":
             packed = prepare_w8a16(tensors[name + ".qweight"], tensors[name + ".scales"].float().reshape(-1), target,
-                                   keep_dequantized=target == "cpu" and dense_prefill,
-                                   int8_activations=int8_activations)
+                                   keep_dequantized=keep_dequantized, int8_activations=int8_activations)
         elif fmt == "fp8":
             static = entry.get("activations") == "static"  # served with the scale it was evaluated with
             packed = prepare_fp8_w8a8(tensors[name + ".weight"], tensors[name + ".weight_scale"].float(), target,

@@ -176,6 +176,9 @@ class Tokenizer:
         generation continues it. template_kwargs: more variables for the template (vLLM's
         chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         template = self._template(chat_template, has_tools=bool((template_kwargs or {}).get("tools")))
+        # keys whose value is None are left out, as transformers and vLLM leave them (an OpenAI SDK
+        # message's `tool_calls: None` crashed Llama 3's template; `content: None` printed "None")
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final:
