@@ -28,6 +28,7 @@ from .evaluate import check_window, evaluate, evaluation_tokens
 from .export_onnx import ENGINES, check_artifact_engine, onnx_engine_files, require_onnx
 from .kv_calibrate import calibrate_kv
 from .layer_cache import LayerCache, calibration_numerics, default_cache_dir, layer_key
+from .model_ref import LoadedModel
 from .recipe import Recipe
 from .self_generate import make_self_generator
 from .simulate import SIMULATION_SCORING, simulated_kv_backend
@@ -178,28 +179,15 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
     ev = recipe.evaluation
     if ev.data is None:
         return {"skipped": "no evaluation data (set evaluation.data or --eval-data)"}
-    reference = _reference_model(source)
-    backend = simulated_kv_backend(qm)
-
-    def quantized(ids):
-        with torch.no_grad():
-            return model(ids, backend=backend)
-
-    def ref_logits(ids):
-        with torch.no_grad():
-            return reference(ids)
-
+    # hidden states and head apart: evaluation computes the logits a slice at a time (evaluate.py)
+    quantized = LoadedModel("quantized", source.tokenizer, model, {}, simulated_kv_backend(qm))
+    # a fresh copy of the source: `model` is quantized in place
+    reference = LoadedModel("reference", source.tokenizer, source.build_model(torch.float32), {})
     # the reference's perplexity comes with the KL, from the same logits (a separate cached pass before)
-    report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=ref_logits,
+    report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=reference,
                       progress=progress)
     report["scoring"] = SIMULATION_SCORING
     return report
-
-
-
-def _reference_model(source):
-    model = source.build_model(torch.float32)  # a fresh copy: `model` in build() is quantized in place
-    return lambda ids: model(ids)
 
 
 def _tokenizer_files(source) -> dict[str, bytes]:

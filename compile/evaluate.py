@@ -23,13 +23,16 @@ from tqdm import tqdm
 from qkiln.calib_data import read_eval_text
 from qkiln.errors import CalibrationDataError, QkilnError, RecipeError, SourceModelError
 
-# ids [B, T] -> logits [B, T, V] (fp32); or an object whose score_targets(ids) gives the logprobs
-# of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
+# ids [B, T] -> logits [B, T, V] (fp32); or an object whose hidden_states(ids) [B, T, H] and
+# logits(hidden) [..., V] split that (model_ref.LoadedModel); or one whose score_targets(ids) gives
+# the logprobs of ids[:, 1:] [B, T - 1] (served_eval.ServedScorer: perplexity and bits per byte, no KL)
 Scorer = Callable[[torch.Tensor], torch.Tensor]
 # Memory: a batch holds at most MAX_BATCH_TOKENS window tokens (the default 4 windows of 512 up to
-# 16; a window of 8192 alone), and log-softmax runs SCORE_ROWS positions at a time. Copies of the
-# whole batch's [B, T, V] logits were the peak (an 8192-token window of SmolLM2: 1.6 GB a copy, and
-# 20 GB estimated for 4 such windows).
+# 16; a window of 8192 alone), and logits are scored SCORE_ROWS positions of one window at a time.
+# Whole [B, T, V] logits were the peak: an 8192-token window of SmolLM2 is 1.6 GB a copy, and the
+# build's default batch of 4 x 512 held six 400 MB copies (model, reference, their log-softmaxes,
+# KL terms): +2.7 GB over the build's other phases. A scorer that offers hidden states never
+# holds more than a slice's logits.
 MAX_BATCH_TOKENS = 8192
 SCORE_ROWS = 512
 
@@ -139,10 +142,8 @@ def evaluate_many(
     ]
     for batch in tqdm(batches, desc="eval", unit="batch", disable=not progress):
         ids_t = torch.tensor(batch)
-        with torch.no_grad():
-            ref_logits = None if reference is None else reference(ids_t)[:, :-1]
-        for name, model in models.items():
-            _score_batch(ids_t, model, ref_logits, byte_len, totals[name])
+        _score_batch(ids_t, models, reference, byte_len, totals)
+        for name in models:
             _check_finite(totals[name], name, data_name)
     # the windows batched together move the last digits: the batch size that ran is recorded
     return {name: _report(t, len(windows), protocol, reference is not None) | {"batch_size": batch_size}
@@ -182,24 +183,51 @@ def _report(totals: dict, num_windows: int, protocol: EvalProtocol, has_referenc
     return report
 
 
+class _PredictingLogits:
+    """A scorer's logits at the positions that predict ids[:, 1:], a slice [rows, V] of one window
+    at a time (fp32): through its head per slice when it offers hidden states, else cut from its
+    whole logits."""
+
+    def __init__(self, scorer: Scorer, ids: torch.Tensor):
+        split = hasattr(scorer, "hidden_states")
+        self._values = scorer.hidden_states(ids) if split else scorer(ids)
+        self._head = scorer.logits if split else None
+
+    def __getitem__(self, index: tuple[int, slice]) -> torch.Tensor:
+        part = self._values[index]
+        return (part if self._head is None else self._head(part)).float()
+
+
 @torch.no_grad()
-def _score_batch(ids: torch.Tensor, model: Scorer, ref_logits, byte_len: dict, totals: dict) -> None:
+def _score_batch(ids: torch.Tensor, models: dict[str, Scorer], reference: Scorer | None, byte_len: dict,
+                 totals: dict[str, dict]) -> None:
+    """Add one batch of windows to each model's totals; the reference's slice is computed once for all."""
     targets = ids[:, 1:]
-    totals["tokens"] += targets.numel()
-    totals["bytes"] += sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
-    if hasattr(model, "score_targets"):  # the targets' logprobs only (served_eval.py): no KL
-        assert ref_logits is None, "a scorer of target logprobs has no distributions to compare"
-        totals["nll"] += -model.score_targets(ids).sum().item()
+    num_bytes = sum(byte_len.get(t, 0) for t in targets.flatten().tolist())
+    logits = {}
+    for name, model in models.items():
+        totals[name]["tokens"] += targets.numel()
+        totals[name]["bytes"] += num_bytes
+        if hasattr(model, "score_targets"):  # the targets' logprobs only (served_eval.py): no KL
+            assert reference is None, "a scorer of target logprobs has no distributions to compare"
+            totals[name]["nll"] += -model.score_targets(ids).sum().item()
+        else:
+            logits[name] = _PredictingLogits(model, ids)
+    if not logits:
         return
-    logits = model(ids)[:, :-1]  # [B, T-1, V] predicts ids[:, 1:]
-    # SCORE_ROWS positions at a time: whole-window log-softmax copies were the peak memory
-    for start in range(0, targets.shape[1], SCORE_ROWS):
-        rows = slice(start, start + SCORE_ROWS)
-        logp = F.log_softmax(logits[:, rows].float(), dim=-1)
-        chosen = targets[:, rows].unsqueeze(-1)
-        totals["nll"] += -logp.gather(-1, chosen).sum().item()
-        if ref_logits is not None:
-            ref_logp = F.log_softmax(ref_logits[:, rows].float(), dim=-1)
-            totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
-            totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
-            totals["ref_nll"] += -ref_logp.gather(-1, chosen).sum().item()
+    ref_logits = None if reference is None else _PredictingLogits(reference, ids)
+    for window in range(targets.shape[0]):
+        for start in range(0, targets.shape[1], SCORE_ROWS):
+            rows = (window, slice(start, min(start + SCORE_ROWS, targets.shape[1])))
+            chosen = targets[rows].unsqueeze(-1)
+            ref_logp = None if ref_logits is None else F.log_softmax(ref_logits[rows], dim=-1)
+            for name, model_logits in logits.items():
+                _score_rows(F.log_softmax(model_logits[rows], dim=-1), ref_logp, chosen, totals[name])
+
+
+def _score_rows(logp: torch.Tensor, ref_logp: torch.Tensor | None, chosen: torch.Tensor, totals: dict) -> None:
+    totals["nll"] += -logp.gather(-1, chosen).sum().item()
+    if ref_logp is not None:
+        totals["kl"] += F.kl_div(logp, ref_logp, log_target=True, reduction="sum").item()
+        totals["agree"] += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+        totals["ref_nll"] += -ref_logp.gather(-1, chosen).sum().item()

@@ -23,8 +23,16 @@ class LoadedModel:
     backend: object = None  # attention backend (simulated KV quantization for artifacts)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.hidden_states(ids))
+
+    def hidden_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> [B, T, hidden]: evaluation takes the logits from these a slice at a time."""
         with torch.no_grad():
-            return self.model(ids, backend=self.backend).float()
+            return self.model.dense_hidden_states(ids, backend=self.backend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model.compute_logits(hidden).float()
 
 
 def open_model(name: str, int8_activations: bool = False) -> LoadedModel:

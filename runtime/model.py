@@ -195,6 +195,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions=None, backend=None) -> torch.Tensor:
         """Dense convenience path: ids [B, T] -> logits [B, T, vocab]."""
+        return self.compute_logits(self.dense_hidden_states(input_ids, positions, backend))
+
+    def dense_hidden_states(self, input_ids, positions=None, backend=None) -> torch.Tensor:
+        """ids [B, T] -> [B, T, hidden] after the final norm, on dense attention by default: the
+        forward pass without its logits, which a scorer computes a slice at a time."""
         if positions is None:
             if input_ids.shape[-1] > self.config.max_position_embeddings:  # RoPE's table ends there: an IndexError
                 raise SourceModelError(f"{input_ids.shape[-1]} tokens exceed the model's context of "
@@ -202,4 +207,4 @@ class CausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
             if input_ids.shape[-1] > self.rope.max_positions:  # an engine fitted the tables to fewer
                 self.rope.fit(self.config.max_position_embeddings)  # once, not per length: tables are kept
-        return self.compute_logits(self.hidden_states(input_ids, positions, backend or DenseAttention()))
+        return self.hidden_states(input_ids, positions, backend or DenseAttention())
