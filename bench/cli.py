@@ -6,7 +6,9 @@ httpx. A `QkilnError` from a benchmark becomes one `error: ...` line and its exi
 """
 
 import importlib
+import importlib.util
 import math
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -31,7 +33,36 @@ Int8Activations = Annotated[bool, typer.Option(
 def _run(module: str, options: dict) -> None:
     with exit_on_error():
         _check_outputs(options.get("json_out"), options.get("plot"))
+        _check_packages(module, options)
         importlib.import_module(f"qkiln.bench.{module}").main(**options)
+
+
+# what a benchmark imports beyond qkiln's own dependencies (the `bench` extra): found missing at the
+# start, not after minutes of loading and timing (serve had left its server running)
+_HF_BASELINE = ("transformers",)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # in sys.modules without a spec: imported already, or None (blocked)
+        return sys.modules.get(name) is not None
+
+
+def _check_packages(module: str, options: dict) -> None:
+    from qkiln.bench.workload import BenchConfigError
+
+    needed = {"serve": ("httpx",), "cpu_compare": _HF_BASELINE}.get(module, ())
+    if options.get("hf"):
+        needed += _HF_BASELINE
+    if options.get("plot") is not None:
+        needed += ("matplotlib",)
+    missing = sorted({name for name in needed if not _importable(name)})
+    if missing:
+        hint = "; or leave out --plot" if "matplotlib" in missing else ""
+        hint += "; or pass --no-hf" if "transformers" in missing and options.get("hf") else ""
+        raise BenchConfigError(f"this benchmark needs {', '.join(missing)}: pip install 'qkiln[bench]' (in a "
+                               f"checkout: pip install -e '.[bench]'){hint}")
 
 
 def _check_outputs(json_out: Path | None, plot: Path | None) -> None:

@@ -98,6 +98,9 @@ def _git() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    toplevel = run("rev-parse", "--show-toplevel")
+    if toplevel is None or Path(toplevel).resolve() != _ROOT:  # an install inside some other repository
+        return {"revision": None, "is_dirty": None}
     status = run("status", "--porcelain", "--untracked-files=no")
     return {"revision": run("rev-parse", "HEAD"), "is_dirty": bool(status) if status is not None else None}
 

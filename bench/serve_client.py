@@ -129,6 +129,8 @@ class ServerProcess:
     """`python -m qkiln serve MODEL --host 127.0.0.1 --port P [extra args]`, stopped on exit."""
 
     def __init__(self, model: str, extra_args: list[str], startup_timeout_s: float = 600.0):
+        import httpx  # before the server starts: missing, it had left the server running
+
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="qkiln-serve-", suffix=".log", delete=False)
@@ -136,15 +138,16 @@ class ServerProcess:
                *extra_args]
         log(f"starting server: {' '.join(cmd)} (log: {self.log_file.name})")
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT)
-        self._wait_ready(startup_timeout_s)
+        try:
+            self._wait_ready(startup_timeout_s, httpx)
+        except BaseException:  # an interrupt while it loads, too: no server outlives the benchmark
+            self.close(keep_log=True)
+            raise
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        import httpx
-
+    def _wait_ready(self, timeout_s: float, httpx) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.close(keep_log=True)
                 tail = Path(self.log_file.name).read_text(errors="replace")[-2000:]
                 raise BenchConfigError(f"the server exited with code {self.proc.returncode} before it was ready; "
                                        f"its log ends with:\n{tail}")
@@ -154,7 +157,6 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.close(keep_log=True)
         raise BenchConfigError(f"the server did not answer /v1/models within {timeout_s:.0f} s; "
                                f"see {self.log_file.name}")
 

@@ -3,7 +3,7 @@ engine files a build puts under the artifact's engines/onnx/ (`qkiln build --eng
 
 The graph comes from onnx_graph.py and is checked by onnx_check.py: written, then run for two
 serving steps and held to the artifact's own numerics before the directory appears. The `onnx`
-package is an optional extra (`pip install -e '.[onnx]'`); nothing else imports it.
+package is an optional extra (`pip install 'qkiln[onnx]'`); nothing else imports it.
 """
 
 import json
@@ -25,7 +25,7 @@ from .onnx_check import (OnnxCheck, check_contract_version, check_fits_in_memory
 from .onnx_contract import read_engine_model, rewrite_hint
 from .onnx_graph import CONTRACT_FILE, DATA_FILE, MODEL_FILE, build_onnx_engine, write_onnx_engine
 
-INSTALL_HINT = "pip install -e '.[onnx]' in qkiln's checkout (or: pip install onnx==1.23.2)"
+INSTALL_HINT = "pip install 'qkiln[onnx]' (in qkiln's checkout: pip install -e '.[onnx]')"
 ENGINE_DIR = "onnx"  # under the artifact's engines/
 ENGINES = ("onnx",)  # what `qkiln build --engine` writes
 

@@ -32,7 +32,7 @@ def require_onnxruntime():
         import onnxruntime
     except ImportError:
         raise ArtifactError("running an engine under ONNX Runtime needs onnxruntime: "
-                            "pip install -e '.[onnx]' in qkiln's checkout") from None
+                            "pip install 'qkiln[onnx]' (in qkiln's checkout: pip install -e '.[onnx]')") from None
     return onnxruntime
 
 

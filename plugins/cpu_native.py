@@ -47,8 +47,23 @@ _extension = _MISSING
 _ops_enabled = True
 
 
+def _ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the ninja qkiln depends on sits beside the venv's Python, which
+    is not on PATH when `.venv/bin/qkiln` runs without the venv activated (the kernels then fell
+    back to torch's, with "pip install ninja" as the reason)."""
+    try:
+        import ninja
+    except ImportError:  # a system ninja, if any, is what torch finds
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(p for p in (path, ninja.BIN_DIR) if p)  # last: a system one first
+
+
 def _build(extra_cflags: list[str]):
     from torch.utils.cpp_extension import _get_build_directory, load
+
+    _ninja_on_path()
 
     # -fopenmp: at::parallel_for is a header template whose `omp parallel` needs it (the .so then
     # binds to the libgomp.so.1 torch already loaded, so there is one thread pool).

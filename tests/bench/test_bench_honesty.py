@@ -78,3 +78,18 @@ def test_a_many_row_step_s_roofline_counts_the_weights_it_reads(tmp_path):
         assert [t.data_ptr() for t in _packed_tensors(m, 64)] == [m.packed.dequantized.data_ptr()]
         assert m.packed.dequantized.data_ptr() not in [t.data_ptr() for t in _packed_tensors(m, 1)]
     assert weight_bytes(model, 64) > weight_bytes(model, 1)
+
+
+def test_a_benchmark_missing_a_package_says_so_before_it_starts(tmp_path):
+    """Without httpx `bench serve` had started its server, failed in a traceback and left it running;
+    without transformers or matplotlib, other benchmarks failed after minutes of loading or timing."""
+    cases = [(["serve", str(tmp_path / "no-model")], "httpx", "qkiln[bench]"),
+             (["prefill", "--model", str(tmp_path / "no-model")], "transformers", "--no-hf"),
+             (["latency", str(tmp_path / "no-model"), "--plot", str(tmp_path / "plots")], "matplotlib",
+              "leave out --plot")]
+    for args, package, hint in cases:
+        blocked = f"import sys; sys.modules[{package!r}] = None; sys.argv = ['qkiln', 'bench', *{args!r}]; " \
+                  "from qkiln.cli import main; main()"
+        run = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and f"needs {package}" in run.stderr and hint in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr and "starting server" not in run.stderr

@@ -311,3 +311,11 @@ def test_generate_takes_a_prompt_from_a_file_and_says_when_the_context_cut_it_sh
                                   str(tmp_path / "p.txt")), "--prompt TEXT or --prompt-file PATH", code=2)
     assert_one_line_error(run_cli("generate", str(tmp_path / "m"), "--prompt-file", str(tmp_path / "none.txt")),
                           "cannot be read", code=2)
+
+
+def test_the_package_says_its_version():
+    import importlib.metadata
+
+    import qkiln
+
+    assert qkiln.__version__ == importlib.metadata.version("qkiln")

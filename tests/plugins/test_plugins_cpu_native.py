@@ -236,3 +236,15 @@ def test_a_killed_build_leaves_no_lock_that_blocks_later_loads(native_ext, tmp_p
     holder.wait()
     assert entered.wait(30)
     thread.join()
+
+
+def test_the_declared_ninja_is_found_without_an_activated_venv(monkeypatch):
+    """`.venv/bin/qkiln` runs with the venv's bin folder off PATH: torch found no ninja there and the
+    kernels fell back to torch's, asking to `pip install ninja` (installed)."""
+    from torch.utils.cpp_extension import verify_ninja_availability
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError):
+        verify_ninja_availability()
+    cpu_native._ninja_on_path()
+    verify_ninja_availability()
