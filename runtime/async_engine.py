@@ -113,6 +113,7 @@ class RequestStream:
         if not self.accepted.done():
             if isinstance(item, BaseException):  # refused at admission: nothing else will come
                 self.accepted.set_exception(item)
+                self.queue.put_nowait(item)  # and an `async for` that did not await `accepted` ends (it had hung)
                 return
             self.accepted.set_result(None)
         if item is not _ACCEPTED:
@@ -128,6 +129,8 @@ class RequestStream:
         item = await self.queue.get()
         if isinstance(item, BaseException):
             self.finished = True
+            if self.accepted.done() and not self.accepted.cancelled():
+                self.accepted.exception()  # a refusal raised here is retrieved: asyncio need not warn of it
             raise item
         self.finished = item.finished
         return item
@@ -165,7 +168,10 @@ class AsyncLLMEngine:
         self._send_lock = threading.Lock()
         self.snapshot = EngineSnapshot()
         self._num_step_errors = 0
-        self._open: set[RequestStream] = set()  # submitted, not yet ended; guarded by `_open_lock`
+        # submitted, not yet ended, by request id (an abort finds its streams without a scan: a mass
+        # disconnect of 4000 streams had blocked the event loop 0.73 s); guarded by `_open_lock`
+        self._open: dict[str, set[RequestStream]] = {}
+        self._num_open = 0
         self._aborted: set[RequestStream] = set()  # of those, the ones abort() asked to end
         self._num_queued_adds = 0  # submitted, not yet drained by the engine thread; guarded by `_open_lock`
         self._open_lock = threading.Lock()
@@ -218,7 +224,7 @@ class AsyncLLMEngine:
         server can bound them (a client that hung up and retried at once had got a 429 while the
         engine was still finishing a step with its first request)."""
         with self._open_lock:
-            return len(self._open) - len(self._aborted)
+            return self._num_open - len(self._aborted)
 
     # ---- public API (any thread / the event loop) -------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -236,7 +242,8 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id if request_id is not None else f"req-{uuid.uuid4().hex}",
                                asyncio.get_running_loop(), on_end=self._request_ended)
         with self._open_lock:
-            self._open.add(stream)
+            self._open.setdefault(stream.request_id, set()).add(stream)
+            self._num_open += 1
             self._num_queued_adds += 1
         try:
             self._send(_Add(stream, prompt, params, arrival_time))
@@ -249,7 +256,12 @@ class AsyncLLMEngine:
 
     def _request_ended(self, stream: RequestStream) -> None:
         with self._open_lock:
-            self._open.discard(stream)
+            same_id = self._open.get(stream.request_id, set())
+            if stream in same_id:
+                same_id.remove(stream)
+                self._num_open -= 1
+                if not same_id:
+                    del self._open[stream.request_id]
             self._aborted.discard(stream)
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -282,7 +294,7 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its stream ends with finish_reason "abort". Unknown ids are ignored."""
         with self._open_lock:
-            self._aborted.update(s for s in self._open if s.request_id == request_id)
+            self._aborted.update(self._open.get(request_id, ()))
         try:
             self._send(("abort", request_id))
         except EngineError:
@@ -304,7 +316,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         with self._open_lock:
-            still_open = list(self._open)
+            still_open = [s for same_id in self._open.values() for s in same_id]
         for stream in still_open:
             stream.put(EngineError("the engine has shut down; retry against a running server"))
         if threading.current_thread() is not self._thread:

@@ -169,6 +169,14 @@ class _Request:
     scheduled_time: float | None = None  # first put in a step
     first_token_time: float | None = None
     prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
+    # the prompt's distinct ids, which repetition_penalty reads each step: found once (the whole
+    # prompt made into a tensor and sorted each step cost 151 ms a step at 64 x 3000-token prompts)
+    prompt_token_set: torch.Tensor | None = None
+
+    def penalty_history(self) -> tuple[torch.Tensor, list[int]]:
+        if self.prompt_token_set is None:
+            self.prompt_token_set = torch.tensor(self.seq.prompt_token_ids, dtype=torch.int64).unique()
+        return self.prompt_token_set, self.seq.output_token_ids
 
 
 def stop_token_ids(config, tokenizer) -> tuple[int, ...]:
@@ -382,7 +390,7 @@ class LLMEngine:
         if step.argmax is not None:
             out = SamplerOutput(step.argmax)
         else:
-            history = [(s.seq.prompt_token_ids, s.seq.output_token_ids) for s in sampling] \
+            history = [self.requests[s.seq_id].penalty_history() for s in sampling] \
                 if any(p.has_penalties for p in params) else None
             generators = [self.requests[s.seq_id].generator for s in sampling]
             # A step failed by non-finite rows is run again without them: seeded requests draw again

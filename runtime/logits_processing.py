@@ -11,7 +11,6 @@ each row's `topk` candidates; for a row whose nucleus is wider than them, from a
 probability mass by logit, sorting only the tokens of the bin where the mass reaches p.
 """
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -82,10 +81,10 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], tok
 
 def _unique_keys(token_lists: Sequence[Sequence[int]], rows: Sequence[int], vocab_size: int,
                  device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct row * vocab_size + token keys of the lists (list j belongs to row rows[j]) and
-    how often each occurs."""
+    """The distinct row * vocab_size + token keys of the lists (list j belongs to row rows[j]; a list
+    or a 1-D tensor) and how often each occurs."""
     lengths = torch.tensor([len(ids) for ids in token_lists], device=device)
-    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
+    ids = torch.cat([torch.as_tensor(ids, dtype=torch.int64) for ids in token_lists]).to(device)
     row = torch.tensor(rows, dtype=torch.int64, device=device).repeat_interleave(lengths)
     keys, counts = torch.unique(row * vocab_size + ids, return_counts=True)
     return keys, counts.to(torch.float32)

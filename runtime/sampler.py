@@ -71,8 +71,8 @@ class Sampler:
                banned_token_ids: Sequence[Sequence[int]] | None = None,
                token_history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None) -> SamplerOutput:
         """Pick one token per row. `generators[i]` (or None) serves row i when it samples randomly.
-        `token_history[i]`: row i's (prompt token ids, output token ids), which its penalties count;
-        needed when some row has penalties."""
+        `token_history[i]`: row i's (prompt token ids, or their distinct ids, output token ids), which
+        its penalties count; needed when some row has penalties."""
         num_seqs, vocab_size = logits.shape
         assert len(params) == num_seqs, (len(params), num_seqs)
         raw = logits  # logprobs are of these: before bias, bans and penalties, as vLLM's raw_logprobs

@@ -366,12 +366,21 @@ async def _admit(engine: AsyncLLMEngine, choices: list[_Choice], arrival_time: f
     return streams
 
 
-async def _collect(stream: RequestStream, metrics: ServerMetrics) -> list:
-    outputs = []
+async def _collect(stream: RequestStream, metrics: ServerMetrics) -> list[RequestOutput]:
+    """The stream's first output (its prompt logprobs) and its last (the whole text), which carries
+    the logprob entries of every output after the first. Each output holds the token ids and text
+    so far: keeping them all took memory quadratic in the length (16 requests of 4000 tokens:
+    +820 MiB that stayed)."""
+    first = last = None
+    later_logprobs = []
     async for out in stream:
         metrics.observe(out)  # as they come: a choice's first token counts though its client leaves
-        outputs.append(out)
-    return outputs
+        if first is None:
+            first = out
+        else:
+            later_logprobs += out.logprobs
+            last = out
+    return [first] if last is None else [first, replace(last, logprobs=later_logprobs)]
 
 
 def _abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
