@@ -105,7 +105,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
 
     num_layers = len(model.model.layers)
     # the fp32 source and its simulation are done with: the engine check simulates the model in
-    # float32 and float64, and held beside them it was the build's peak (main job: 4.5 GB)
+    # float32 and float64, and held beside them it was the build's peak (main job: 4.4 GiB)
     model = qm = source = None  # rebound, not deleted: the layer cache key function closes over source
     release_freed_memory()
 

@@ -518,7 +518,7 @@ def test_eval_refuses_an_engine_exported_from_another_artifact(root, tmp_path):
 
 def test_the_build_lets_go_of_its_model_before_the_engine_check(root, monkeypatch):
     """The check simulates the model in float32 and float64; the build's fp32 source and its
-    simulation held beside it made the check the build's peak (main job: 4.5 GB, now 3.2)."""
+    simulation held beside it made the check the build's peak (main job: 4.4 GiB, now 3.2)."""
     import gc
     import weakref
 
