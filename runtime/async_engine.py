@@ -29,6 +29,7 @@ Invariants:
 """
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -76,16 +77,23 @@ class EngineSnapshot:
 _ACCEPTED = object()  # engine thread -> stream: "admitted"; resolves `accepted`, never queued
 
 
-class RequestStream:
-    """Outputs of one request, in order; iterate with `async for`. Ends after the finished output."""
+# Outputs a stream holds before it merges the newest ones (a consumer that stopped reading, e.g. an
+# HTTP client that reads slowly): each output carries the text and token ids so far, so an unread
+# backlog grew quadratically (one stalled 4000-token stream: 70.7 MiB); vLLM's output collector merges too.
+MERGE_BACKLOG = 16
 
-    _END = object()
+
+class RequestStream:
+    """Outputs of one request, in order; iterate with `async for`. Ends after the finished output.
+    A consumer more than MERGE_BACKLOG outputs behind gets the newest merged into one
+    (`RequestOutput.merged`): its new tokens, text and logprobs concatenated."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
                  on_end: Callable[["RequestStream"], None] | None = None):
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: collections.deque = collections.deque()  # the event loop's thread only
+        self._arrived = asyncio.Event()
         self.accepted: asyncio.Future = loop.create_future()  # None once admitted, or the admission error
         self.finished = False
         self._on_end = on_end  # called once, by the thread that puts the last item, whoever listens
@@ -113,11 +121,19 @@ class RequestStream:
         if not self.accepted.done():
             if isinstance(item, BaseException):  # refused at admission: nothing else will come
                 self.accepted.set_exception(item)
-                self.queue.put_nowait(item)  # and an `async for` that did not await `accepted` ends (it had hung)
+                self._push(item)  # and an `async for` that did not await `accepted` ends (it had hung)
                 return
             self.accepted.set_result(None)
         if item is not _ACCEPTED:
-            self.queue.put_nowait(item)
+            self._push(item)
+
+    def _push(self, item) -> None:
+        behind = self.queue[-1] if len(self.queue) >= MERGE_BACKLOG else None
+        if isinstance(behind, RequestOutput) and isinstance(item, RequestOutput):
+            self.queue[-1] = behind.merged(item)
+        else:
+            self.queue.append(item)
+        self._arrived.set()
 
     # ---- consumer side -----------------------------------------------------------------------
     def __aiter__(self):
@@ -126,7 +142,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
+        while not self.queue:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self.queue.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             if self.accepted.done() and not self.accepted.cancelled():

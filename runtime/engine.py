@@ -134,6 +134,15 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
     num_cached_tokens: int = 0  # the prompt's tokens a prefix-cache hit spared computing (vLLM's field)
 
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This output and the next of the same request as one (a stream consumer that fell behind):
+        the new tokens, text and logprobs of both; everything else as of `later`; timing stats and
+        prompt logprobs from whichever has them."""
+        return dataclasses.replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text,
+            logprobs=self.logprobs + later.logprobs, metrics=self.metrics | later.metrics,
+            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
+
 
 def truncation(truncate_prompt_tokens: int | None, max_model_len: int, max_request_len: int) -> int | None:
     """The prompt tokens a request keeps (SamplingParams.truncate_prompt_tokens; -1: as many as a

@@ -93,7 +93,9 @@ class ServerMetrics:
         m = output.metrics
         if not m:
             return
-        if len(output.token_ids) == 1:  # the first token's output (the last too, for one token)
+        # the output that carries the first token (the last too, for one token; merged with later
+        # ones for a stream consumer that fell behind: async_engine.MERGE_BACKLOG)
+        if output.token_ids and len(output.token_ids) == len(output.new_token_ids):
             self.ttft.observe(m["ttft"])
         if not output.finished:
             return

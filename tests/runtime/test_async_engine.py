@@ -384,7 +384,7 @@ def test_shutdown_ends_open_streams_without_waiting_for_the_step(model_dir):
         assert time.monotonic() - started < 1.5, "the streams waited for the step"
         await asyncio.wrap_future(held)
         await asyncio.sleep(0.1)  # what the step put has reached the loop: dropped
-        assert all(s.queue.empty() for s in streams)
+        assert not any(s.queue for s in streams)
 
     asyncio.run(main())
     eng.shutdown()
@@ -474,4 +474,30 @@ def test_iterating_a_refused_stream_raises_its_refusal(engine):
         return [out async for out in first][-1].finish_reason
 
     assert asyncio.run(main()) == "length"
+    wait_idle(engine)
+
+
+def test_a_stream_nobody_reads_holds_a_bounded_backlog_that_adds_up(engine):
+    """Each output carries the text and token ids so far: a consumer that stopped reading (a slow
+    HTTP client) made the backlog grow quadratically. Past MERGE_BACKLOG the newest outputs merge."""
+    from qkiln.runtime.async_engine import MERGE_BACKLOG
+
+    params = SamplingParams(max_tokens=100, logprobs=1, **GREEDY)
+
+    async def main():
+        stream = engine.submit("a reader that fell behind", params)
+        await stream.accepted
+        while not stream.queue or not stream.queue[-1].finished:
+            await asyncio.sleep(0.01)
+        held = len(stream.queue)
+        return held, [out async for out in stream]
+
+    held, outputs = asyncio.run(main())
+    assert held == MERGE_BACKLOG
+    final = outputs[-1]
+    assert len(final.token_ids) == 100 and final.finish_reason == "length"
+    assert [t for out in outputs for t in out.new_token_ids] == final.token_ids
+    assert "".join(out.new_text for out in outputs) == final.text
+    assert [e["token_id"] for out in outputs for e in out.logprobs] == final.token_ids
+    assert "ttft" in outputs[0].metrics and "e2e" in final.metrics
     wait_idle(engine)
