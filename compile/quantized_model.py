@@ -27,13 +27,6 @@ class QuantizedModel:
     report: dict[str, dict] = field(default_factory=dict)  # linear or "layers.{i}.kv" -> facts
     timings: dict[str, dict] = field(default_factory=dict)  # per layer; never written (not reproducible)
 
-    def dequantized_state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 weights the quantized model computes with (for simulated execution)."""
-        sd = {k: v.float() for k, v in self.fp_tensors.items()}
-        for name, w in self.weights.items():
-            sd[name + ".weight"] = w.dequantize().float()
-        return sd
-
     @property
     def fallbacks(self) -> dict[str, str]:
         return {name: r["fallback"] for name, r in self.report.items() if r.get("fallback")}

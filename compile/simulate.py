@@ -64,14 +64,13 @@ def _dequantize_per_call(module: nn.Linear, weight: QuantizedWeight | Fp8Weight)
     whole, the simulation's fp32 weights were 4 bytes a parameter beside the source's own for the
     rest of the build (SmolLM2: 405 MiB). Dequantizing is the same arithmetic every call, and costs
     a pass over the weight where the GEMM costs one per token."""
-    dtype = module.weight.dtype
-    module.weight.data = torch.empty(0, dtype=dtype)
+    module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
-    def materialize(module, args):
-        module.weight.data = weight.dequantize().to(dtype)
+    def materialize(module, args):  # in the activations' dtype: a float64 copy of the model computes in float64
+        module.weight.data = weight.dequantize().to(args[0].dtype)
 
     def release(module, args, output):
-        module.weight.data = torch.empty(0, dtype=dtype)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype)
 
     module.register_forward_pre_hook(materialize)
     module.register_forward_hook(release)
@@ -97,13 +96,20 @@ def takes_int8_activations(weight) -> bool:
 
 
 def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple[CausalLM, DenseAttention]:
-    """A whole fp32 model that computes as `qm` would; pass the backend to its forward.
+    """A whole fp32 model that computes as `qm` would; pass the backend to its forward. Its decoder
+    layers' quantized linears hold no dense weight: they dequantize for each call.
 
     int8_activations: also round the inputs of its integer linears to int8 per 32 channels, as a
     CPU runtime serving with int8 activations does for steps of more than 16 rows (every scored
     window here is such a step)."""
-    state = qm.dequantized_state_dict()
+    state = {k: v.float() for k, v in qm.fp_tensors.items()}
+    per_call = {name: w for name, w in qm.weights.items() if name.startswith("model.layers.")}
+    for name, w in qm.weights.items():
+        # a decoder layer's linear: a placeholder never written (so never resident), dequantized per call
+        state[name + ".weight"] = torch.empty(_shape(w)) if name in per_call else w.dequantize().float()
     model = build_model(qm.config, state, torch.float32)
+    for name, w in per_call.items():
+        _dequantize_per_call(model.get_submodule(name), w)
     if "lm_head" in qm.weights and model.lm_head is None:  # tied head quantized as its own copy
         attach_lm_head(model, state["lm_head.weight"])
     if qm.scheme.activations is not None:  # fp8 W8A8 linears only (an integer lm_head is W8A16)
@@ -115,3 +121,7 @@ def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple
             if takes_int8_activations(qm.weights.get(name)):
                 module.register_forward_pre_hook(_int8_activations_hook)
     return model, simulated_kv_backend(qm)
+
+
+def _shape(weight: QuantizedWeight | Fp8Weight) -> torch.Size:
+    return (weight.qweight if isinstance(weight, QuantizedWeight) else weight.weight).shape  # [out, in]
