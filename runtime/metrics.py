@@ -9,9 +9,9 @@ What vLLM also measures carries vLLM's name, label (`model_name`) and meaning, s
 alerts built for vLLM work unchanged: queue sizes, KV usage, token and prefix-cache counters,
 preemptions, successes by `finished_reason`, and per request TTFT, e2e, queue / prefill / decode /
 inference time, time per output token and prompt / output lengths (TTFT and e2e timed from the
-request's arrival at the server, queue time from the engine's receipt, as vLLM's). What only qkiln has is `qkiln_*`: the artifact served, refusals, aborts,
-failed steps, the KV pool in blocks, a tokens/s gauge. (vLLM's per-token inter-token latency
-histogram is not kept.)
+request's arrival at the server, queue time from the engine's receipt, as vLLM's). What only qkiln
+has is `qkiln_*`: the artifact served, refusals, aborts, failed steps, the KV pool in blocks, a
+tokens/s gauge. (vLLM's per-token inter-token latency histogram is not kept.)
 """
 
 import collections
