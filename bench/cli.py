@@ -286,3 +286,17 @@ def quality_command(
     with exit_on_error():
         _check_outputs(json_out, None)
         importlib.import_module("qkiln.bench.quant_quality").main(argv)
+
+
+@bench_app.command("build-memory")
+def build_memory_command(
+    source: Annotated[str, typer.Argument(help="source model: alias (smollm2-135m), HF dir or .gguf")],
+    recipe: Annotated[str, typer.Option(help="preset or recipe file, as qkiln build's")] = "w4a16-gptq+kv-int4",
+    num_samples: Annotated[Optional[int], typer.Option(help="calibration samples [default: the recipe's]")] = None,
+    eval_data: Annotated[Optional[str], typer.Option(help="evaluation data for the accuracy report [default: the recipe's]")] = None,
+    engine: Annotated[Optional[str], typer.Option(help="also write and check this engine: onnx")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="do not echo the build's progress")] = False,
+    json_out: JsonOut = None,
+):
+    """Peak resident memory of `qkiln build` (one run, no layer cache), by step and per parameter."""
+    _run("build_memory", locals())

@@ -194,7 +194,8 @@ def fmt(stat: dict | float | None, digits: int = 1, scale: float = 1.0) -> str:
     return f"{scale * stat:.{digits}f}"
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def print_table(title: str, header: list[str], rows: list[list[str]],
+                note: str = "values are the median [min-max] over repeats") -> None:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     print(title)
@@ -202,7 +203,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print(line(r))
-    print("values are the median [min-max] over repeats" if rows else "(no rows)")
+    print(note if rows else "(no rows)")
     sys.stdout.flush()
 
 

@@ -10,6 +10,7 @@
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from .model_ref import LoadedModel
 from .recipe import Recipe
 from .self_generate import make_self_generator
 from .simulate import SIMULATION_SCORING, simulated_kv_backend
+from .upcast import compute_in_float32
 
 
 KV_CALIBRATION_SAMPLES = 16
@@ -48,16 +50,19 @@ class BuildResult:
 
 
 def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, use_cache: bool = True,
-          progress: bool = True, log=print, engines: tuple[str, ...] = ()) -> BuildResult:
+          progress: bool = True, log=print, engines: tuple[str, ...] = (),
+          on_step: Callable[[str], None] = lambda name: None) -> BuildResult:
     """engines: ("onnx",) also writes engines/onnx/, checked against the artifact before it is
-    published (compile/export_onnx.py)."""
+    published (compile/export_onnx.py). on_step(name) is called as each step begins (`qkiln bench
+    build-memory` measures them)."""
     start = time.perf_counter()
     check_destination(output_path(out), overwrite)  # a taken path fails now, not after calibration
     source_date_epoch()  # a malformed one, too
     _check_evaluation_data(recipe)
     _check_engines(engines, recipe)
+    on_step("load source")
     source = load_source(source_name)
-    model = source.build_model(torch.float32)
+    model = compute_in_float32(source.build_model(None))  # as stored; calibration copies a layer at a time
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
     _check_lengths(recipe, source.config.max_position_embeddings, source.tokenizer.add_bos)
     ev = recipe.evaluation
@@ -67,6 +72,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     if recipe.needs_calibration:
         _check_calibration_memory(recipe, source.config.hidden_size)
         spec = recipe.calibration
+        on_step("calibration data")
         text = load_text_source(spec.source, make_self_generator(source, spec.seq_len, progress, warn=log), spec.seed)
         tokens = sample_token_set(text, source.tokenizer, spec.num_samples, spec.seq_len, spec.seed)
         log(f"calibration: {spec.source}, {spec.num_samples} x {spec.seq_len} tokens, sha256 {tokens.sha256[:12]}")
@@ -77,6 +83,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
     cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
     calibration_start = time.perf_counter()
+    on_step("quantize weights")
     numerics = calibration_numerics() if token_sha else None
     qm = quantize_model(model, weight_scheme, input_ids if token_sha else None, progress=progress, cache=cache,
                         cache_key=lambda i: layer_key(source.sha256, scheme_key, token_sha, i, numerics))
@@ -86,17 +93,23 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
             log(f"warning: {name} fell back to {report['fallback']}: {report.get('fallback_reason', 'see layers.json')}")
     if recipe.scheme.kv_cache is not None:
         # per-(head, channel) amax settles within a few thousand tokens; a full pass is not needed
+        on_step("calibrate kv cache")
         calibrate_kv(model, qm, recipe.scheme.kv_cache, input_ids[:KV_CALIBRATION_SAMPLES], progress=progress,
                      warn=log)
     calibration_seconds = time.perf_counter() - calibration_start
     _round_as_stored(model, qm)
+    if recipe.evaluation.data is not None:
+        on_step("evaluate accuracy")
     accuracy = _accuracy(source, model, qm, recipe, progress)
+    on_step("artifact tensors")
     tensors, quantization = to_tensors(qm)
     manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
     if numerics is not None:  # they decided the codes: a rebuild elsewhere can say why its bytes differ
         manifest.toolchain |= numerics
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
     tokenizer_files = _tokenizer_files(source)
+    if "onnx" in engines:
+        on_step("export onnx")
     engine_files = onnx_engine_files(manifest, tensors) if "onnx" in engines else {}
     if engine_files:  # the engine's bytes are onnx's serialization
         import onnx
@@ -110,10 +123,12 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     release_freed_memory()
 
     def check_engine(artifact: Path) -> None:  # on the complete artifact, before it is published
+        on_step("check onnx engine")
         check = check_artifact_engine(artifact, log)
         if check is not None:
             log(f"onnx engine checked: {check.summary()}")
 
+    on_step("write artifact")
     path = write_artifact(out, manifest, tensors, tokenizer_files, reports, engines=engine_files,
                           overwrite=overwrite, check=check_engine if engine_files else None)
     seconds = time.perf_counter() - start
@@ -176,9 +191,10 @@ def _round_as_stored(model, qm) -> None:
     with torch.no_grad():
         for name, t in tensors.items():
             if name in qm.fp_tensors:
-                # new storage, not copy_: the model shares its fp32 tensors with the source, from
-                # which the unquantized reference is built (copy_ made that reference part bf16)
-                t.data = stored_precision(name, t).float()
+                # new storage, not copy_: the model shares the source's tensors, from which the
+                # unquantized reference is built (copy_ made that reference part bf16). Kept in
+                # bf16 (the model computes in fp32: compile/upcast.py); a bf16 source's are its own
+                t.data = stored_precision(name, t)
 
 
 def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
@@ -187,8 +203,8 @@ def _accuracy(source, model, qm, recipe: Recipe, progress: bool) -> dict:
         return {"skipped": "no evaluation data (set evaluation.data or --eval-data)"}
     # hidden states and head apart: evaluation computes the logits a slice at a time (evaluate.py)
     quantized = LoadedModel("quantized", source.tokenizer, model, {}, simulated_kv_backend(qm))
-    # a fresh copy of the source: `model` is quantized in place
-    reference = LoadedModel("reference", source.tokenizer, source.build_model(torch.float32), {})
+    # the source's own tensors, not `model`'s (quantized in place)
+    reference = LoadedModel("reference", source.tokenizer, compute_in_float32(source.build_model(None)), {})
     # the reference's perplexity comes with the KL, from the same logits (a separate cached pass before)
     report = evaluate(quantized, source.tokenizer, ev.data, ev.seq_len, ev.max_tokens, reference=reference,
                       progress=progress)

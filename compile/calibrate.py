@@ -33,7 +33,7 @@ from qkiln.runtime.model import CausalLM
 
 from .layer_cache import LayerCache
 from .quantized_model import QuantizedModel
-from .simulate import attach_lm_head, install_layer_simulation
+from .simulate import install_layer_simulation, simulate_lm_head
 
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -84,6 +84,7 @@ def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batc
     for i, layer in enumerate(tqdm(layers, desc="quantize", unit="layer", disable=not progress)):
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
+        _own_float32_copy(layer)
         fp_out = None
         simulated = False  # a group-by-group calibration installs the simulation as it goes
         if cached[i] is not None:
@@ -114,10 +115,21 @@ def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batc
         _quantize_lm_head(model, scheme.lm_head, qm)
     elif model.lm_head is not None and not scheme.is_ignored("lm_head") and scheme.weights is not None:
         _quantize_plain(model.lm_head, "lm_head", scheme, qm)
-        model.lm_head.weight.data = qm.weights["lm_head"].dequantize()
-    qm.fp_tensors = {k: v.detach().clone() for k, v in model.state_dict().items()
-                     if k.removesuffix(".weight") not in qm.weights}
+        simulate_lm_head(model, qm.weights["lm_head"])
+    # not copies: the layers' tensors are their own (_own_float32_copy), the embeddings' and the
+    # head's are the source's, and nothing writes into a tensor in place from here on
+    qm.fp_tensors = {k: v.detach() for k, v in model.state_dict().items() if k.removesuffix(".weight") not in qm.weights}
     return qm
+
+
+def _own_float32_copy(layer: nn.Module) -> None:
+    """The decoder layer computes on an fp32 copy of its tensors from here on. A copy even of fp32
+    ones: calibration writes into them (a cached layer's restore copies its AWQ-folded norms in
+    place), and they were the source's own, from which the unquantized reference is built (it
+    scored with folded norms and unscaled linears: a cached AWQ rebuild reported another KL).
+    One layer at a time: the layers not reached yet stay as stored (compile/upcast.py)."""
+    for param in layer.parameters():
+        param.data = param.data.to(torch.float32, copy=True)
 
 
 def _group_by_group(scheme) -> bool:
@@ -281,13 +293,13 @@ def _quantize_lm_head(model: CausalLM, head_scheme, qm: QuantizedModel) -> None:
     """RTN of the output projection; a tied head becomes its own (quantized) module, so the
     embedding lookups keep the exact weights while the logits use the quantized copy."""
     head = model.lm_head.weight.data if model.lm_head is not None else model.model.embed_tokens.weight.data
-    qm.weights["lm_head"] = quantize_rtn(head, head_scheme)
+    qm.weights["lm_head"] = quantize_rtn(head, head_scheme)  # as stored: it upcasts a block of rows at a time
     qm.report["lm_head"] = {"algorithm": "rtn"}
-    attach_lm_head(model, qm.weights["lm_head"].dequantize())
+    simulate_lm_head(model, qm.weights["lm_head"])
 
 
 def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) -> None:
-    W = module.weight.data
+    W = module.weight.data  # the head's as stored (the layers' are fp32 copies by now): both quantizers upcast
     if scheme.weights.type == "float":
         qm.weights[full] = fp8.quantize_weight_scheme(W, scheme.weights)
     else:

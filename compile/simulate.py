@@ -17,6 +17,7 @@ from qkiln.runtime.model import CausalLM
 from qkiln.runtime.source import build_model
 
 from .quantized_model import QuantizedModel
+from .upcast import compute_in_float32
 
 # What an artifact's accuracy report scores. Serving computes in bf16 by default, which moves a
 # KV-int4 artifact's perplexity by about 1% (README, "Accuracy as served").
@@ -76,11 +77,14 @@ def _dequantize_per_call(module: nn.Linear, weight: QuantizedWeight | Fp8Weight)
     module.register_forward_hook(release)
 
 
-def attach_lm_head(model: CausalLM, weight: torch.Tensor) -> None:
-    """Compute logits with `weight` [vocab, hidden]; a tied model gets its own head module."""
+def simulate_lm_head(model: CausalLM, weight: QuantizedWeight | Fp8Weight) -> None:
+    """Compute logits with `weight` dequantized per call; a tied model gets a head module of its own
+    (its embedding lookups keep the exact weights)."""
     if model.lm_head is None:
-        model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    model.lm_head.weight.data = weight.to(model.model.embed_tokens.weight.dtype)
+        with torch.device("meta"):  # no [vocab, hidden] initialisation: the weight is made per call
+            model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        model.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    _dequantize_per_call(model.lm_head, weight)
 
 
 def _int8_activations_hook(module, args):
@@ -96,22 +100,21 @@ def takes_int8_activations(weight) -> bool:
 
 
 def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple[CausalLM, DenseAttention]:
-    """A whole fp32 model that computes as `qm` would; pass the backend to its forward. Its decoder
-    layers' quantized linears hold no dense weight: they dequantize for each call.
+    """A model that computes in fp32 as `qm` would; pass the backend to its forward. Its quantized
+    linears (the head too) hold no dense weight: they dequantize for each call.
 
     int8_activations: also round the inputs of its integer linears to int8 per 32 channels, as a
     CPU runtime serving with int8 activations does for steps of more than 16 rows (every scored
     window here is such a step)."""
-    state = {k: v.float() for k, v in qm.fp_tensors.items()}
-    per_call = {name: w for name, w in qm.weights.items() if name.startswith("model.layers.")}
+    # high-precision tensors as stored (bf16 but norms), computing in fp32 (compile/upcast.py);
+    # each quantized linear a placeholder never written (so never resident), dequantized per call
+    state = dict(qm.fp_tensors) | {name + ".weight": torch.empty(_shape(w)) for name, w in qm.weights.items()}
+    model = compute_in_float32(build_model(qm.config, state, None))
     for name, w in qm.weights.items():
-        # a decoder layer's linear: a placeholder never written (so never resident), dequantized per call
-        state[name + ".weight"] = torch.empty(_shape(w)) if name in per_call else w.dequantize().float()
-    model = build_model(qm.config, state, torch.float32)
-    for name, w in per_call.items():
-        _dequantize_per_call(model.get_submodule(name), w)
-    if "lm_head" in qm.weights and model.lm_head is None:  # tied head quantized as its own copy
-        attach_lm_head(model, state["lm_head.weight"])
+        if name == "lm_head":  # a module of its own where the model ties it to the embeddings
+            simulate_lm_head(model, w)
+        else:
+            _dequantize_per_call(model.get_submodule(name), w)
     if qm.scheme.activations is not None:  # fp8 W8A8 linears only (an integer lm_head is W8A16)
         for name, module in model.named_modules():
             if name in qm.weights and isinstance(qm.weights[name], Fp8Weight):

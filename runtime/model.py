@@ -189,8 +189,8 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return hidden @ self.model.embed_tokens.weight.t()
+        if self.lm_head is None:  # the cast is a no-op but where the build holds bf16 (compile/upcast.py)
+            return hidden @ self.model.embed_tokens.weight.t().to(hidden.dtype)
         return self.lm_head(hidden)
 
     def forward(self, input_ids, positions=None, backend=None) -> torch.Tensor:

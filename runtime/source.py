@@ -1,7 +1,7 @@
 """Source models: resolve a name (alias, HF directory, GGUF file) and load it.
 
-A `SourceModel` carries the architecture config, the tokenizer, fp32 weights with Hugging
-Face names and the sha256 of the files it came from (provenance for the manifest). Every
+A `SourceModel` carries the architecture config, the tokenizer, the weights with Hugging Face
+names (an HF checkpoint's as stored, bf16 or fp16 mostly; a GGUF's dequantized to fp32) and the sha256 of the files it came from (provenance for the manifest). Every
 way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModelError` whose
 message says what to do.
 """
@@ -35,17 +35,20 @@ class SourceModel:
     kind: str  # "hf" | "gguf"
     config: ModelConfig
     tokenizer: Tokenizer
-    state_dict: dict[str, torch.Tensor]  # fp32, HF names
+    state_dict: dict[str, torch.Tensor]  # HF names; as stored (HF) or fp32 (GGUF)
     sha256: str
     name: str = ""  # what provenance calls it (provenance_name); load_source sets it
 
-    def build_model(self, dtype: torch.dtype = torch.float32) -> CausalLM:
+    def build_model(self, dtype: torch.dtype | None = torch.float32) -> CausalLM:
+        """dtype None: the weights as stored, shared with this source (compile/upcast.py computes
+        with them in fp32)."""
         return build_model(self.config, self.state_dict, dtype)
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=torch.float32,
                 make_linear=None, strict_quantized: set[str] = frozenset(), fused=frozenset()) -> CausalLM:
-    """Instantiate on the meta device, then assign the weights: no double allocation.
+    """Instantiate on the meta device, then assign the weights: no double allocation. A tensor
+    already in `dtype` (every floating one, for dtype None) is the model's without a copy.
 
     `make_linear` builds (already materialised) quantized linears; their names are in
     `strict_quantized` and their parameters are not expected in `state_dict`. `fused`: names of
@@ -55,7 +58,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=
         model = CausalLM(config, fused=fused) if make_linear is None else None
     if model is None:  # quantized linears hold real tensors: build them off the meta device
         model = CausalLM(config, make_linear=make_linear, fused=fused)
-    weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    weights = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     try:
@@ -176,7 +179,8 @@ def _load_hf_dir(path: Path) -> SourceModel:
         config = ModelConfig.from_hf(hf, read_generation_config(path))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
-    state_dict = load_weight_files(weight_files(path), convert=torch.Tensor.float)
+    # as stored: a bf16 checkpoint held in fp32 was 4 bytes a parameter for the whole build
+    state_dict = load_weight_files(weight_files(path))
     config = _untied_if_the_head_is_stored(config, state_dict)
     return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
 

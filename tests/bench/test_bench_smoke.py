@@ -407,3 +407,30 @@ def test_quality_refuses_missing_data_files_before_building(tmp_path, monkeypatc
         quant_quality.main(["--only", "GPTQ W4 g128 calib=novels", "--json", str(tmp_path / "q.json")])
     assert str(refused.value).startswith(f"missing data file(s): {tmp_path / 'data/janeausten/emma.txt'};")
     assert not (tmp_path / "q.json").exists()
+
+
+def test_build_memory_tiny(tiny, tmp_path, capsys):
+    from qkiln.bench import build_memory
+
+    text = tmp_path / "calib.txt"
+    text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 100)
+    report = build_memory.main(str(tiny), "w4a16-gptq", num_samples=2, eval_data=str(text), engine=None,
+                               json_out=tmp_path / "m.json", quiet=True)
+    _check_envelope(report, "build-memory")
+    r = report["results"]
+    assert [s["step"] for s in r["steps"]] == ["start python", "load source", "calibration data", "quantize weights",
+                                               "evaluate accuracy", "artifact tensors", "write artifact"]
+    assert r["peak_bytes"] >= max(s["peak_bytes"] or 0 for s in r["steps"]) > r["idle_bytes"] > 0
+    from safetensors.torch import load_file
+
+    assert r["num_parameters"] == sum(t.numel() for t in load_file(str(tiny / "model.safetensors")).values())
+    assert json.loads((tmp_path / "m.json").read_text())["results"]["bytes_per_parameter"] > 0
+    assert "load source" in capsys.readouterr().out
+
+
+def test_a_failed_build_under_build_memory_says_so(tiny, tmp_path):
+    from qkiln.bench import build_memory
+    from qkiln.errors import QkilnError
+
+    with pytest.raises(QkilnError, match="the build failed"):
+        build_memory.main(str(tmp_path / "missing"), "w4a16-rtn", None, None, None, None, quiet=True)

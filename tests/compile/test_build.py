@@ -495,3 +495,28 @@ def test_calibration_larger_than_the_host_is_refused_before_sampling(tiny, tmp_p
     with pytest.raises(RecipeError, match="lower --num-samples or calibration.seq_len"):
         build(str(model), recipe, tmp_path / "a", progress=False, log=said.append)
     assert not any("calibration:" in line for line in said), said
+
+
+def test_a_bf16_checkpoint_builds_as_its_fp32_twin_does_holding_it_as_stored(tiny, tmp_path, monkeypatch):
+    """The build holds a bf16 source as stored and computes in fp32 (compile/upcast.py): the artifact
+    and its accuracy report are those of the same values held in fp32 (upcasting is exact)."""
+    from safetensors.torch import load_file, save_file
+
+    from qkiln.runtime.source import load_source
+
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    root, model, text = tiny
+    weights = load_file(str(model / "model.safetensors"))
+    twins = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        twin = shutil.copytree(model, tmp_path / str(dtype), ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file({k: v.to(torch.bfloat16).to(dtype) for k, v in weights.items()}, str(twin / "model.safetensors"),
+                  metadata={"format": "pt"})
+        twins[dtype] = twin
+    assert {t.dtype for t in load_source(str(twins[torch.bfloat16])).state_dict.values()} == {torch.bfloat16}
+    built = {dtype: build(str(twin), _recipe("w4a16-gptq+kv-int4", text), tmp_path / f"out-{dtype}", use_cache=False,
+                          progress=False, log=lambda m: None) for dtype, twin in twins.items()}
+    a, b = (_files(result.path) for result in built.values())
+    ma, mb = (json.loads(files.pop("manifest.json")) for files in (a, b))
+    assert a == b
+    assert ma["accuracy"] == mb["accuracy"] and "kl_divergence" in ma["accuracy"]

@@ -73,6 +73,19 @@ def test_the_reference_is_the_fp32_source_and_follows_the_data_file(tmp_path, mo
     assert second["reference_perplexity"] != pytest.approx(first["reference_perplexity"], rel=1e-3)
 
 
+def test_a_cached_awq_rebuild_scores_against_the_unfolded_source(tmp_path, monkeypatch):
+    """Restoring a cached layer copied its AWQ-folded norms into the source's own tensors, and the
+    reference built from them scored with folded norms and unscaled linears."""
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, calib = write_tiny_model_and_text(tmp_path)
+    recipe = _recipe("w4a16-awq", calib, calib)
+    first = _build(model, recipe, tmp_path / "a")
+    second = _build(model, recipe, tmp_path / "b")
+    assert second.num_cached_layers == second.num_layers
+    assert second.manifest.accuracy["reference_perplexity"] == pytest.approx(_fp32_perplexity(model, calib), rel=1e-6)
+    assert second.manifest.accuracy == first.manifest.accuracy
+
+
 def test_kv_only_builds_store_no_layers(tmp_path, monkeypatch):
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     model, calib = write_tiny_model_and_text(tmp_path)

@@ -37,7 +37,9 @@ def test_runtime_and_simulation_use_the_quantized_head_and_exact_embeddings(tied
     assert served.lm_head.kind == "int8"
     # lookups keep the (bf16-stored) exact embedding; the head is its int8 copy, close but not equal
     torch.testing.assert_close(served.model.embed_tokens.weight, embed.to(torch.bfloat16).float())
-    head = simulated.model.lm_head.weight
+    hidden_size = served.config.hidden_size  # the simulated head dequantizes per call: read it through a call
+    with torch.no_grad():
+        head = simulated.model.lm_head(torch.eye(hidden_size)).t()
     assert not torch.equal(head, served.model.embed_tokens.weight)
     assert (head - served.model.embed_tokens.weight).abs().max() <= embed.abs().max().item() / 100
     h = torch.randn(3, head.shape[1])
