@@ -1,21 +1,22 @@
 """`qkiln bench build-memory`: how much memory `qkiln build` holds, step by step.
 
 The build runs in a child process (this module run as a script: `build()` with the layer cache off
-and its steps announced on stderr). Its peak is the kernel's (`ru_maxrss` from wait4: a sampler
-can miss a peak between samples); a step's peak comes from sampling the child's VmRSS every 20 ms
+and its steps announced on stderr). Its peak is the kernel's high-water mark, VmHWM, which the child
+reports as it ends (a sampler can miss a peak between samples; wait4's ru_maxrss counts the parent's
+size when the child was spawned); a step's peak comes from sampling the child's VmRSS every 20 ms
 between the announcements. Bytes per parameter are above an idle process that imported what the
-build imports, per parameter of the source (the manifest's count).
+build imports (its VmHWM too), per parameter of the source (the manifest's count).
 """
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qkiln.errors import QkilnError, exit_on_error
@@ -24,6 +25,7 @@ from .report import log, make_report, print_table, write_report
 
 SAMPLE_SECONDS = 0.02
 STEP_MARK = "qkiln-build-step: "
+PEAK_MARK = "qkiln-build-peak: "
 _IMPORTS = "import torch, qkiln.compile.build, qkiln.compile.export_onnx"
 
 
@@ -31,42 +33,45 @@ class BuildFailed(QkilnError):
     exit_code = 1
 
 
-def _wait(proc: subprocess.Popen) -> tuple[int, int]:
-    """-> (exit status, peak RSS in bytes) of a finished-or-running child."""
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024  # KiB on Linux
-
-
-def _rss(pid: int) -> int | None:
+def _status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM) in bytes; None once the process is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:  # the child has exited
+    except OSError:
         return None
-    return None
+    return None  # a zombie: exited, not yet waited for
 
 
 def idle_bytes() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", _IMPORTS])
-    status, peak = _wait(proc)
-    if status:
-        raise BuildFailed(f"`python -c '{_IMPORTS}'` failed (exit {status})")
-    return peak
+    code = f"{_IMPORTS}; from qkiln.bench.build_memory import _status_bytes; print(_status_bytes('VmHWM'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode:
+        raise BuildFailed(f"`python -c '{_IMPORTS}'` failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
+    return int(done.stdout)
 
 
-def _read_steps(stream, steps: list[tuple[float, str]], tail: deque, echo: bool) -> None:
-    """The child's step announcements, each with the time it arrived; the rest is echoed, and its
-    last lines kept for an error."""
+@dataclass
+class _ChildOutput:
+    steps: list[tuple[float, str]] = field(default_factory=list)  # (arrival time, name)
+    tail: deque = field(default_factory=lambda: deque(maxlen=3))  # its last other lines, for an error
+    peak: int | None = None  # its VmHWM, said last
+
+
+def _read(stream, out: _ChildOutput, echo: bool) -> None:
+    """The child's stderr: step announcements (timed), its peak, the rest echoed."""
     for raw in stream:
         line = raw.decode(errors="replace")
         if line.startswith(STEP_MARK):
-            steps.append((time.perf_counter(), line[len(STEP_MARK):].strip()))
-            line = f"step: {steps[-1][1]}\n"
+            out.steps.append((time.perf_counter(), line[len(STEP_MARK):].strip()))
+            line = f"step: {out.steps[-1][1]}\n"
+        elif line.startswith(PEAK_MARK):
+            out.peak = int(line[len(PEAK_MARK):])
+            continue
         elif line.strip():
-            tail.append(line.strip())
+            out.tail.append(line.strip())
         if echo:
             sys.stderr.write(line)
             sys.stderr.flush()
@@ -79,29 +84,25 @@ def run_build(options: dict, echo: bool = True) -> dict:
         command = [sys.executable, "-m", "qkiln.bench.build_memory", json.dumps(options | {"out": str(out)})]
         start = time.perf_counter()
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        marks: list[tuple[float, str]] = []
-        tail: deque = deque(maxlen=3)
-        reader = threading.Thread(target=_read_steps, args=(proc.stderr, marks, tail, echo), daemon=True)
+        child = _ChildOutput()
+        reader = threading.Thread(target=_read, args=(proc.stderr, child, echo), daemon=True)
         reader.start()
         samples = []
-        while _alive(proc.pid):  # not proc.poll(): it would reap the child, and its rusage with it
-            rss = _rss(proc.pid)
+        while proc.poll() is None:
+            rss = _status_bytes("VmRSS", proc.pid)
             if rss is not None:
                 samples.append((time.perf_counter(), rss))
             time.sleep(SAMPLE_SECONDS)
-        status, peak = _wait(proc)
         seconds = time.perf_counter() - start
         reader.join()
-        if status:
-            raise BuildFailed(f"the build failed (exit {status}): {' / '.join(tail) or 'no output'}")
+        if proc.returncode or child.peak is None:
+            raise BuildFailed(f"the build failed (exit {proc.returncode}): {' / '.join(child.tail) or 'no output'}")
         manifest = json.loads((out / "manifest.json").read_text())
-    return {"peak_bytes": peak, "seconds": seconds, "steps": _steps(samples, [(start, "start python")] + marks),
+    # its exit (after it said its peak) may allocate a little more, which a sample may see
+    peak = max([child.peak] + [rss for _, rss in samples])
+    return {"peak_bytes": peak, "seconds": seconds,
+            "steps": _steps(samples, [(start, "start python")] + child.steps),
             "num_parameters": manifest["num_parameters"], "source_bytes_bf16": manifest["source_bytes_bf16"]}
-
-
-def _alive(pid: int) -> bool:
-    """Not exited (a zombie, exited but not waited for, has no VmRSS)."""
-    return _rss(pid) is not None
 
 
 def _steps(samples, marks) -> list[dict]:
@@ -151,6 +152,7 @@ def _child(options: dict) -> None:
 
     build(options["source"], recipe, Path(options["out"]), use_cache=False, progress=False, log=print,
           engines=(options["engine"],) if options["engine"] else (), on_step=announce)
+    print(PEAK_MARK + str(_status_bytes("VmHWM")), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
