@@ -192,8 +192,8 @@ def _round_as_stored(model, qm) -> None:
         for name, t in tensors.items():
             if name in qm.fp_tensors:
                 # new storage, not copy_: the model shares the source's tensors, from which the
-                # unquantized reference is built (copy_ made that reference part bf16). Kept in
-                # bf16 (the model computes in fp32: compile/upcast.py); a bf16 source's are its own
+                # unquantized reference is built (copy_ made that reference part bf16). Held in bf16,
+                # computed with in fp32 (compile/upcast.py); a bf16 source's tensors stay as they are
                 t.data = stored_precision(name, t)
 
 

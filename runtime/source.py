@@ -1,8 +1,8 @@
 """Source models: resolve a name (alias, HF directory, GGUF file) and load it.
 
 A `SourceModel` carries the architecture config, the tokenizer, the weights with Hugging Face
-names (an HF checkpoint's as stored, bf16 or fp16 mostly; a GGUF's dequantized to fp32) and the sha256 of the files it came from (provenance for the manifest). Every
-way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModelError` whose
+names (an HF checkpoint's as stored, bf16 or fp16 mostly; a GGUF's dequantized to fp32) and the
+sha256 of the files it came from (provenance for the manifest). Every way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModelError` whose
 message says what to do.
 """
 
@@ -202,11 +202,11 @@ def read_generation_config(path: Path) -> dict | None:
     return read_json_config(path / GENERATION_CONFIG)
 
 
-def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor]:
-    """Every tensor of every file (each passed through `convert`, if given); a damaged file or a
-    tensor in two files is an error, not a guess. RoPE's inv_freq, which older transformers saved
-    with the weights, is dropped: it is computed from the config, as transformers does. Tensors are
-    copied out of the files' memory maps (compile.artifact.load_tensors says why)."""
+def load_weight_files(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of every file, as stored; a damaged file or a tensor in two files is an error,
+    not a guess. RoPE's inv_freq, which older transformers saved with the weights, is dropped: it is
+    computed from the config, as transformers does. Tensors are copied out of the files' memory maps
+    (compile.artifact.load_tensors says why)."""
     from safetensors.torch import load_file
 
     tensors, origin = {}, {}
@@ -224,10 +224,7 @@ def load_weight_files(files: list[Path], convert=None) -> dict[str, torch.Tensor
             if name in origin:
                 raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
                                        "remove the stray file")
-            converted = convert(tensor) if convert else tensor
-            if converted.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
-                converted = converted.clone()  # still the file's pages (no conversion copied it)
-            origin[name], tensors[name] = f, converted
+            origin[name], tensors[name] = f, tensor.clone()  # out of the file's pages
     return tensors
 
 
