@@ -64,6 +64,11 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     source = load_source(source_name)
     model = compute_in_float32(source.build_model(None))  # as stored; calibration copies a layer at a time
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
+    scheme = recipe.scheme
+    if source.config.tie_word_embeddings and scheme.weights is not None and scheme.lm_head is None \
+            and not scheme.is_ignored("lm_head"):  # `ignore` reaches linears, and a tied head is none
+        log("note: lm_head is tied to the embeddings and stays in high precision; a recipe's lm_head: section "
+            "(an integer scheme) quantizes a copy of it")
     _check_lengths(recipe, source.config.max_position_embeddings, source.tokenizer.add_bos)
     ev = recipe.evaluation
     if ev.data is not None:  # unreadable or too short: said now, not after minutes of calibration

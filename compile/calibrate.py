@@ -115,7 +115,7 @@ def quantize_model(model: CausalLM, scheme, input_ids: torch.Tensor | None, batc
         _quantize_lm_head(model, scheme.lm_head, qm)
     elif model.lm_head is not None and not scheme.is_ignored("lm_head") and scheme.weights is not None:
         _quantize_plain(model.lm_head, "lm_head", scheme, qm)
-        simulate_lm_head(model, qm.weights["lm_head"])
+        simulate_lm_head(model, qm)
     # not copies: the layers' tensors are their own (_own_float32_copy), the embeddings' and the
     # head's are the source's, and nothing writes into a tensor in place from here on
     qm.fp_tensors = {k: v.detach() for k, v in model.state_dict().items() if k.removesuffix(".weight") not in qm.weights}
@@ -295,7 +295,7 @@ def _quantize_lm_head(model: CausalLM, head_scheme, qm: QuantizedModel) -> None:
     head = model.lm_head.weight.data if model.lm_head is not None else model.model.embed_tokens.weight.data
     qm.weights["lm_head"] = quantize_rtn(head, head_scheme)  # as stored: it upcasts a block of rows at a time
     qm.report["lm_head"] = {"algorithm": "rtn"}
-    simulate_lm_head(model, qm.weights["lm_head"])
+    simulate_lm_head(model, qm)
 
 
 def _quantize_plain(module: nn.Linear, full: str, scheme, qm: QuantizedModel) -> None:

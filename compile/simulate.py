@@ -77,14 +77,18 @@ def _dequantize_per_call(module: nn.Linear, weight: QuantizedWeight | Fp8Weight)
     module.register_forward_hook(release)
 
 
-def simulate_lm_head(model: CausalLM, weight: QuantizedWeight | Fp8Weight) -> None:
-    """Compute logits with `weight` dequantized per call; a tied model gets a head module of its own
-    (its embedding lookups keep the exact weights)."""
+def simulate_lm_head(model: CausalLM, qm: QuantizedModel) -> None:
+    """Compute logits with qm's quantized head, dequantized per call (its activations quantized too
+    where the scheme quantizes an fp8 linear's); a tied model gets a head module of its own (its
+    embedding lookups keep the exact weights)."""
+    weight = qm.weights["lm_head"]
     if model.lm_head is None:
         with torch.device("meta"):  # no [vocab, hidden] initialisation: the weight is made per call
             model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
         model.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
     _dequantize_per_call(model.lm_head, weight)
+    if qm.scheme.activations is not None and isinstance(weight, Fp8Weight):
+        model.lm_head.register_forward_pre_hook(_act_hook("lm_head", qm))
 
 
 def _int8_activations_hook(module, args):
@@ -112,12 +116,12 @@ def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple
     model = compute_in_float32(build_model(qm.config, state, None))
     for name, w in qm.weights.items():
         if name == "lm_head":  # a module of its own where the model ties it to the embeddings
-            simulate_lm_head(model, w)
+            simulate_lm_head(model, qm)
         else:
             _dequantize_per_call(model.get_submodule(name), w)
     if qm.scheme.activations is not None:  # fp8 W8A8 linears only (an integer lm_head is W8A16)
         for name, module in model.named_modules():
-            if name in qm.weights and isinstance(qm.weights[name], Fp8Weight):
+            if name != "lm_head" and isinstance(qm.weights.get(name), Fp8Weight):
                 module.register_forward_pre_hook(_act_hook(name, qm))
     if int8_activations:
         for name, module in model.named_modules():

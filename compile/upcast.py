@@ -31,22 +31,24 @@ def compute_in_float32(model: nn.Module) -> nn.Module:
 def _upcast_per_call(module: nn.Linear) -> None:
     """The weight in the input's dtype for this call (a float64 input gets float64). A weight that
     already matches, or a placeholder another hook fills (compile/simulate.py), is left alone."""
-    stored = []  # the weight as stored, while the call holds its copy
+    held = {}  # during a call: the weight as stored, and where the copy it computes with lives
+
+    def put_back(module, *_):
+        # a call cut short (calibration's capture hooks raise out of the forward) puts it back at the
+        # next call, unless the weight was replaced since
+        if held and module.weight.data_ptr() == held["copy"]:
+            module.weight.data = held["stored"]
+        held.clear()
 
     def upcast(module, args):
-        if stored:  # a call that raised out of the forward (calibration's capture hooks stop early)
-            module.weight.data = stored.pop()
+        put_back(module)
         weight = module.weight.data
         if weight.numel() and weight.dtype != args[0].dtype:
-            stored.append(weight)
             module.weight.data = weight.to(args[0].dtype)
-
-    def restore(module, args, output):
-        if stored:
-            module.weight.data = stored.pop()
+            held.update(stored=weight, copy=module.weight.data_ptr())
 
     module.register_forward_pre_hook(upcast)
-    module.register_forward_hook(restore)
+    module.register_forward_hook(put_back)
 
 
 def _rows_in_float32(module, args, output):

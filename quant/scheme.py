@@ -324,6 +324,12 @@ class QuantScheme:
         if self.weights is None:
             return
         self._check_ignore(list(linear_shapes))
+        static = self.activations is not None and not self.activations.dynamic
+        if static and "lm_head" in self.targets(linear_shapes):
+            # the served head would need an input_scale no calibration pass measures: the artifact
+            # was written, verified, and then refused by every loader
+            _fail("static activation scales are calibrated for the decoder layers' linears only, not lm_head: "
+                  "keep lm_head in ignore (as the presets do) or use dynamic activations (activations.dynamic: true)")
         problems: dict[str, list[str]] = {}
         for name in self.targets(linear_shapes):
             out_features, in_features = linear_shapes[name]

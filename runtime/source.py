@@ -179,10 +179,18 @@ def _load_hf_dir(path: Path) -> SourceModel:
         config = ModelConfig.from_hf(hf, read_generation_config(path))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
-    # as stored: a bf16 checkpoint held in fp32 was 4 bytes a parameter for the whole build
-    state_dict = load_weight_files(weight_files(path))
+    state_dict = {k: _held_dtype(v) for k, v in load_weight_files(weight_files(path)).items()}
     config = _untied_if_the_head_is_stored(config, state_dict)
     return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+
+
+def _held_dtype(t: torch.Tensor) -> torch.Tensor:
+    """bf16, fp16 and fp32 as stored (a bf16 checkpoint held in fp32 was 4 bytes a parameter for the
+    whole build); any other float (float64) in fp32, which the build computes in: held as float64, its
+    calibration and reference ran in float64, and the artifact differed from its fp32 twin's."""
+    if t.is_floating_point() and t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return t.float()
+    return t
 
 
 def _untied_if_the_head_is_stored(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> ModelConfig:

@@ -497,9 +497,11 @@ def test_calibration_larger_than_the_host_is_refused_before_sampling(tiny, tmp_p
     assert not any("calibration:" in line for line in said), said
 
 
-def test_a_bf16_checkpoint_builds_as_its_fp32_twin_does_holding_it_as_stored(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float64])
+def test_a_checkpoint_builds_as_its_fp32_twin_does(tiny, tmp_path, monkeypatch, stored):
     """The build holds a bf16 source as stored and computes in fp32 (compile/upcast.py): the artifact
-    and its accuracy report are those of the same values held in fp32 (upcasting is exact)."""
+    and its accuracy report are those of the same values held in fp32 (upcasting is exact). A
+    float64 one is held in fp32 (calibrated and scored in float64, its artifact differed)."""
     from safetensors.torch import load_file, save_file
 
     from qkiln.runtime.source import load_source
@@ -508,15 +510,54 @@ def test_a_bf16_checkpoint_builds_as_its_fp32_twin_does_holding_it_as_stored(tin
     root, model, text = tiny
     weights = load_file(str(model / "model.safetensors"))
     twins = {}
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (stored, torch.float32):
         twin = shutil.copytree(model, tmp_path / str(dtype), ignore=shutil.ignore_patterns("*.safetensors"))
         save_file({k: v.to(torch.bfloat16).to(dtype) for k, v in weights.items()}, str(twin / "model.safetensors"),
                   metadata={"format": "pt"})
         twins[dtype] = twin
-    assert {t.dtype for t in load_source(str(twins[torch.bfloat16])).state_dict.values()} == {torch.bfloat16}
+    held = {torch.bfloat16: torch.bfloat16, torch.float64: torch.float32}[stored]
+    assert {t.dtype for t in load_source(str(twins[stored])).state_dict.values()} == {held}
     built = {dtype: build(str(twin), _recipe("w4a16-gptq+kv-int4", text), tmp_path / f"out-{dtype}", use_cache=False,
                           progress=False, log=lambda m: None) for dtype, twin in twins.items()}
     a, b = (_files(result.path) for result in built.values())
     ma, mb = (json.loads(files.pop("manifest.json")) for files in (a, b))
     assert a == b
     assert ma["accuracy"] == mb["accuracy"] and "kl_divergence" in ma["accuracy"]
+
+
+def test_a_quantized_fp8_head_is_scored_as_the_artifact_computes_it(tmp_path, monkeypatch):
+    """`ignore: []` quantizes an untied head too: with dynamic fp8 activations the build's report
+    scores its activations quantized as `qkiln eval ARTIFACT` (and serving) do (it scored them
+    exact); with static ones, whose head scale nothing calibrates, the recipe is refused up front
+    (the artifact was written, then refused by every loader for its missing lm_head.input_scale)."""
+    from qkiln.compile.evaluate import evaluate
+    from qkiln.compile.model_ref import open_model
+    from tiny_models import CALIBRATION_SENTENCE, write_tiny_hf_model
+
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model = write_tiny_hf_model(tmp_path / "m", "mistral", vocab_size=272)  # untied; fp8 wants a multiple of 16
+    text = tmp_path / "t.txt"
+    text.write_text(CALIBRATION_SENTENCE * 100)
+
+    def head_too(name):
+        r = _recipe(name, text)
+        return dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, ignore=()))
+
+    result = build(str(model), head_too("fp8-w8a8-rtn"), tmp_path / "a", progress=False, log=lambda m: None)
+    assert result.manifest.quantization["linears"]["lm_head"]["format"] == "fp8"
+    artifact = open_model(str(result.path))
+    report = evaluate(artifact, artifact.tokenizer, str(text), 64, 256, progress=False)
+    assert report["perplexity"] == pytest.approx(result.manifest.accuracy["perplexity"], rel=1e-6)
+    with pytest.raises(RecipeError, match="not lm_head"):
+        build(str(model), head_too("fp8-w8a8-static"), tmp_path / "b", progress=False, log=lambda m: None)
+
+
+def test_a_tied_head_left_out_of_ignore_is_said_to_stay_in_high_precision(tiny, tmp_path, monkeypatch):
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    r = preset("w8a16")
+    r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, ignore=(), lm_head=None))
+    lines = []
+    result = build(str(model), r, tmp_path / "a", progress=False, log=lines.append)
+    assert "lm_head" not in result.manifest.quantization["linears"]
+    assert any("lm_head is tied to the embeddings" in line for line in lines)
