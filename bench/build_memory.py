@@ -129,7 +129,7 @@ def main(source: str, recipe: str, num_samples: int | None, eval_data: str | Non
     print_table(f"qkiln build {source} --recipe {recipe}: resident memory by step", ["step", "seconds", "peak MiB"],
                 rows, note="one run, sampled every 20 ms")
     print(f"peak {mib(result['peak_bytes'])} MiB (an idle process: {mib(idle)} MiB), "
-          f"{result['num_parameters'] / 1e6:.0f}M parameters: {result['bytes_per_parameter']:.2f} bytes a parameter "
+          f"{result['num_parameters']:,} parameters: {result['bytes_per_parameter']:.2f} bytes a parameter "
           f"above idle; {result['seconds']:.0f} s")
     report = make_report("build-memory", options, result)
     write_report(json_out, report)
@@ -147,11 +147,11 @@ def _child(options: dict) -> None:
     if options["eval_data"] is not None:
         recipe = dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data=options["eval_data"]))
 
-    def announce(name: str) -> None:
-        print(STEP_MARK + name, file=sys.stderr, flush=True)
+    def say(line: str) -> None:  # the parent reads stderr: steps are timed, the rest echoed
+        print(line, file=sys.stderr, flush=True)
 
-    build(options["source"], recipe, Path(options["out"]), use_cache=False, progress=False, log=print,
-          engines=(options["engine"],) if options["engine"] else (), on_step=announce)
+    build(options["source"], recipe, Path(options["out"]), use_cache=False, progress=False, log=say,
+          engines=(options["engine"],) if options["engine"] else (), on_step=lambda name: say(STEP_MARK + name))
     print(PEAK_MARK + str(_status_bytes("VmHWM")), file=sys.stderr, flush=True)
 
 
