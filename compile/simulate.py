@@ -55,9 +55,16 @@ def install_layer_simulation(layer: nn.Module, layer_id: int, qm: QuantizedModel
     for name, module in layer.named_modules():
         full = prefix + name
         if full in qm.weights and (names is None or name in names):
-            _dequantize_per_call(module, qm.weights[full])
-            if qm.scheme.activations is not None:
-                module.register_forward_pre_hook(_act_hook(full, qm))
+            _simulate_linear(module, full, qm)
+
+
+def _simulate_linear(module: nn.Linear, name: str, qm: QuantizedModel) -> None:
+    """The linear computes as qm's quantized `name`: its weight dequantized per call, and an fp8
+    one's activations quantized as the scheme says (an integer head under an fp8 scheme is W8A16)."""
+    weight = qm.weights[name]
+    _dequantize_per_call(module, weight)
+    if qm.scheme.activations is not None and isinstance(weight, Fp8Weight):
+        module.register_forward_pre_hook(_act_hook(name, qm))
 
 
 def _dequantize_per_call(module: nn.Linear, weight: QuantizedWeight | Fp8Weight) -> None:
@@ -78,17 +85,13 @@ def _dequantize_per_call(module: nn.Linear, weight: QuantizedWeight | Fp8Weight)
 
 
 def simulate_lm_head(model: CausalLM, qm: QuantizedModel) -> None:
-    """Compute logits with qm's quantized head, dequantized per call (its activations quantized too
-    where the scheme quantizes an fp8 linear's); a tied model gets a head module of its own (its
-    embedding lookups keep the exact weights)."""
-    weight = qm.weights["lm_head"]
+    """Compute logits with qm's quantized head (`_simulate_linear`); a tied model gets a head module
+    of its own (its embedding lookups keep the exact weights)."""
     if model.lm_head is None:
         with torch.device("meta"):  # no [vocab, hidden] initialisation: the weight is made per call
             model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
         model.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-    _dequantize_per_call(model.lm_head, weight)
-    if qm.scheme.activations is not None and isinstance(weight, Fp8Weight):
-        model.lm_head.register_forward_pre_hook(_act_hook("lm_head", qm))
+    _simulate_linear(model.lm_head, "lm_head", qm)
 
 
 def _int8_activations_hook(module, args):
@@ -114,15 +117,11 @@ def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple
     # each quantized linear a placeholder never written (so never resident), dequantized per call
     state = dict(qm.fp_tensors) | {name + ".weight": torch.empty(_shape(w)) for name, w in qm.weights.items()}
     model = compute_in_float32(build_model(qm.config, state, None))
-    for name, w in qm.weights.items():
+    for name in qm.weights:
         if name == "lm_head":  # a module of its own where the model ties it to the embeddings
             simulate_lm_head(model, qm)
         else:
-            _dequantize_per_call(model.get_submodule(name), w)
-    if qm.scheme.activations is not None:  # fp8 W8A8 linears only (an integer lm_head is W8A16)
-        for name, module in model.named_modules():
-            if name != "lm_head" and isinstance(qm.weights.get(name), Fp8Weight):
-                module.register_forward_pre_hook(_act_hook(name, qm))
+            _simulate_linear(model.get_submodule(name), name, qm)
     if int8_activations:
         for name, module in model.named_modules():
             if takes_int8_activations(qm.weights.get(name)):

@@ -2,8 +2,8 @@
 
 A `SourceModel` carries the architecture config, the tokenizer, the weights with Hugging Face
 names (an HF checkpoint's as stored, bf16 or fp16 mostly; a GGUF's dequantized to fp32) and the
-sha256 of the files it came from (provenance for the manifest). Every way a source can be wrong (missing, corrupt, unsupported) becomes a `SourceModelError` whose
-message says what to do.
+sha256 of the files it came from (provenance for the manifest). Every way a source can be wrong
+(missing, corrupt, unsupported) becomes a `SourceModelError` whose message says what to do.
 """
 
 import dataclasses
