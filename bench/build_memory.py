@@ -8,7 +8,6 @@ between the announcements. Bytes per parameter are above an idle process that im
 build imports (its VmHWM too), per parameter of the source (the manifest's count).
 """
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -140,12 +139,9 @@ def _child(options: dict) -> None:
     from qkiln.compile.build import build
     from qkiln.compile.recipe import load_recipe
 
-    recipe = load_recipe(options["recipe"])
-    if options["num_samples"] is not None:
-        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration,
-                                                                             num_samples=options["num_samples"]))
-    if options["eval_data"] is not None:
-        recipe = dataclasses.replace(recipe, evaluation=dataclasses.replace(recipe.evaluation, data=options["eval_data"]))
+    recipe = load_recipe(options["recipe"]).with_overrides(
+        calibration={"num_samples": options["num_samples"]} if options["num_samples"] is not None else None,
+        evaluation={"data": options["eval_data"]} if options["eval_data"] is not None else None)
 
     def say(line: str) -> None:  # the parent reads stderr: steps are timed, the rest echoed
         print(line, file=sys.stderr, flush=True)

@@ -24,7 +24,6 @@ stdout. Takes ~13 minutes on 2 threads (the HF static-batch sweep dominates), ~1
 static batches and llama.cpp; measure on a quiet machine.
 """
 
-import dataclasses
 import gc
 import os
 import sys
@@ -69,7 +68,7 @@ def ensure_artifact(model: str, artifact: Path | None, work_dir: Path, recipe: s
     out = work_dir / f"{source.stem}-{recipe}"
     built = preset(recipe)
     if num_samples is not None:
-        built = built.with_overrides(calibration=dataclasses.replace(built.calibration, num_samples=num_samples))
+        built = built.with_overrides(calibration={"num_samples": num_samples})
     if is_artifact_dir(out):
         m = read_manifest(out)
         wanted = built.to_dict()  # the calibration too: a --num-samples 4 run reused a 1-sample build

@@ -117,9 +117,7 @@ def build_row(row: dict, out: Path, num_samples: int) -> dict:
     if row.get("group_size") and r.scheme.weights is not None:
         w = dataclasses.replace(r.scheme.weights, group_size=row["group_size"])
         r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, weights=w))
-    r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, source=row["calib"],
-                                                                  num_samples=num_samples),
-                            evaluation=dataclasses.replace(r.evaluation, data=None))
+    r = r.with_overrides(calibration={"source": row["calib"], "num_samples": num_samples}, evaluation={"data": None})
     start = time.perf_counter()
     result = build("smollm2-135m", r, out, overwrite=True, use_cache=False, progress=True,
                    log=lambda m: print(m, file=sys.stderr))

@@ -152,7 +152,15 @@ class Recipe:
     def needs_calibration(self) -> bool:
         return self.scheme.needs_weight_calibration or self.scheme.kv_cache is not None
 
-    def with_overrides(self, **changes) -> "Recipe":
+    def with_overrides(self, *, calibration: dict[str, Any] | None = None, evaluation: dict[str, Any] | None = None,
+                       **changes) -> "Recipe":
+        """A copy with top-level fields replaced and the named `calibration` / `evaluation` fields merged
+        into their sections (a `--num-samples` changes one field, not the whole section); each section
+        checks its new values as a recipe file's would be."""
+        if calibration:
+            changes["calibration"] = dataclasses.replace(self.calibration, **calibration)
+        if evaluation:
+            changes["evaluation"] = dataclasses.replace(self.evaluation, **evaluation)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

@@ -102,7 +102,6 @@ def build_cmd(
     engine: Annotated[Optional[list[str]], typer.Option(help="also write engines/NAME/, checked against the artifact: onnx")] = None,
 ):
     """Calibrate, quantize, evaluate and write a verified artifact."""
-    import dataclasses
 
     from tqdm import tqdm
 
@@ -125,8 +124,7 @@ def build_cmd(
         if cal and not r.needs_calibration:  # nor recorded: the manifest (its digest) stays what the build used
             log(f"note: recipe {r.name} calibrates nothing (data-free), so --calib / --num-samples are not used")
             cal = {}
-        r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, **cal),
-                                evaluation=dataclasses.replace(r.evaluation, **ev), target=target or r.target)
+        r = r.with_overrides(calibration=cal, evaluation=ev, target=target or r.target)
         if archive:
             check_archive_path(archive, overwrite=force)  # before the build, which takes minutes
             if not force and is_artifact_dir(out) and not archive.exists():

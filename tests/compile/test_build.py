@@ -208,6 +208,19 @@ def test_recipe_file_round_trip(tmp_path):
     assert t.scheme.algorithm == "gptq" and t.calibration.num_samples == 8
 
 
+def test_recipe_overrides_merge_into_their_sections_and_are_checked():
+    r = preset("w4a16-gptq")
+    o = r.with_overrides(calibration={"num_samples": 8}, evaluation={"data": "bundled:wikitext2-test-raw"},
+                         target="cuda")
+    assert (o.calibration.num_samples, o.calibration.seq_len, o.calibration.source) == \
+        (8, r.calibration.seq_len, r.calibration.source)
+    assert (o.evaluation.data, o.evaluation.max_tokens, o.target, o.scheme) == \
+        ("bundled:wikitext2-test-raw", r.evaluation.max_tokens, "cuda", r.scheme)
+    assert r.with_overrides(calibration={}, evaluation=None) == r
+    with pytest.raises(RecipeError, match="num_samples >= 1"):
+        r.with_overrides(calibration={"num_samples": 0})
+
+
 def test_artifact_serves_without_transformers(tiny, tmp_path, monkeypatch):
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
