@@ -129,6 +129,9 @@ class RequestOutput:
     # token), "decode" (first to last token), "inference" (first schedule to last token) and
     # "num_output_tokens"
     metrics: dict = field(default_factory=dict)
+    # Seconds from the request's previous output token to each new token after its first (vLLM's
+    # inter-token latency, one a step; a merged output carries those of every output it merged)
+    inter_token_latencies: list[float] = field(default_factory=list)
     # With SamplingParams.prompt_logprobs, on the first output only: one entry per prompt token,
     # None for the first (nothing scores it), else {"token_id", "logprob", "rank", "top"} as in `logprobs`
     prompt_logprobs: list[dict | None] | None = None
@@ -141,6 +144,7 @@ class RequestOutput:
         return dataclasses.replace(
             later, new_token_ids=self.new_token_ids + later.new_token_ids, new_text=self.new_text + later.new_text,
             logprobs=self.logprobs + later.logprobs, metrics=self.metrics | later.metrics,
+            inter_token_latencies=self.inter_token_latencies + later.inter_token_latencies,
             prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
@@ -177,6 +181,7 @@ class _Request:
     queued_time: float  # received by the engine
     scheduled_time: float | None = None  # first put in a step
     first_token_time: float | None = None
+    last_token_time: float | None = None
     prompt_logprobs: list[dict | None] | None = None  # filled as prompt chunks are computed
     # the prompt's distinct ids, which repetition_penalty reads each step: found once (the whole
     # prompt made into a tensor and sorted each step cost 151 ms a step at 64 x 3000-token prompts)
@@ -457,6 +462,8 @@ class LLMEngine:
         now = time.perf_counter()
         first_token = req.first_token_time is None
         req.first_token_time = req.first_token_time or now
+        gaps = [] if req.last_token_time is None else [now - req.last_token_time]
+        req.last_token_time = now
         is_done = s.seq_id in finished
         if is_done and s.seq.finish_reason == "stop":  # the scheduler stops on tokens: EOS, stop_token_ids
             req.detok.finish_on_stop_token(token_id)
@@ -478,7 +485,7 @@ class LLMEngine:
         result = RequestOutput(
             s.seq_id, s.seq.prompt_token_ids, [token_id], req.detok.get_next_output_text(is_done),
             s.seq.output_token_ids, req.detok.output_text, is_done,
-            s.seq.finish_reason if is_done else None, stop_reason, logprobs,
+            s.seq.finish_reason if is_done else None, stop_reason, logprobs, inter_token_latencies=gaps,
             num_cached_tokens=s.seq.num_cached_tokens)
         if req.prompt_logprobs is not None and s.seq.num_output_tokens == 1:
             assert all(e is not None for e in req.prompt_logprobs[1:]), f"{s.seq_id!r}: a prompt token went unscored"

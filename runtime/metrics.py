@@ -9,9 +9,10 @@ What vLLM also measures carries vLLM's name, label (`model_name`) and meaning, s
 alerts built for vLLM work unchanged: queue sizes, KV usage, token and prefix-cache counters,
 preemptions, successes by `finished_reason`, and per request TTFT, e2e, queue / prefill / decode /
 inference time, time per output token and prompt / output lengths (TTFT and e2e timed from the
-request's arrival at the server, queue time from the engine's receipt, as vLLM's). What only qkiln
-has is `qkiln_*`: the artifact served, refusals, aborts, failed steps, the KV pool in blocks, a
-tokens/s gauge. (vLLM's per-token inter-token latency histogram is not kept.)
+request's arrival at the server, queue time from the engine's receipt, as vLLM's), and each gap
+between a request's successive output tokens (inter-token latency). What only qkiln has is
+`qkiln_*`: the artifact served, refusals, aborts, failed steps, the KV pool in blocks, a tokens/s
+gauge.
 """
 
 import collections
@@ -68,6 +69,8 @@ class ServerMetrics:
         self.times = {key: histogram(name, doc, _REQUEST_BUCKETS) for key, name, doc in _TIMES}
         self.tpot = histogram("vllm:request_time_per_output_token_seconds",
                               "Mean time between output tokens after the first, per request.", _TPOT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a request's successive output tokens.",
+                             _TPOT_BUCKETS)
         lengths = _length_buckets(engine.max_model_len)
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
                                        lengths)
@@ -89,7 +92,9 @@ class ServerMetrics:
     def observe(self, output: RequestOutput) -> None:
         """Record what an engine output carries: TTFT with a request's first token (as vLLM, so a
         request whose client leaves later counts too), the rest once it ran to its end (stop or
-        length; an aborted one's last output has no metrics)."""
+        length; an aborted one's last output has no metrics), and the gaps before its new tokens."""
+        for gap in output.inter_token_latencies:
+            self.itl.observe(gap)
         m = output.metrics
         if not m:
             return

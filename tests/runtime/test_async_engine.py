@@ -500,4 +500,6 @@ def test_a_stream_nobody_reads_holds_a_bounded_backlog_that_adds_up(engine):
     assert "".join(out.new_text for out in outputs) == final.text
     assert [e["token_id"] for out in outputs for e in out.logprobs] == final.token_ids
     assert "ttft" in outputs[0].metrics and "e2e" in final.metrics
+    gaps = [gap for out in outputs for gap in out.inter_token_latencies]  # one before each token after the first
+    assert len(gaps) == 99 and min(gaps) > 0 and sum(gaps) == pytest.approx(final.metrics["decode"])
     wait_idle(engine)

@@ -372,6 +372,9 @@ def test_metrics_change_after_requests(client):
                  "vllm:request_generation_tokens"):
         assert grew(hist + "_count") == 2, hist
     assert grew("vllm:request_prompt_tokens_sum") == 2 * len(prompt)
+    # one gap before each token after a request's first, which together are its decode time
+    assert grew("vllm:inter_token_latency_seconds_count") == 2 * 4
+    assert grew("vllm:inter_token_latency_seconds_sum") == pytest.approx(grew("vllm:request_decode_time_seconds_sum"))
     assert grew("vllm:request_generation_tokens_sum") == 10
     rates = [metric(client.get("/metrics").text, "qkiln_generation_tokens_per_second") for _ in range(3)]
     assert metric(after, "qkiln_generation_tokens_per_second") > 0 and min(rates) > 0  # a scrape does not reset it
