@@ -22,7 +22,6 @@ Step 1 prefills two sequences into scattered blocks; step 2 decodes one and pref
 the other, so attention reads what step 1 wrote.
 """
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +39,13 @@ from .onnx_contract import CONTRACT_VERSION, kv_cache_shape, read_engine_model, 
 from .onnx_graph import CONTRACT_FILE, step_inputs
 
 BLOCK_SIZE = 4
-# Peak resident memory of a check per model parameter: the float32 simulation, its float64 copy
-# (their quantized linears dequantized per call: simulate.py), the reference evaluator's dequantized
-# weights and numpy's temporaries. Measured: a build's check of SmolLM2-135M W4A16 took its RSS from
-# 0.70 to 2.22 GiB (12 bytes a parameter; 3.2 GB before the per-call dequantization).
-CHECK_BYTES_PER_PARAMETER = 16
+# Peak resident memory of a check per model parameter: the loaded graph (its proto and the
+# evaluator's arrays), one node's dequantized weight at a time, then the float32 simulation made
+# float64 in place (quantized linears dequantized per call: simulate.py). Measured: a build's check
+# of SmolLM2-135M W4A16 took its RSS from 0.59 to 1.66 GiB (8.6 bytes a parameter; 12 while the
+# evaluator held every intermediate and the float64 run was a copy, 3.2 GB before the per-call
+# dequantization).
+CHECK_BYTES_PER_PARAMETER = 12
 SLACK = 4.0  # how many times torch float32's distance from float64 the engine may be
 LOGITS_FLOOR = 1e-3  # of the largest logit: honest float32 rounding stays below (see above)
 CACHE_FLOOR = 0.02  # of cache bytes
@@ -149,8 +150,9 @@ def check_onnx_engine(artifact: Path, engine_dir: Path, seed: int = 0) -> OnnxCh
         raise ArtifactError(f"the ONNX engine in {engine_dir} failed to run ({type(e).__name__}: {e}); "
                             f"{rewrite_hint(engine_dir)}") from None
     float32_logits, float32_caches = _run_simulation(model, fresh_caches(), steps)
-    exact = copy.deepcopy(model).double()
-    exact.rope.inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
+    inv_freq = model.rope.inv_freq  # RoPE tables are float32 in every path
+    exact = model.double()  # in place: a copy would hold both (the check's peak)
+    exact.rope.inv_freq = inv_freq
     exact_logits, exact_caches = _run_simulation(exact, fresh_caches(), steps)
     return OnnxCheck([_distance(a, b) for a, b in zip(engine_logits, exact_logits)],
                      [_distance(a, b) for a, b in zip(float32_logits, exact_logits)],
@@ -175,6 +177,8 @@ class ReferenceEngine:
         from onnx.reference import ReferenceEvaluator
 
         self.session = ReferenceEvaluator(read_engine_model(engine_dir), new_ops=onnx_nodes.reference_ops())
+        # the index of the last node reading each value (graph outputs are read after the last node)
+        self.last_reader = {name: i for i, node in enumerate(self.session.rt_nodes_) for name in node.input}
         self.use(caches)
 
     def use(self, caches: list[KVCache]) -> None:
@@ -188,12 +192,24 @@ class ReferenceEngine:
     def step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """INPUTS as torch tensors (step_inputs) -> logits [rows, vocab] float32; the caches advance."""
         feeds = {n: t.numpy() for n, t in step_inputs(*inputs).items()}
-        logits, *written = self.session.run(self.outputs, feeds | self.state)
+        logits, *written = self._run(feeds | self.state)
         self.state = dict(zip(self.state, written))
         for name, value in self.state.items():
             _, i, field = name.split(".")
             getattr(self.caches[int(i)], field).copy_(onnx_nodes.to_torch(value))
         return torch.from_numpy(np.asarray(logits))
+
+    def _run(self, feeds: dict) -> list:
+        """The evaluator's node loop, dropping each value after its last reader: its own `run` holds
+        every intermediate to the end, every layer's dequantized weights at once (SmolLM2 W4A16: 1.1 GB
+        over the loaded graph). The engine's graph is flat (no subgraphs, no node reading the context)."""
+        keep, results = set(self.outputs), {"": None} | self.session.rt_inits_ | feeds  # "": an omitted input
+        for i, node in enumerate(self.session.rt_nodes_):
+            results.update(zip(node.output, node.run(*(results[name] for name in node.input))))
+            for name in (*node.input, *node.output):
+                if self.last_reader.get(name, -1) <= i and name not in keep and name not in self.session.rt_inits_:
+                    results.pop(name, None)
+        return [results[name] for name in self.outputs]
 
 
 def _run_engine(engine_dir: Path, caches: list[KVCache], steps) -> tuple[list[torch.Tensor], list[KVCache]]:

@@ -256,6 +256,31 @@ def test_engine_generates_what_the_artifact_generates(root):
                                  for n in (onnx_graph.MODEL_FILE, onnx_graph.DATA_FILE)}
 
 
+@pytest.mark.parametrize("case", ["w4a16-rtn", "fp8-static-kv-int4-smoothed", "w4a16-qwen2"])
+def test_reference_engine_frees_values_and_computes_what_the_evaluator_computes(root, case):
+    """ReferenceEngine runs the evaluator's nodes itself to drop each value after its last reader:
+    logits and written caches equal, bit for bit, those of the evaluator's own `run`, step after step."""
+    import numpy as np
+
+    from qkiln.compile.onnx_check import ArtifactCaches, ReferenceEngine, two_steps
+    from qkiln.compile.onnx_graph import step_inputs
+    from qkiln.runtime.config import ModelConfig
+
+    artifact = _artifact(root, case)
+    engine_dir = root / f"engine-{case}"
+    if not engine_dir.exists():
+        export_onnx(artifact, engine_dir, verify=False)
+    config = ModelConfig.from_dict(read_manifest(artifact).architecture)
+    engine = ReferenceEngine(engine_dir, ArtifactCaches(artifact, config).new(8))
+    for inputs in two_steps(config.vocab_size, seed=1):
+        feeds = {n: t.numpy() for n, t in step_inputs(*inputs).items()} | engine.state
+        want = engine.session.run(engine.outputs, feeds)
+        got = engine._run(feeds)
+        assert [w.dtype for w in want] == [g.dtype for g in got]
+        assert all(np.array_equal(w.view(np.uint8), g.view(np.uint8)) for w, g in zip(want, got))
+        engine.step(*inputs)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_onnx_runtime_runs_the_engine(root, case, tmp_path):
     """ONNX Runtime loads and computes the engine's standard nodes, the plugin nodes running as
