@@ -101,7 +101,22 @@ def run_build(options: dict, echo: bool = True) -> dict:
     peak = max([child.peak] + [rss for _, rss in samples])
     return {"peak_bytes": peak, "seconds": seconds,
             "steps": _steps(samples, [(start, "start python")] + child.steps),
+            "timeline": _timeline(samples, start),
             "num_parameters": manifest["num_parameters"], "source_bytes_bf16": manifest["source_bytes_bf16"]}
+
+
+def _timeline(samples, start: float, points: int = 2000) -> list[tuple[float, int]]:
+    """(seconds since the start, VmRSS bytes), each of at most `points` spans of the run taken at its
+    largest sample, so a short spike survives the thinning (a 10-minute build samples 30,000 times)."""
+    if not samples:
+        return []
+    span = max((samples[-1][0] - start) / points, SAMPLE_SECONDS)
+    kept: dict[int, tuple[float, int]] = {}
+    for t, rss in samples:
+        slot = int((t - start) / span)
+        if slot not in kept or rss > kept[slot][1]:
+            kept[slot] = (round(t - start, 3), rss)
+    return list(kept.values())
 
 
 def _steps(samples, marks) -> list[dict]:
@@ -114,8 +129,38 @@ def _steps(samples, marks) -> list[dict]:
     return steps
 
 
+def plot_timeline(path: Path, result: dict, title: str) -> Path:
+    """Resident memory over the build, each step's span shaded and named, the idle process's size and
+    the peak marked."""
+    from .report import _pyplot, _save
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    seconds = [t for t, _ in result["timeline"]]
+    ax.plot(seconds, [b / 2**20 for _, b in result["timeline"]], color="C0", lw=1.2, label="VmRSS")
+    t = 0.0
+    for i, step in enumerate(result["steps"]):
+        if i % 2:
+            ax.axvspan(t, t + step["seconds"], color="0.92", lw=0)
+        if step["seconds"] > 0.03 * result["seconds"]:  # name the steps wide enough to hold it
+            ax.text(t + step["seconds"] / 2, 0.02, step["step"], rotation=90, ha="center", va="bottom",
+                    fontsize=7, transform=ax.get_xaxis_transform())
+        t += step["seconds"]
+    ax.axhline(result["peak_bytes"] / 2**20, color="C3", ls="--", lw=1,
+               label=f"peak {result['peak_bytes'] / 2**20:.0f} MiB (VmHWM)")
+    ax.axhline(result["idle_bytes"] / 2**20, color="0.5", ls=":", lw=1,
+               label=f"idle process {result['idle_bytes'] / 2**20:.0f} MiB")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
 def main(source: str, recipe: str, num_samples: int | None, eval_data: str | None, engine: str | None,
-         json_out: Path | None, quiet: bool) -> dict:
+         json_out: Path | None, quiet: bool, plot: Path | None = None) -> dict:
     options = {"source": source, "recipe": recipe, "num_samples": num_samples, "eval_data": eval_data,
                "engine": engine}
     idle = idle_bytes()
@@ -132,6 +177,10 @@ def main(source: str, recipe: str, num_samples: int | None, eval_data: str | Non
           f"above idle; {result['seconds']:.0f} s")
     report = make_report("build-memory", options, result)
     write_report(json_out, report)
+    if plot:
+        plot_timeline(plot / "build_memory.png", result,
+                      f"qkiln build {source} --recipe {recipe}: {result['num_parameters'] / 1e6:.0f}M parameters, "
+                      f"{result['bytes_per_parameter']:.2f} bytes a parameter above idle")
     return report
 
 

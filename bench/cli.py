@@ -297,6 +297,8 @@ def build_memory_command(
     engine: Annotated[Optional[str], typer.Option(help="also write and check this engine: onnx")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="do not echo the build's progress")] = False,
     json_out: JsonOut = None,
+    plot: PlotDir = None,
 ):
-    """Peak resident memory of `qkiln build` (one run, no layer cache), by step and per parameter."""
+    """Peak resident memory of `qkiln build` (one run, no layer cache), by step and per parameter;
+    --plot draws it over time (build_memory.png)."""
     _run("build_memory", locals())

@@ -415,9 +415,13 @@ def test_build_memory_tiny(tiny, tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text("It was a bright cold day in April, and the clocks were striking thirteen. " * 100)
     report = build_memory.main(str(tiny), "w4a16-gptq", num_samples=2, eval_data=str(text), engine=None,
-                               json_out=tmp_path / "m.json", quiet=True)
+                               json_out=tmp_path / "m.json", quiet=True, plot=tmp_path / "plots")
     _check_envelope(report, "build-memory")
     r = report["results"]
+    times = [t for t, _ in r["timeline"]]
+    assert times == sorted(times) and 0 <= times[0] and times[-1] <= r["seconds"]
+    assert max(b for _, b in r["timeline"]) == max(s["peak_bytes"] or 0 for s in r["steps"])  # thinned, not lost
+    assert (tmp_path / "plots" / "build_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [s["step"] for s in r["steps"]] == ["start python", "load source", "calibration data", "quantize weights",
                                                "evaluate accuracy", "artifact tensors", "write artifact"]
     assert r["peak_bytes"] >= max(s["peak_bytes"] or 0 for s in r["steps"]) > r["idle_bytes"] > 0
