@@ -1,7 +1,8 @@
 """A qkiln artifact as one .tar / .tar.gz file, for registries that store files, not folders.
 
-Owns `write_archive`, `check_archive_path` and `extract_archive`. Packing verifies the folder
-first; unpacking is as atomic as `write_artifact` (a partial folder, verified, then renamed).
+Owns `write_archive`, `check_archive_path`, `extract_archive` and `unpacked` (an archive given where
+an artifact is read: the command line and `LLM`). Packing verifies the folder first; unpacking is as
+atomic as `write_artifact` (a partial folder, verified, then renamed).
 
 Invariants:
 - Reproducible: manifest.json first (a registry reads it without scanning), the rest sorted, a
@@ -20,11 +21,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
-from qkiln.errors import ArtifactError
+from qkiln.errors import ArtifactError, QkilnError
 
 from .artifact import ARCHIVE_SUFFIXES, MANIFEST_NAME, read_manifest, verify_artifact, verify_contents
-from .artifact_writer import (check_destination, check_writable_dir, fresh_partial_dir, fsync_dirs, is_full_disk,
-                              move_into_place, output_path, remove_stale_partials, source_date_epoch, unfinished_prefix)
+from .artifact_writer import (HOST_TAG, check_destination, check_writable_dir, fresh_partial_dir, fsync_dirs,
+                              is_full_disk, move_into_place, output_path, remove_left_by_gone_processes,
+                              remove_stale_partials, source_date_epoch, unfinished_prefix)
 
 
 def _archive_mode(path: Path) -> str:
@@ -271,3 +273,37 @@ def _created(target: Path):
     except OSError as e:
         raise _UnpackWriteError(e) from None
 
+
+def is_archive(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(tuple(ARCHIVE_SUFFIXES))
+
+
+@contextmanager
+def unpacked(model: str, check_target: bool = False):
+    """An artifact archive (.tar, .tar.gz, .tgz) unpacked and verified into a temporary directory
+    that lives as long as the `with` block, named like the archive without its suffix (the served
+    model name; check_target: also refuse one this machine cannot run); any other path or model
+    name as it is."""
+    path = Path(model).expanduser()
+    if not is_archive(path):
+        yield model
+        return
+    name = next(path.name[: -len(s)] for s in ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
+    remove_dead_unpacked()
+    with tempfile.TemporaryDirectory(prefix=f"{_UNPACKED_PREFIX}{HOST_TAG}-{os.getpid()}-") as tmp:
+        folder = str(Path(tmp) / name)
+        try:
+            yield str(extract_archive(path, Path(folder), check_target=check_target))
+        except QkilnError as e:  # the folder is gone when the command ends: a remedy names the archive given
+            e.args = tuple(a.replace(folder, model) if isinstance(a, str) else a for a in e.args)
+            raise
+
+
+_UNPACKED_PREFIX = "qkiln-unpacked-"
+
+
+def remove_dead_unpacked() -> list[Path]:
+    """Delete archives unpacked by processes of this host that are gone: a SIGKILLed `serve
+    ARCHIVE` cannot clean up after itself, and each copy is the artifact's size."""
+    unpacked = (p for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*") if p.is_dir())
+    return remove_left_by_gone_processes(unpacked, rf"{_UNPACKED_PREFIX}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-\w+")

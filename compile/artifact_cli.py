@@ -6,11 +6,9 @@ manifest and the safetensors headers. Failures are one `error: <file>: <what>` l
 """
 
 import json
-import os
 import sys
-import tempfile
 from collections import Counter
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,48 +16,9 @@ import typer
 
 from qkiln.errors import QkilnError, exit_with
 
-from .artifact import (ARCHIVE_SUFFIXES, MANIFEST_NAME, check_finished_name, check_not_unchecked, read_manifest,
+from .artifact import (MANIFEST_NAME, check_finished_name, check_not_unchecked, read_manifest,
                        read_tensor_index, serving_digest, verify_artifact, weight_shards)
-
-
-def _is_archive(path: Path) -> bool:
-    return path.is_file() and path.name.endswith(tuple(ARCHIVE_SUFFIXES))
-
-
-@contextmanager
-def unpacked(model: str, check_target: bool = False):
-    """An artifact archive (.tar, .tar.gz, .tgz) unpacked and verified into a temporary directory
-    that lives as long as the `with` block, named like the archive without its suffix (the served
-    model name; check_target: also refuse one this machine cannot run); any other path or model
-    name as it is."""
-    path = Path(model).expanduser()
-    if not _is_archive(path):
-        yield model
-        return
-    from .artifact_archive import extract_archive  # lazy: imported only for archives
-    from .artifact_writer import HOST_TAG
-
-    name = next(path.name[: -len(s)] for s in ARCHIVE_SUFFIXES if path.name.endswith(s)) or "artifact"
-    remove_dead_unpacked()
-    with tempfile.TemporaryDirectory(prefix=f"{_UNPACKED_PREFIX}{HOST_TAG}-{os.getpid()}-") as tmp:
-        folder = str(Path(tmp) / name)
-        try:
-            yield str(extract_archive(path, Path(folder), check_target=check_target))
-        except QkilnError as e:  # the folder is gone when the command ends: a remedy names the archive given
-            e.args = tuple(a.replace(folder, model) if isinstance(a, str) else a for a in e.args)
-            raise
-
-
-_UNPACKED_PREFIX = "qkiln-unpacked-"
-
-
-def remove_dead_unpacked() -> list[Path]:
-    """Delete archives unpacked by processes of this host that are gone: a SIGKILLed `serve
-    ARCHIVE` cannot clean up after itself, and each copy is the artifact's size."""
-    from .artifact_writer import remove_left_by_gone_processes
-
-    unpacked = (p for p in Path(tempfile.gettempdir()).glob(f"{_UNPACKED_PREFIX}*") if p.is_dir())
-    return remove_left_by_gone_processes(unpacked, rf"{_UNPACKED_PREFIX}(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-\w+")
+from .artifact_archive import is_archive, unpacked
 
 
 def verify_cmd(
@@ -119,7 +78,7 @@ _NOT_CHECKED = "not checked"  # the two-step check did not fit this machine's me
 def _verified(stack: ExitStack, path: Path, check_target: bool) -> tuple[Path, int]:
     """An artifact directory verified, or an archive unpacked (for as long as `stack` lives), which
     verifies it as it unpacks: (its directory, its number of files)."""
-    if _is_archive(path):
+    if is_archive(path):
         artifact = Path(stack.enter_context(unpacked(str(path), check_target=check_target)))
         return artifact, len(read_manifest(artifact).files)
     return Path(path), len(verify_artifact(path, check_target=check_target))

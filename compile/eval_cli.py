@@ -16,7 +16,7 @@ import typer
 
 from qkiln.errors import CalibrationDataError, QkilnError, exit_with
 
-from .artifact_cli import unpacked
+from .artifact_archive import unpacked
 
 
 def eval_cmd(

@@ -17,7 +17,8 @@ import typer
 import typer.core
 
 from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
-from qkiln.compile.artifact_cli import inspect_cmd, unpacked, verify_cmd  # imports nothing heavy
+from qkiln.compile.artifact_archive import unpacked
+from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # imports nothing heavy
 from qkiln.compile.eval_cli import eval_cmd  # imports nothing heavy
 from qkiln.errors import ArtifactError, QkilnError, exit_with
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
+from qkiln.compile.artifact_archive import unpacked
 from qkiln.errors import ArtifactError, QkilnError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.kv_cache import KV_SCALE_NAMES
@@ -85,7 +86,15 @@ def load_for_serving(name: str, dtype: str = "auto", device: str = "cpu", fuse: 
     int8_activations: an artifact's int4 linears compute every step with activations rounded to
     int8 per 32 channels, its int8 linears steps of up to 16 rows, and more where the CPU has
     AVX512-VNNI (CPU only, opt-in: faster, not exact; plugins/packed_weights.py).
-    dense_prefill: see make_quantized_linear (an artifact's int4 / int8 linears on the CPU)."""
+    dense_prefill: see make_quantized_linear (an artifact's int4 / int8 linears on the CPU).
+    An archive is unpacked and verified into a temporary folder, removed once loaded (nothing is
+    read from the artifact's files after the load)."""
+    with unpacked(str(name), check_target=True) as path:
+        return _load_for_serving(path, dtype, device, fuse, int8_activations, dense_prefill)
+
+
+def _load_for_serving(name: str, dtype: str, device: str, fuse: bool, int8_activations: bool,
+                      dense_prefill: bool) -> ServingModel:
     torch_dtype = resolve_dtype(dtype)
     path = local_path(name)  # an artifact may be named by a hub id too
     is_artifact = is_artifact_dir(path)

@@ -9,7 +9,9 @@ ALLOWED = {
     "quant": set(),
     "calib_data": set(),
     "plugins": set(),
-    "runtime": {"quant", "plugins", "compile.artifact"},
+    # compile.artifact: the artifact's format, with its archive form (artifact_archive, which imports
+    # only compile.artifact and its writer: test_the_artifact_format_is_a_leaf)
+    "runtime": {"quant", "plugins", "compile.artifact", "compile.artifact_archive"},
     "compile": {"quant", "calib_data", "runtime", "plugins"},
     "bench": {"quant", "calib_data", "runtime", "plugins", "compile"},
     # the command line (and the shared errors / host helpers): every layer, and bench's commands
@@ -66,3 +68,13 @@ def test_nothing_imports_bench():
             for name in _imports(path, folder):
                 edge = (str(path.relative_to(ROOT)), name)
                 assert not name.startswith("qkiln.bench") or edge == BENCH_ENTRY, f"{path} imports {name}"
+
+
+def test_the_artifact_format_is_a_leaf():
+    """What the runtime reads of compile/ (the artifact, its archive) imports no more of qkiln than
+    the artifact's own modules: the runtime never depends on the build."""
+    own = {"qkiln.errors", "qkiln.compile.artifact", "qkiln.compile.artifact_writer", "qkiln.compile.artifact_archive"}
+    for name in ("artifact", "artifact_writer", "artifact_archive"):
+        path = ROOT / "compile" / f"{name}.py"
+        bad = [m for m in _imports(path, "compile") if m.startswith("qkiln") and m not in own]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"

@@ -145,3 +145,20 @@ def test_a_second_ctrl_c_still_answers_every_request(archive, tmp_path):
             assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
         err = server.stderr.read()
         assert "Traceback" not in err, err
+
+
+def test_the_python_api_takes_an_archive(archive, tmp_path, monkeypatch):
+    """`LLM(ARCHIVE)`, which README and the docstring promise, fell through to the source loader
+    ("neither a GGUF file nor a Hugging Face model directory"): it serves what the folder serves,
+    under the archive's name, and leaves no unpacked copy behind."""
+    import tempfile
+
+    from qkiln.runtime import LLM, SamplingParams
+
+    path, _ = archive
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    llm = LLM(str(path), num_kv_blocks=16)
+    assert llm.name == "tiny-w4" and list(tmp_path.iterdir()) == []
+    want = LLM(str(path.parent / "tiny-w4"), num_kv_blocks=16).generate(["It was"], params)[0].token_ids
+    assert llm.generate(["It was"], params)[0].token_ids == want

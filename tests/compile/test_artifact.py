@@ -732,7 +732,7 @@ def test_a_killed_process_s_unpacked_archive_is_removed_by_the_next(tmp_path, mo
     """`serve ARCHIVE` killed with SIGKILL leaves its unpacked copy (the artifact's size) in the temp dir."""
     import tempfile
 
-    from qkiln.compile.artifact_cli import unpacked
+    from qkiln.compile.artifact_archive import unpacked
     from qkiln.compile.artifact_writer import HOST_TAG
 
     temp = tmp_path / "tmp"
@@ -753,7 +753,7 @@ def test_a_killed_process_s_unpacked_archive_is_removed_by_the_next(tmp_path, mo
 def test_an_error_inside_an_unpacked_archive_names_the_archive(tmp_path):
     """A remedy such as `qkiln export FOLDER` had named the temporary folder the archive was
     unpacked into, which is gone when the command ends."""
-    from qkiln.compile.artifact_cli import unpacked
+    from qkiln.compile.artifact_archive import unpacked
     from qkiln.compile.onnx_contract import rewrite_hint
 
     archive = write_archive(build(tmp_path / "a"), tmp_path / "a.tar")
