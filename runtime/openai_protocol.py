@@ -213,6 +213,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: Whole | None = Field(default=16, ge=0)
     logprobs: Whole | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # vLLM's: false for a prompt that carries its own BOS (a chat template rendered by the client)
+    add_special_tokens: bool = True
     suffix: str | None = None  # insertion (fill in the middle): refused unless empty
 
     @field_validator("prompt", mode="before")
@@ -342,6 +344,7 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
     logprobs: bool = False
     top_logprobs: Whole | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's, refused: it would change the answer
+    add_special_tokens: bool = False  # vLLM's: the template places BOS; true adds the tokenizer's too
 
     @property
     def num_logprobs(self) -> int | None:

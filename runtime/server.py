@@ -209,7 +209,7 @@ async def _completion_choices(engine: AsyncLLMEngine, body: CompletionRequest, r
             check_token_ids(engine, prompt, where)  # before echo decodes them (-1 had been a 500)
             ids = last_tokens(prompt, keep)
         else:
-            ids = await encode_text(engine, prompt, where, keep_last=keep)
+            ids = await encode_text(engine, prompt, where, body.add_special_tokens, keep_last=keep)
         # max_tokens 0 (echo only): the engine samples one token, which is not returned and
         # needs no room, so the prompt may fill the context (lm-eval's rolling windows do)
         max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(ids), engine, where) \
@@ -235,7 +235,7 @@ async def _chat_choices(engine: AsyncLLMEngine, body: ChatCompletionRequest, req
                         defaults: dict) -> list["_Choice"]:
     """A chat request's n engine requests over its one templated prompt."""
     keep = kept_prompt_tokens(engine, body.truncate_prompt_tokens)
-    prompt_ids = await chat_prompt_ids(engine, body, keep_last=keep)
+    prompt_ids = await chat_prompt_ids(engine, body, body.add_special_tokens, keep_last=keep)
     max_tokens = _completion_budget(*body.requested_max_tokens(defaults), len(prompt_ids), engine, "messages")
     choices = []
     for j, sp in enumerate(body.sampling_params(max_tokens, body.num_logprobs, defaults=defaults)):

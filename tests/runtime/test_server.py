@@ -14,7 +14,7 @@ import pytest
 from qkiln.runtime.async_engine import AsyncLLMEngine
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
-from loopback import serving_app, serving_model
+from loopback import serving_app, serving_client, serving_model
 from qkiln.runtime.server import BackgroundServer, create_app
 from tiny_models import write_tiny_hf_model
 
@@ -749,3 +749,30 @@ def test_real_model_chat_through_the_server(smollm2):
     choice = body["choices"][0]
     assert choice["message"]["content"] == expected[0].text and choice["finish_reason"] == expected[0].finish_reason
     assert "Paris" in choice["message"]["content"]  # the real model, templated correctly, answers
+
+
+@pytest.mark.filterwarnings("ignore:.*add_bos_token true")  # the copy's tokenizer.json does not add it itself
+def test_add_special_tokens_is_honoured_as_vllm_does(model_dir, tmp_path):
+    """A client that renders the chat template itself (its text starts with BOS) sends it to
+    /v1/completions with add_special_tokens false: the field was ignored, so the prompt ran with two
+    BOS tokens while /tokenize, given the same field, counted one."""
+    import shutil
+
+    bos_dir = tmp_path / "bos"
+    shutil.copytree(model_dir, bos_dir)
+    config = json.loads((bos_dir / "tokenizer_config.json").read_text()) | {"add_bos_token": True}
+    (bos_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    with serving_client(bos_dir, num_kv_blocks=32) as c:
+        def prompt_tokens(path, **body):
+            r = c.post(path, json={"max_tokens": 1, **body})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        plain = c.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["count"]
+        assert prompt_tokens("/v1/completions", prompt="hi", add_special_tokens=False) == plain
+        assert prompt_tokens("/v1/completions", prompt="hi") == plain + 1  # vLLM's default: the tokenizer's BOS
+        messages = [{"role": "user", "content": "hi"}]
+        chat = c.post("/tokenize", json={"messages": messages}).json()["count"]
+        assert prompt_tokens("/v1/chat/completions", messages=messages) == chat  # the template's BOS only
+        assert prompt_tokens("/v1/chat/completions", messages=messages, add_special_tokens=True) == chat + 1
+
