@@ -98,6 +98,10 @@ class EngineConfig:
                 continue  # sized from kv_cache_bytes / the model's context
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            # a config read as text ("false") would be truthy: the switch an evaluation job turned off stayed on
+            if not isinstance(getattr(self, name), bool):
+                raise QkilnError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
             raise QkilnError(f"seed must be an integer or None, got {self.seed!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:

@@ -213,7 +213,7 @@ class SamplingParams:
                and len(words) <= MAX_BAD_WORDS, "bad_words",
                f"bad_words must be at most {MAX_BAD_WORDS} strings of valid Unicode that are not blank, each at most "
                f"{MAX_STOP_CHARS} characters, got {list(words)!r:.200}")
-        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"{name} must be true or false, got {value!r}")
         _check(self.detokenize or not self.stop, "stop",

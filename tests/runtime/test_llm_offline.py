@@ -306,6 +306,10 @@ def test_a_sliding_window_caps_the_context():
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),  # was the scheduler's AssertionError
     (dict(max_num_batched_tokens=-4), "max_num_batched_tokens must be an integer >= 1"),
     (dict(max_model_len=4096), "max_model_len 4096 exceeds the model's context of 1024"),  # was capped silently
+    # switches read from a config as text: "false" was truthy, so prefix caching stayed on
+    (dict(enable_prefix_caching="false"), "enable_prefix_caching must be True or False, got 'false'"),
+    (dict(enable_chunked_prefill=0), "enable_chunked_prefill must be True or False, got 0"),
+    (dict(enforce_eager="no"), "enforce_eager must be True or False"),
 ])
 def test_engine_settings_out_of_range_are_refused(tmp_path, bad, message):
     from qkiln.errors import QkilnError

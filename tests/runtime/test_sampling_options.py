@@ -253,3 +253,10 @@ def test_usage_reports_the_prefix_cache_hit(client):
     again = post(client, "/v1/completions", prompt=prompt, max_tokens=1)["usage"]
     assert first["prompt_tokens_details"] == {"cached_tokens": 0}
     assert again["prompt_tokens_details"] == {"cached_tokens": 32} and again["prompt_tokens"] == 40
+
+
+@pytest.mark.parametrize("field", ["ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"])
+def test_switches_given_as_text_are_refused(field):
+    """ignore_eos="false" was taken as true (EOS ignored) while the other switches refused it."""
+    with pytest.raises(RequestError, match=f"{field} must be true or false, got 'false'"):
+        SamplingParams(**{field: "false"})
