@@ -177,10 +177,11 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
             dtype = _FLOAT_DTYPES[kv_dtype]
             cache_args.update(k=torch.zeros(shape, dtype=dtype, device=device),
                               v=torch.zeros(shape, dtype=dtype, device=device))
+        # fp32 whatever torch's default dtype (a caller's bf16 default had rounded calibrated offsets)
         if has_k_channel_scale:
-            cache_args["k_channel_scale"] = torch.ones(num_kv_heads, head_dim, device=device)
+            cache_args["k_channel_scale"] = torch.ones(num_kv_heads, head_dim, dtype=torch.float32, device=device)
         if has_k_offset:
-            cache_args["k_offset"] = torch.zeros(num_kv_heads, head_dim, device=device)
+            cache_args["k_offset"] = torch.zeros(num_kv_heads, head_dim, dtype=torch.float32, device=device)
         caches.append(KVCache(**cache_args))
     return caches
 

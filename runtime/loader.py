@@ -148,8 +148,8 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
         target = "cuda" if str(device).startswith("cuda") else "cpu"
 
         def make_linear(name, in_features, out_features, bias):
-            if name not in linears:
-                return torch.nn.Linear(in_features, out_features, bias=bias)
+            if name not in linears:  # its weights are assigned next: no init (nor a draw from the global RNG)
+                return torch.nn.Linear(in_features, out_features, bias=bias, device="meta")
             b = tensors.get(name + ".bias")
             return make_quantized_linear(name, linears[name], tensors, target, dtype,
                                          None if b is None else b.to(dtype), int8_activations, dense_prefill)

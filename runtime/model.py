@@ -151,23 +151,27 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """`model.*` in HF naming: embeddings, decoder layers, final norm."""
 
-    def __init__(self, config: ModelConfig, make_linear: LinearFactory, fused=frozenset()):
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory, fused=frozenset(), init_weights: bool = True):
         super().__init__()
-        # On the meta device (build_model; the weights are loaded next) skip nn.Embedding's normal_
-        # init: meta arithmetic imports torch._dynamo, ~2 s of every model load
-        skip_init = torch.get_default_device().type == "meta"
+        # Where the weights are loaded next (build_model) skip nn.Embedding's normal_ init: on the
+        # meta device its arithmetic imports torch._dynamo (~2 s of every model load); on a real one
+        # (an artifact's quantized linears hold real tensors) it drew from the caller's global RNG
+        # and filled a tensor that was thrown away (0.7 s and 113 MB for SmolLM2)
+        skip_init = not init_weights or torch.get_default_device().type == "meta"
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
-            config.vocab_size, config.hidden_size) if skip_init else None)
+            config.vocab_size, config.hidden_size, device="meta") if skip_init else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i, make_linear, fused)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, make_linear: LinearFactory = default_linear, fused=frozenset()):
+    def __init__(self, config: ModelConfig, make_linear: LinearFactory = default_linear, fused=frozenset(),
+                 init_weights: bool = True):
+        """init_weights False: the embedding is left unmade (meta) for weights assigned next."""
         super().__init__()
         self.config = config
-        self.model = Backbone(config, make_linear, fused)
+        self.model = Backbone(config, make_linear, fused, init_weights)
         self.rope = RotaryEmbedding(config)
         if config.tie_word_embeddings:
             self.lm_head = None

@@ -103,11 +103,20 @@ class Sampler:
         # or one ulp's, but the tail's total stays right (torch's CPU cumsum adds in double;
         # probe s47). Exact per-token tails would need a float64 row: not done.
         cdf = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)  # [num_seqs, vocab]
-        u = 1.0 - torch.rand(len(params), 1, device=device, generator=self.generator)  # (0, 1]: no 0-probability head
-        for i, p in enumerate(params):
-            generator = generators[i] if generators is not None else None
-            if generator is not None and not p.is_greedy:
-                u[i] = 1.0 - torch.rand(1, device=device, generator=generator)
+        # u in (0, 1]: no 0-probability head. A row with its own generator (a request's seed) draws
+        # from it alone, and greedy rows draw nothing: the shared generator (the engine's seed, else
+        # torch's global one, which the caller's code uses too) serves only the other rows.
+        own = [None if generators is None or p.is_greedy else generators[i] for i, p in enumerate(params)]
+        shared = [i for i, p in enumerate(params) if own[i] is None and not p.is_greedy]
+        if len(shared) == len(params):
+            u = 1.0 - torch.rand(len(params), 1, device=device, generator=self.generator)
+        else:
+            u = torch.ones(len(params), 1, device=device)
+            if shared:
+                u[shared] = 1.0 - torch.rand(len(shared), 1, device=device, generator=self.generator)
+            for i, generator in enumerate(own):
+                if generator is not None:
+                    u[i] = 1.0 - torch.rand(1, device=device, generator=generator)
         # the first token whose running sum reaches u x total (a 0-probability token adds nothing,
         # so it is never the first to reach it)
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=cdf.shape[1] - 1)

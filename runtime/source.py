@@ -57,7 +57,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype=
     with torch.device("meta"):
         model = CausalLM(config, fused=fused) if make_linear is None else None
     if model is None:  # quantized linears hold real tensors: build them off the meta device
-        model = CausalLM(config, make_linear=make_linear, fused=fused)
+        model = CausalLM(config, make_linear=make_linear, fused=fused, init_weights=False)
     weights = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in state_dict.items()}
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

@@ -4,6 +4,7 @@ behind, so the next call works; mismatched prompt / params lists are refused, no
 import dataclasses
 
 import pytest
+import torch
 
 from qkiln.errors import QkilnError, RequestError
 from qkiln.runtime.llm import LLM
@@ -280,6 +281,43 @@ def test_a_kv_fp8_artifact_serves_with_another_kv_dtype(tmp_path, monkeypatch):
     outputs = {kv: LLM(str(artifact), dtype="fp32", kv_dtype=kv, num_kv_blocks=16).generate(["abc"], GREEDY)[0]
                for kv in ("fp8", "bf16", "int4")}
     assert all(len(out.token_ids) == 5 for out in outputs.values())
+
+
+def test_loading_and_seeded_sampling_leave_the_caller_s_random_state_and_default_dtype_alone(tmp_path, monkeypatch):
+    """An eval job seeds torch for its own draws: loading an artifact drew from torch's global RNG
+    (its embedding's and unquantized linears' random init, thrown away at once), and a request with
+    its own seed drew one number a step from it too. Under a caller's bf16 default dtype, a kv-fp8
+    cache's calibrated key offsets were rounded to bf16."""
+    from qkiln.compile.build import build
+    from qkiln.compile.recipe import preset
+    from tiny_models import write_tiny_model_and_text
+
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    model, text = write_tiny_model_and_text(tmp_path)
+    recipe = preset("kv-fp8").with_overrides(calibration={"source": str(text), "num_samples": 2, "seq_len": 32})
+    artifact = build(str(model), recipe, tmp_path / "a", progress=False, log=lambda m: None).path  # linears unquantized
+
+    def untouched(action) -> bool:
+        torch.manual_seed(0)
+        want = torch.rand(4)
+        torch.manual_seed(0)
+        action()
+        return torch.equal(torch.rand(4), want)
+
+    holder = {}
+    assert untouched(lambda: holder.setdefault("llm", LLM(str(artifact), dtype="fp32", num_kv_blocks=16)))
+    llm = holder["llm"]
+    seeded = SamplingParams(max_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
+    assert untouched(lambda: llm.generate(["abc"], seeded))
+    assert untouched(lambda: llm.generate(["abc"], GREEDY))
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        bf16_default = LLM(str(artifact), dtype="fp32", num_kv_blocks=16)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    offsets = [c.k_offset for c in bf16_default.engine.caches]
+    assert all(o.dtype == torch.float32 for o in offsets)
+    assert all(torch.equal(a, b.k_offset) for a, b in zip(offsets, llm.engine.caches))
 
 
 def test_a_sliding_window_caps_the_context():
