@@ -260,7 +260,8 @@ def serve_cmd(
             exit_with(e)
         core = engine.engine
         print(f"KV cache: {core.kv_manager.num_blocks} blocks of {core.config.block_size} tokens "
-              f"({core.kv_manager.num_blocks * core.config.block_size} tokens, {core.kv_dtype}, "
+              f"({core.kv_manager.num_blocks * core.config.block_size} tokens, {core.kv_dtype}"
+              f"{f' in groups of {core.config.kv_group_size}' if core.kv_dtype == 'int4' else ''}, "
               f"{core.kv_pool_bytes / 2**20:.0f} MiB)", file=sys.stderr)
         if engine.sampling_defaults:  # as vLLM says it: a request's defaults are not the API's
             print(f"note: requests that leave them out take the model's generation_config.json sampling values "

@@ -109,6 +109,11 @@ class ActivationScheme:
             _fail(f"activations support fp8 only (type 'float', num_bits 8), got {self.type} {self.num_bits}")
 
 
+# Channels of an int4 KV group: what builds calibrate and README's accuracy table measured, and what a
+# serve-time `--kv-dtype int4` (no KV scheme in the artifact) uses too
+KV_INT4_GROUP_SIZE = 16
+
+
 @dataclass(frozen=True)
 class KVCacheScheme:
     """KV cache quantization (math and measured defaults in `quant/kv.py`).
@@ -122,7 +127,7 @@ class KVCacheScheme:
     """
 
     dtype: str = "int4"
-    group_size: int = 16  # int4 only; must divide head_dim
+    group_size: int = KV_INT4_GROUP_SIZE  # int4 only; must divide head_dim
     key_smoothing: bool = False
     key_smoothing_alpha: float = 0.5
     key_offset: bool = False

@@ -19,6 +19,7 @@ import torch
 from qkiln.errors import QkilnError, RequestError
 from qkiln.plugins import allocate_kv_cache, kv_bytes_per_block
 from qkiln.plugins.kv_cache import KV_DTYPES, KV_SCALE_NAMES, float_dtype_name
+from qkiln.quant.scheme import KV_INT4_GROUP_SIZE
 
 from .bad_words import bad_words_token_ids
 from .block_manager import KVCacheManager
@@ -70,7 +71,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 << 20
     enable_prefix_caching: bool = True
     kv_dtype: str = "auto"  # auto: the model's dtype, or what the artifact's KV scheme says
-    kv_group_size: int = 32
+    kv_group_size: int = KV_INT4_GROUP_SIZE  # a build's int4 KV groups (quant/scheme.py)
     max_model_len: int | None = None
     device: str = "cpu"
     # > 0: one sequence's prefill chunk per step is at most this many tokens, so a long prompt

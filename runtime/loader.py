@@ -20,6 +20,7 @@ from qkiln.plugins import cpu_native
 from qkiln.plugins.kv_cache import KV_SCALE_NAMES
 from qkiln.plugins.packed_weights import int8_act_panels_fast
 from qkiln.plugins.weight_arena import gather_gemv_weights
+from qkiln.quant.scheme import KV_INT4_GROUP_SIZE
 
 from .config import ModelConfig, artifact_config
 from .dense_linear import pack_dense_linears
@@ -41,7 +42,7 @@ class ServingModel:
     model: CausalLM
     tokenizer: Tokenizer
     kv_dtype: str = "auto"
-    kv_group_size: int = 32
+    kv_group_size: int = KV_INT4_GROUP_SIZE  # a build's int4 KV groups (quant/scheme.py)
     kv_scales: dict | None = None  # per-layer static scales for the KV cache
     manifest: object = None
 
@@ -167,7 +168,7 @@ def load_artifact(path: Path, dtype: torch.dtype, device: str = "cpu", fuse: boo
         kv_scales = _kv_scales(tensors, config, kv) if kv else None
         tokenizer = Tokenizer.from_dir(path / "tokenizer")
     return ServingModel(name, model, tokenizer, kv_dtype=kv["dtype"] if kv else "auto",
-                        kv_group_size=kv.get("group_size", 32) if kv else 32, kv_scales=kv_scales,
+                        kv_group_size=(kv or {}).get("group_size", KV_INT4_GROUP_SIZE), kv_scales=kv_scales,
                         manifest=manifest)
 
 

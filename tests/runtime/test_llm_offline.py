@@ -320,6 +320,16 @@ def test_loading_and_seeded_sampling_leave_the_caller_s_random_state_and_default
     assert all(torch.equal(a, b.k_offset) for a, b in zip(offsets, llm.engine.caches))
 
 
+def test_an_int4_cache_chosen_at_serve_time_has_a_build_s_groups(tmp_path):
+    """`--kv-dtype int4` / kv_dtype="int4" without a KV scheme used groups of 32 channels, a `+kv-int4`
+    build 16 (what README's accuracy table and the kv-dtypes benchmark measured)."""
+    from qkiln.quant.scheme import KVCacheScheme
+
+    llm = LLM(str(write_tiny_hf_model(tmp_path, "llama")), dtype="fp32", kv_dtype="int4", num_kv_blocks=8)
+    assert llm.engine.config.kv_group_size == KVCacheScheme().group_size == 16
+    assert len(llm.generate(["abc"], GREEDY)[0].token_ids) == 5
+
+
 def test_a_sliding_window_caps_the_context():
     """qkiln has no sliding-window attention: a model with a window shorter than its context is
     served up to the window, where full and sliding attention agree (it attended past it silently)."""
