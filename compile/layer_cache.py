@@ -41,7 +41,8 @@ STALE_TMP_SECONDS = 24 * 3600
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("QKILN_CACHE_DIR", Path.home() / ".cache" / "qkiln")) / "layers"
+    # empty is unset: a deploy template's `QKILN_CACHE_DIR=${UNSET}` had cached into ./layers
+    return Path(os.environ.get("QKILN_CACHE_DIR") or Path.home() / ".cache" / "qkiln") / "layers"
 
 
 def max_cache_bytes() -> int:

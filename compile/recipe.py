@@ -87,6 +87,8 @@ class CalibrationSpec:
 
     def __post_init__(self):
         _check_types("calibration", self, {"source": str, "num_samples": int, "seq_len": int, "seed": int})
+        if self.seed < 0:  # Python's random.Random(-7) is random.Random(7): two seeds, one sample
+            raise RecipeError(f"calibration.seed must be an integer >= 0, got {self.seed}")
         if self.num_samples < 1 or self.seq_len < 2:
             raise RecipeError(f"calibration needs num_samples >= 1 and seq_len >= 2 (--num-samples, the recipe's "
                               f"calibration.seq_len), got num_samples {self.num_samples}, seq_len {self.seq_len}")

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from qkiln.plugins import reference_small_ops
+from qkiln.plugins.env_switches import check_kernel_switches, env_switch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("cpu_gemv_int4.cpp", "cpu_gemv_int4_a8.cpp", "cpu_gemv_fixed16.cpp",
@@ -143,7 +144,7 @@ def _cpu_features() -> str:
 
 def _load_or_none(what: str, switches: tuple[str, ...], build, fallback: str):
     """build() once, or None after one stderr line saying why (switched off, or the build failed)."""
-    off = [s for s in switches if os.environ.get(s, "1") == "0"]
+    off = [s for s in switches if not env_switch(s, True)]
     if off:
         print(f"qkiln: {what} disabled ({off[0]}=0); using torch's", file=sys.stderr)
         return None
@@ -160,6 +161,7 @@ def native_extension():
     """The compiled extension module, or None (reason logged once) when it cannot be used."""
     global _extension
     if _extension is _MISSING:
+        check_kernel_switches()  # a misspelt one refused before minutes of compiling
         _extension = _load_or_none("native CPU kernels", ("QKILN_NATIVE_CPU",), lambda: _build([]),
                                    "torch's kernels")
     return _extension
@@ -173,7 +175,7 @@ def native_ops():
     global _ops_switch_logged
     if not _ops_enabled:
         return None
-    if os.environ.get("QKILN_NATIVE_CPU_OPS", "1") == "0":
+    if not env_switch("QKILN_NATIVE_CPU_OPS", True):
         if not _ops_switch_logged:
             print("qkiln: native CPU ops disabled (QKILN_NATIVE_CPU_OPS=0); using torch's code",
                   file=sys.stderr)
@@ -271,7 +273,7 @@ def codes_amx_available(in_features: int, group_size: int = 32) -> bool:
     for SmolLM2-135M; an 8B model's copies would be ~16 GB)."""
     ext = native_extension()
     return ext is not None and in_features % 32 == 0 and group_size % 32 == 0 and \
-        os.environ.get("QKILN_AMX_CODES", "0") == "1" and ext.codes_amx_ready()
+        env_switch("QKILN_AMX_CODES", False) and ext.codes_amx_ready()
 
 
 def w4_amx_tables(q: torch.Tensor, scales: torch.Tensor, zero_point: torch.Tensor | None,

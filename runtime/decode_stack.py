@@ -28,11 +28,11 @@ one thread, half of them came from the other core's cache: ~0.1 ms of a ~7 ms ba
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 
-import os
 
 import torch
 
 from qkiln.plugins import KVCache, cpu_native
+from qkiln.plugins.env_switches import env_switch
 from qkiln.plugins.cpu_attention import native_serves
 from qkiln.plugins.cpu_linear import SMALL_M, int4_gemv_rows
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
@@ -84,7 +84,7 @@ class NativeDecodeStack:
     @classmethod
     def build(cls, model: CausalLM, caches: list[KVCache]) -> "NativeDecodeStack | None":
         """The stack for this model and its caches, or None when any part does not qualify."""
-        if os.environ.get("QKILN_DECODE_STACK", "1") == "0":
+        if not env_switch("QKILN_DECODE_STACK", True):
             return None
         ext = cpu_native.native_ops()
         embed = model.model.embed_tokens.weight

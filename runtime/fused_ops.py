@@ -11,18 +11,18 @@ order inside RMSNorm differs.
 
 import functools
 import importlib.util
-import os
 
 import torch
 
 from qkiln.plugins import cpu_native
+from qkiln.plugins.env_switches import env_switch
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
 def _gpu_fused_ops() -> bool:
-    return os.environ.get("QKILN_GPU_FUSED_OPS", "1") != "0" and importlib.util.find_spec("triton") is not None
+    return env_switch("QKILN_GPU_FUSED_OPS", True) and importlib.util.find_spec("triton") is not None
 
 
 def use_fused_ops(x: torch.Tensor) -> bool:

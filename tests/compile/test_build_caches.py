@@ -274,3 +274,19 @@ def test_calibrated_layers_are_cached_per_thread_count_and_data_free_ones_are_sh
                 == one.num_layers
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_empty_cache_dir_setting_is_the_default_not_the_working_directory(tmp_path, monkeypatch):
+    """QKILN_CACHE_DIR= (a template's unset variable) cached layers into ./layers of the build's folder."""
+    from qkiln.compile.layer_cache import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("QKILN_CACHE_DIR", "")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "qkiln" / "layers"
+
+
+def test_a_negative_calibration_seed_is_refused():
+    """Python's random.Random(-7) draws what random.Random(7) draws: a seed sweep over -N..N built
+    each calibration twice under two manifests."""
+    with pytest.raises(RecipeError, match="calibration.seed must be an integer >= 0, got -7"):
+        preset("w4a16-gptq").with_overrides(calibration={"seed": -7})

@@ -126,6 +126,19 @@ def test_disabled_by_environment(native_ext, monkeypatch, capsys):
     assert weight.scales.dtype == torch.bfloat16  # torch's tinygemm layout instead
 
 
+@pytest.mark.parametrize("name, value", [("QKILN_NATIVE_CPU", "false"), ("QKILN_NATIVE_CPU", "off"),
+                                         ("QKILN_DECODE_SPLIT", "no")])
+def test_a_switch_spelt_otherwise_is_refused_before_anything_compiles(monkeypatch, name, value):
+    """Only "0" switched a kernel off: QKILN_NATIVE_CPU=false went on to the 5-minute compile."""
+    from qkiln.errors import QkilnError
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cpu_native, "_extension", cpu_native._MISSING)
+    monkeypatch.setattr(cpu_native, "_build", lambda flags: pytest.fail("compiled"))
+    with pytest.raises(QkilnError, match=f"{name}='{value}': qkiln's switches take 1 \\(on\\) or 0 \\(off\\)"):
+        cpu_native.native_extension()
+
+
 def test_portable_build_matches_reference(native_ext):
     """The kernels for CPUs without AVX512-BF16 (a build without AVX-512, cached after once): the
     AVX2 int4 kernel where the compiler targets AVX2, else plain C++; every row count of its
