@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from qkiln.errors import QkilnError, RequestError
 
 from .engine import LLMEngine, NonFiniteLogitsError, RequestOutput
+from .memory_limits import release_freed_memory
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("qkiln.engine")
@@ -496,9 +497,17 @@ def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event, co
     """The engine thread's loop. Asleep it holds no reference to the engine, so a dropped engine is
     collected (its finalizer sets `wake`) and the loop ends, failing a call queued just before."""
     engine = ref()
+    busy = False
     try:
         while engine is not None and not engine._stopping:
-            if not engine._turn():
+            if engine._turn():
+                busy = True
+            else:
+                if busy:  # gone idle: the steps' freed heap back to the OS. A server of SmolLM2 W4A16 under
+                    # random 16-768-token prompts, 16 at a time: idle RSS 1.28-1.56 GB after 160 requests
+                    # (the most on a busy host), 1.22 with this; the same wall time
+                    release_freed_memory()
+                    busy = False
                 engine = None
                 # Commands queued between the drain and here left `wake` set: no lost wake-up.
                 wake.wait()

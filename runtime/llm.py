@@ -15,6 +15,7 @@ from qkiln.errors import RequestError, SourceModelError
 from .engine import NonFiniteLogitsError, RequestOutput, is_token_ids
 from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import check_engine_options, load_for_serving
+from .memory_limits import release_freed_memory
 from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
 from .sampling_params import SamplingParams
 
@@ -80,6 +81,13 @@ class LLM:
         self.name = loaded.name
         # One call steps the engine at a time: two threads stepping it took each other's outputs.
         self._lock = threading.Lock()
+
+    def __del__(self):
+        # An eval job drops one model and loads the next: glibc kept the freed weights (SmolLM2 W4A16,
+        # a process of 0.23 GB: 1.20 GB live, 0.48-0.54 GB after `del llm`, 0.25 GB trimmed). Dropping
+        # the references first frees them (the engine is the LLM's alone unless the caller kept it).
+        self.__dict__.clear()
+        release_freed_memory()
 
     def get_tokenizer(self) -> TransformersStyleTokenizer:
         """The tokenizer with transformers' calls and defaults (apply_chat_template(..., tokenize=False),
