@@ -235,7 +235,7 @@ def serve_cmd(
     allowed_origin: Annotated[Optional[list[str]], typer.Option(help="an origin browsers may call from (CORS), e.g. https://app.example; repeat for more, '*' for any; none by default")] = None,
     max_concurrent_requests: Annotated[int, typer.Option(min=1, help="requests running or queued at once (a request with n choices counts n); past it new ones get 429 with Retry-After")] = 4096,
     generation_config: Annotated[str, typer.Option(help="'auto': sampling fields a request leaves out take the model's generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM; 'vllm': the API's own defaults")] = "auto",
-    log_level: Annotated[Literal["critical", "error", "warning", "info", "debug"], typer.Option("--log-level", "--uvicorn-log-level", help="the server's log lines from this level up (uvicorn's and qkiln's)")] = "info",
+    log_level: Annotated[Literal["critical", "error", "warning", "info", "debug"], typer.Option("--log-level", "--uvicorn-log-level", help="the server's log lines from this level up (uvicorn's and qkiln's; --enable-log-requests' lines whatever it says)")] = "info",
     disable_access_log: Annotated[bool, typer.Option("--disable-access-log", "--disable-uvicorn-access-log", help="no line per HTTP request (health probes and scrapes write one each)")] = False,
     enable_log_requests: Annotated[bool, typer.Option("--enable-log-requests", help="a line when a request is received, finishes or is aborted: its id (x-request-id), token counts, latencies")] = False,
 ):

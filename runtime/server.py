@@ -592,6 +592,9 @@ def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str, timeout_
     log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     log_config["loggers"]["qkiln"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    # request lines exist only with --enable-log-requests: a quieter --log-level (vLLM's quiet-uvicorn
+    # deploys) had dropped the audit trail asked for
+    log_config["loggers"]["qkiln.requests"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=GuardedH11Protocol.with_timeout(read_timeout), timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=timeout_graceful_shutdown,
                           log_config=log_config, access_log=access_log)

@@ -65,8 +65,9 @@ def test_a_second_sigterm_cuts_the_drain_short(artifact, tmp_path):
             assert r.status_code == 503 and "shut down" in r.json()["error"]["message"], r.text
 
 
-def test_request_lines_and_no_access_lines_when_asked(artifact, tmp_path):
-    server, port = serve_process(artifact, tmp_path, "--disable-uvicorn-access-log", "--enable-log-requests")
+@pytest.mark.parametrize("quiet", [(), ("--uvicorn-log-level", "warning")])  # quiet: the request lines had gone too
+def test_request_lines_and_no_access_lines_when_asked(artifact, tmp_path, quiet):
+    server, port = serve_process(artifact, tmp_path, "--disable-uvicorn-access-log", "--enable-log-requests", *quiet)
     with killed_on_exit(server):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 3},
                        headers={"x-request-id": "trace-abc-123"}, timeout=60)
