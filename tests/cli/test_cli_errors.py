@@ -313,6 +313,20 @@ def test_generate_takes_a_prompt_from_a_file_and_says_when_the_context_cut_it_sh
                           "cannot be read", code=2)
 
 
+def test_generate_says_when_the_model_recommends_other_sampling_values(tmp_path):
+    """serve and LLM.generate take the model's generation_config.json values for what a request leaves
+    out; this command uses its own options (greedy) and had not said that the model recommends others."""
+    import json
+
+    model = write_tiny_hf_model(tmp_path / "m")
+    plain = run_cli("generate", str(model), "--prompt", "hi", "--max-tokens", "2")
+    assert plain.returncode == 0 and "recommends" not in plain.stderr, plain.stderr
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
+    noted = run_cli("generate", str(model), "--prompt", "hi", "--max-tokens", "2")
+    assert noted.returncode == 0, noted.stderr
+    assert "note: the model's generation_config.json recommends {'temperature': 0.6, 'top_p': 0.9}" in noted.stderr
+
+
 def test_the_package_says_its_version():
     import importlib.metadata
 
