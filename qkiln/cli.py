@@ -334,6 +334,9 @@ def export_cmd(
             raise QkilnError(f"unknown export format {format!r}; use compressed-tensors or onnx")
         if format == "onnx" and drop_kv:
             raise QkilnError("--drop-kv applies to compressed-tensors; an ONNX engine always holds its KV cache")
+        if format != "onnx" and no_check:  # it would have been ignored: that check reads back what was written
+            raise QkilnError("--no-check applies to --format onnx; a compressed-tensors export is always checked "
+                             "(a read-back of what it wrote, seconds)")
         with unpacked(str(artifact)) as path:
             if format == "onnx":
                 result = export_onnx(Path(path), out, overwrite=force, verify=not no_check,

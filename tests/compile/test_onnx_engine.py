@@ -194,6 +194,9 @@ def test_cli_export_onnx(root):
     assert again.returncode != 0 and again.stderr.strip().startswith("error:") and "--force" in again.stderr
     drop = subprocess.run(cmd[:-2] + ["-o", str(root / "x"), "--drop-kv"], capture_output=True, text=True)
     assert drop.returncode != 0 and "--drop-kv applies to compressed-tensors" in drop.stderr
+    ct = [sys.executable, "-m", "qkiln", "export", str(artifact), "-o", str(root / "ct"), "--no-check"]
+    ignored = subprocess.run(ct, capture_output=True, text=True)  # it had run the check and said "verified"
+    assert ignored.returncode != 0 and "--no-check applies to --format onnx" in ignored.stderr
     unchecked = subprocess.run(cmd[:-2] + ["-o", str(root / "cli-unchecked"), "--no-check"], capture_output=True,
                                text=True)
     assert unchecked.returncode == 0 and unchecked.stdout.rstrip().endswith("not checked"), unchecked.stderr
