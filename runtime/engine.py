@@ -237,7 +237,9 @@ def check_kv_pool_fits(pool_bytes: int) -> None:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None):
+    def __init__(self, model: CausalLM, tokenizer, config: EngineConfig | None = None, kv_scales=None,
+                 name: str = "the model"):
+        """name: what messages call the model (an eval job loading many is told which one)."""
         config = config or EngineConfig()
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
@@ -260,9 +262,10 @@ class LLMEngine:
         _install_kv_scales(self.caches, kv_scales)
         if kv_dtype == "fp8" and not (kv_scales and kv_scales.get("k_scale")):
             # as vLLM says it: keys or values past +-448 saturate, and nothing else would tell
-            warnings.warn("the fp8 KV cache has no calibrated scales here, so K and V are stored at scale 1.0 "
-                          "(values past +-448 saturate); build the artifact with a kv-fp8 recipe for calibrated "
-                          "scales", stacklevel=2)
+            # named: Python shows a warning once per text and place, and a job loads artifacts from one line
+            warnings.warn(f"{name}: the fp8 KV cache has no calibrated scales here, so K and V are stored at "
+                          "scale 1.0 (values past +-448 saturate); build the artifact with a kv-fp8 recipe for "
+                          "calibrated scales", stacklevel=2)
         self.kv_dtype = kv_dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

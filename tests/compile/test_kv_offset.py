@@ -13,7 +13,7 @@ from qkiln.quant.scheme import KVCacheScheme
 from qkiln.runtime.engine import EngineConfig, LLMEngine
 from qkiln.runtime.loader import load_for_serving
 from qkiln.runtime.sampling_params import SamplingParams
-from tiny_models import simulated_greedy, write_tiny_model_and_text
+from tiny_models import simulated_greedy, write_tiny_hf_model, write_tiny_model_and_text
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +64,22 @@ def test_an_fp8_cache_without_calibrated_scales_warns(artifact):
                   kv_scales=served.kv_scales)
     with pytest.warns(UserWarning, match=r"no calibrated scales .* scale 1\.0 .*kv-fp8 recipe"):
         LLMEngine(served.model, served.tokenizer, EngineConfig(kv_dtype="fp8", num_kv_blocks=4))
+
+
+def test_each_model_loaded_without_fp8_scales_is_warned_about_by_name(tmp_path):
+    """An eval job loading models from one line of code was warned for the first only (Python shows a
+    warning once per text and place), and not told which."""
+    import warnings
+
+    from qkiln.runtime.llm import LLM
+
+    models = [write_tiny_hf_model(tmp_path / name, "llama") for name in ("first", "second")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for model in models:
+            LLM(str(model), kv_dtype="fp8", num_kv_blocks=4)
+    said = [str(w.message) for w in caught if "no calibrated scales" in str(w.message)]
+    assert [m.split(":")[0] for m in said] == [str(m) for m in models], said  # a source is named by its path
 
 
 def test_cache_stores_keys_minus_offset_and_attention_ignores_it():
