@@ -248,6 +248,9 @@ def serve_cmd(
     from qkiln.runtime.server import serve
 
     _check_port_free(host, port)  # before the model loads (seconds to minutes)
+    for option, value in (("--api-key", api_key), ("--served-model-name", served_model_name)):
+        if value == "":  # a template's unset variable: an empty key had required an empty token, a name fell back
+            exit_with(QkilnError(f"{option} is empty: give one, or leave the option out"))
     with ExitStack() as stack:  # an archive's unpacked folder lives as long as the server
         try:
             path = stack.enter_context(unpacked(model))

@@ -327,6 +327,14 @@ def test_generate_says_when_the_model_recommends_other_sampling_values(tmp_path)
     assert "note: the model's generation_config.json recommends {'temperature': 0.6, 'top_p': 0.9}" in noted.stderr
 
 
+@pytest.mark.parametrize("option", ["--api-key", "--served-model-name"])
+def test_serve_refuses_an_empty_key_or_name_before_loading(tmp_path, option):
+    """`--api-key ""` served behind an empty bearer token and `--served-model-name ""` under the
+    model's own name, both silently (a deploy template's unset variable)."""
+    result = run_cli("serve", str(tmp_path / "never-loaded"), option, "")
+    assert_one_line_error(result, f"{option} is empty: give one, or leave the option out", code=2)
+
+
 def test_the_package_says_its_version():
     import importlib.metadata
 
