@@ -407,8 +407,8 @@ class AsyncLLMEngine:
         self._streams[request_id] = add.stream
         if self.log_requests:
             seq = self.engine.requests[request_id].seq
-            request_log.info("request %s received: %d prompt tokens, max_tokens %s", request_id, len(seq.prompt_token_ids),
-                     add.params.max_tokens)
+            request_log.info("request %s received: %d prompt tokens, max_tokens %s", request_id,
+                             len(seq.prompt_token_ids), add.params.max_tokens)
         if not add.stream.put(_ACCEPTED):
             self._apply_abort(request_id)
 
@@ -421,7 +421,7 @@ class AsyncLLMEngine:
             seq = req.seq
             if self.log_requests:
                 request_log.info("request %s aborted (its client went away, or the server is stopping) after %d "
-                         "generated tokens", request_id, len(seq.output_token_ids))
+                                 "generated tokens", request_id, len(seq.output_token_ids))
             stream.put(RequestOutput(request_id, seq.prompt_token_ids, [], req.detok.get_next_output_text(True),
                                      seq.output_token_ids, req.detok.output_text, True, "abort",
                                      num_cached_tokens=seq.num_cached_tokens))
@@ -533,5 +533,6 @@ def _engine_thread(ref: "weakref.ref[AsyncLLMEngine]", wake: threading.Event, co
 def _log_finished(out: RequestOutput) -> None:
     m = out.metrics
     timing = f", queued {m['queue']:.3f} s, first token {m['ttft']:.3f} s, total {m['e2e']:.3f} s" if m else ""
-    request_log.info("request %s finished (%s): %d prompt tokens (%d from the prefix cache), %d generated%s", out.request_id,
-             out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens, len(out.token_ids), timing)
+    request_log.info("request %s finished (%s): %d prompt tokens (%d from the prefix cache), %d generated%s",
+                     out.request_id, out.finish_reason, len(out.prompt_token_ids), out.num_cached_tokens,
+                     len(out.token_ids), timing)

@@ -28,13 +28,12 @@ one thread, half of them came from the other core's cache: ~0.1 ms of a ~7 ms ba
 QKILN_DECODE_STACK=0 turns the fast path off (A/B measurements).
 """
 
-
 import torch
 
 from qkiln.plugins import KVCache, cpu_native
-from qkiln.plugins.env_switches import env_switch
 from qkiln.plugins.cpu_attention import native_serves
 from qkiln.plugins.cpu_linear import SMALL_M, int4_gemv_rows
+from qkiln.plugins.env_switches import env_switch
 from qkiln.plugins.packed_weights import W4A16Weight, W8A16Weight
 
 from .model import CausalLM

@@ -15,8 +15,8 @@ from qkiln.errors import RequestError, SourceModelError
 from .engine import NonFiniteLogitsError, RequestOutput, is_token_ids
 from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import check_engine_options, load_for_serving
-from .memory_limits import release_freed_memory
 from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
+from .memory_limits import release_freed_memory
 from .sampling_params import SamplingParams
 
 
