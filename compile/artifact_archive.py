@@ -110,8 +110,8 @@ def extract_archive(archive_path, dest, overwrite: bool = False, check_target: b
                                 "(`qkiln build --archive` writes one)")
         try:
             verify_contents(tmp, check_target=check_target)
-        except ArtifactError as e:  # name the entry inside the archive, not our temp dir
-            raise ArtifactError(f"{archive}: {str(e).replace(str(tmp) + '/', '').replace(str(tmp), 'its contents')}") \
+        except ArtifactError as e:  # name the entry inside the archive, not our temp dir; the same type
+            raise type(e)(f"{archive}: {str(e).replace(str(tmp) + '/', '').replace(str(tmp), 'its contents')}") \
                 from None
         fsync_dirs(tmp)
         move_into_place(tmp, out, lambda: check_destination(out, overwrite))

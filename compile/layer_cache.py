@@ -47,7 +47,7 @@ def default_cache_dir() -> Path:
 
 def max_cache_bytes() -> int:
     """QKILN_CACHE_MAX_GB (GiB, default 8) in bytes."""
-    value = os.environ.get("QKILN_CACHE_MAX_GB", str(DEFAULT_MAX_GB))
+    value = os.environ.get("QKILN_CACHE_MAX_GB") or str(DEFAULT_MAX_GB)  # empty is unset, as QKILN_CACHE_DIR
     try:
         gib = float(value)
     except ValueError:

@@ -114,8 +114,8 @@ def check_kv_dtype(kv_dtype: str, head_dim: int, group_size: int) -> None:
     if kv_dtype == "int4" and (group_size < 2 or group_size % 2 or head_dim % group_size):
         raise RecipeError(
             f"int4 kv cache needs an even group_size dividing head_dim={head_dim}, "
-            f"got {group_size};"
-            " use e.g. group_size=32 or group_size=head_dim")
+            f"got {group_size}; an artifact built with a kv-int4 recipe whose kv_cache.group_size divides it "
+            "(e.g. head_dim itself) serves one")
 
 
 def check_gpu_int4_group(head_dim: int, group_size: int) -> None:

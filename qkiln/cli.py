@@ -181,10 +181,11 @@ def generate_cmd(
         with unpacked(model) as path:
             llm = LLM(path, dtype=dtype, int8_activations=int8_activations, max_num_seqs=1, kv_dtype=kv_dtype,
                       dense_prefill=dense_prefill)
-            if llm.engine.sampling_defaults:  # serve and LLM.generate apply them; this command's options stand
-                print(f"note: the model's generation_config.json recommends {llm.engine.sampling_defaults}; qkiln "
-                      "generate samples with its own options (greedy unless --temperature): pass them to follow it",
-                      file=sys.stderr)
+            # serve and LLM.generate apply the model's recommended values; this command's options stand
+            unused = {k: v for k, v in llm.engine.sampling_defaults.items() if getattr(params, k) != v}
+            if unused:
+                print(f"note: the model recommends {unused} (its generation config); qkiln generate samples with "
+                      "its own options (greedy unless --temperature): pass them to follow it", file=sys.stderr)
             tok = llm.tokenizer
             ids = tok.chat_prompt_ids([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
             llm.engine.add_request(ids, params)

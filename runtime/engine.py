@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qkiln.errors import QkilnError, RequestError
@@ -99,10 +100,9 @@ class EngineConfig:
                 continue  # sized from kv_cache_bytes / the model's context
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise QkilnError(f"{name} must be an integer >= {low}, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
-            # a config read as text ("false") would be truthy: the switch an evaluation job turned off stayed on
-            if not isinstance(getattr(self, name), bool):
-                raise QkilnError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for f in dataclasses.fields(self):
+            if f.name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+                setattr(self, f.name, _switch(f.name, getattr(self, f.name), f.default))
         if self.seed is not None and not (isinstance(self.seed, int) and not isinstance(self.seed, bool)):
             raise QkilnError(f"seed must be an integer or None, got {self.seed!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
@@ -111,6 +111,16 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm"):
             raise QkilnError(f"generation_config must be 'auto' (the model's sampling defaults) or 'vllm' "
                              f"(SamplingParams' own), got {self.generation_config!r}")
+
+
+def _switch(name: str, value, default: bool) -> bool:
+    """An on/off option: a bool (numpy's too); None is the default, as vLLM's configs take it. Text
+    is refused: "false" was truthy, so the switch an evaluation job turned off stayed on."""
+    if value is None:
+        return default
+    if not isinstance(value, (bool, np.bool_)):
+        raise QkilnError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 @dataclass

@@ -93,8 +93,10 @@ class Sampler:
         # Greedy rows get temperature 1 here only to avoid dividing by 0; argmax overrides them below.
         # A temperature past fp32's largest (it validates: finite) would be inf here, and a banned
         # token's -inf / inf NaN, which made every such row draw the last token: it is that largest.
+        # fp32 draws and temperatures whatever torch's default dtype (a bf16 default had rounded u:
+        # a 0.005-probability token came out at 0.0086)
         temperature = torch.tensor([1.0 if p.is_greedy else min(p.temperature, _FP32_MAX) for p in params],
-                                   device=device).unsqueeze(1)  # [num_seqs, 1]
+                                   dtype=torch.float32, device=device).unsqueeze(1)  # [num_seqs, 1]
         scaled = logits / temperature  # fp32 (bf16 / fp32 promotes): a new tensor, ours to change
         scaled = apply_top_k_top_p(apply_min_p(scaled, params), params)
         # The running sum of unnormalized probabilities: the draw scales u by the total, so no
@@ -109,14 +111,15 @@ class Sampler:
         own = [None if generators is None or p.is_greedy else generators[i] for i, p in enumerate(params)]
         shared = [i for i, p in enumerate(params) if own[i] is None and not p.is_greedy]
         if len(shared) == len(params):
-            u = 1.0 - torch.rand(len(params), 1, device=device, generator=self.generator)
+            u = 1.0 - torch.rand(len(params), 1, dtype=torch.float32, device=device, generator=self.generator)
         else:
-            u = torch.ones(len(params), 1, device=device)
+            u = torch.ones(len(params), 1, dtype=torch.float32, device=device)
             if shared:
-                u[shared] = 1.0 - torch.rand(len(shared), 1, device=device, generator=self.generator)
+                u[shared] = 1.0 - torch.rand(len(shared), 1, dtype=torch.float32, device=device,
+                                             generator=self.generator)
             for i, generator in enumerate(own):
                 if generator is not None:
-                    u[i] = 1.0 - torch.rand(1, device=device, generator=generator)
+                    u[i] = 1.0 - torch.rand(1, dtype=torch.float32, device=device, generator=generator)
         # the first token whose running sum reaches u x total (a 0-probability token adds nothing,
         # so it is never the first to reach it)
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=cdf.shape[1] - 1)

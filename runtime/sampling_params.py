@@ -13,6 +13,8 @@ import functools
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+
 from qkiln.errors import RequestError
 
 # Above this the sampler would have to sort and gather a very wide top-n per step; OpenAI caps at 20.
@@ -215,7 +217,8 @@ class SamplingParams:
                f"{MAX_STOP_CHARS} characters, got {list(words)!r:.200}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             value = getattr(self, name)
-            _check(isinstance(value, bool), name, f"{name} must be true or false, got {value!r}")
+            _check(isinstance(value, (bool, np.bool_)), name, f"{name} must be true or false, got {value!r}")
+            setattr(self, name, bool(value))  # numpy's as Python's
         _check(self.detokenize or not self.stop, "stop",
                "stop strings are matched on the text, so they need detokenize=True (or use stop_token_ids)")
         k = self.truncate_prompt_tokens

@@ -324,7 +324,9 @@ def test_generate_says_when_the_model_recommends_other_sampling_values(tmp_path)
     (model / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9}))
     noted = run_cli("generate", str(model), "--prompt", "hi", "--max-tokens", "2")
     assert noted.returncode == 0, noted.stderr
-    assert "note: the model's generation_config.json recommends {'temperature': 0.6, 'top_p': 0.9}" in noted.stderr
+    assert "note: the model recommends {'temperature': 0.6, 'top_p': 0.9} (its generation config)" in noted.stderr
+    followed = run_cli("generate", str(model), "--prompt", "hi", "--max-tokens", "2", "--temperature", "0.6")
+    assert followed.returncode == 0 and "recommends {'top_p': 0.9}" in followed.stderr, followed.stderr
 
 
 @pytest.mark.parametrize("option", ["--api-key", "--served-model-name"])

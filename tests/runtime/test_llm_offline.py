@@ -550,3 +550,16 @@ def test_vllm_s_constructor_options(tmp_path):
                            (dict(seed="1"), "seed must be an integer")]:
         with pytest.raises((TypeError, ValueError, QkilnError), match=error):
             LLM(path, dtype="fp32", num_kv_blocks=16, **options)
+
+
+def test_switches_take_numpy_bools_and_none_as_vllm_s_configs_do(tmp_path):
+    """None is vLLM's default for enable_prefix_caching / enable_chunked_prefill; a script's numpy
+    bools are bools (both were refused when text was)."""
+    import numpy as np
+
+    llm = LLM(str(write_tiny_hf_model(tmp_path, "llama")), dtype="fp32", num_kv_blocks=8,
+              enable_prefix_caching=None, enable_chunked_prefill=np.False_, enforce_eager=np.True_)
+    config = llm.engine.config
+    assert (config.enable_prefix_caching, config.enable_chunked_prefill, config.enforce_eager) == (True, False, True)
+    assert SamplingParams(ignore_eos=np.True_).ignore_eos is True
+
