@@ -52,7 +52,10 @@ class ServingModel:
         kv_dtype = engine_kwargs.pop("kv_dtype", None) or self.kv_dtype
         kv_group_size = engine_kwargs.pop("kv_group_size", None) or self.kv_group_size
         config = EngineConfig(kv_dtype=kv_dtype, kv_group_size=kv_group_size, **engine_kwargs)
-        return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales, name=self.name)
+        # messages name the build too: two artifacts in folders of one name (runs/1/art, runs/2/art) differ
+        digest = getattr(self.manifest, "digest", None)
+        name = self.name if digest is None else f"{self.name} (manifest {digest[:12]})"
+        return LLMEngine(self.model, self.tokenizer, config, kv_scales=self.kv_scales, name=name)
 
 
 def check_engine_options(options: dict, device: str, who: str, takes: str) -> None:

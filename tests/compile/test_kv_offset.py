@@ -74,12 +74,17 @@ def test_each_model_loaded_without_fp8_scales_is_warned_about_by_name(tmp_path):
     from qkiln.runtime.llm import LLM
 
     models = [write_tiny_hf_model(tmp_path / name, "llama") for name in ("first", "second")]
+    # two builds in folders of one name (runs/1/art, runs/2/art): named by their manifests too
+    models += [build(str(models[0]), preset(recipe), tmp_path / "runs" / str(i) / "art", progress=False,
+                     log=lambda m: None, use_cache=False).path for i, recipe in enumerate(("w4a16-rtn", "w8a16"))]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         for model in models:
             LLM(str(model), kv_dtype="fp8", num_kv_blocks=4)
-    said = [str(w.message) for w in caught if "no calibrated scales" in str(w.message)]
-    assert [m.split(":")[0] for m in said] == [str(m) for m in models], said  # a source is named by its path
+    said = [str(w.message).split(": the fp8")[0] for w in caught if "no calibrated scales" in str(w.message)]
+    assert said[:2] == [str(m) for m in models[:2]], said  # a source is named by its path
+    assert len(said) == 4 and said[2].startswith("art (manifest ") and said[3].startswith("art (manifest "), said
+    assert said[2] != said[3]
 
 
 def test_cache_stores_keys_minus_offset_and_attention_ignores_it():
