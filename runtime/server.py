@@ -426,11 +426,12 @@ async def _sse(engine: AsyncLLMEngine, metrics: ServerMetrics, streams: list[Req
                 yield _event(chunk)
         finals = [None] * len(streams)
         async for index, out in _merged(streams):
+            # before the write, which a client leaving cancels: its first token and gaps count still
+            metrics.observe(out)
             chunk = builders[index].chunk(out)
             if chunk is not None:
                 yield _event(chunk)
             finals[index] = out
-            metrics.observe(out)  # now: a first token or a finished choice counts though its client leaves
         if builders[0].include_usage:
             yield _event(usage_chunk(builders, finals))
     except QkilnError as e:  # the engine failed mid-stream: headers are sent, so report it in-band
