@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qkiln.errors import QkilnError, exit_on_error
 
-from .report import log, make_report, print_table, write_report
+from .report import _pyplot, _save, log, make_report, peak_rss_bytes, print_table, status_bytes, write_report
 
 SAMPLE_SECONDS = 0.02
 STEP_MARK = "qkiln-build-step: "
@@ -32,20 +32,8 @@ class BuildFailed(QkilnError):
     exit_code = 1
 
 
-def _status_bytes(field: str, pid: int | str = "self") -> int | None:
-    """A memory field of /proc/PID/status (VmRSS, VmHWM) in bytes; None once the process is gone."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None  # a zombie: exited, not yet waited for
-
-
 def idle_bytes() -> int:
-    code = f"{_IMPORTS}; from qkiln.bench.build_memory import _status_bytes; print(_status_bytes('VmHWM'))"
+    code = f"{_IMPORTS}; from qkiln.bench.report import peak_rss_bytes; print(peak_rss_bytes())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise BuildFailed(f"`python -c '{_IMPORTS}'` failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
@@ -88,7 +76,7 @@ def run_build(options: dict, echo: bool = True) -> dict:
         reader.start()
         samples = []
         while proc.poll() is None:
-            rss = _status_bytes("VmRSS", proc.pid)
+            rss = status_bytes("VmRSS", proc.pid)
             if rss is not None:
                 samples.append((time.perf_counter(), rss))
             time.sleep(SAMPLE_SECONDS)
@@ -132,8 +120,6 @@ def _steps(samples, marks) -> list[dict]:
 def plot_timeline(path: Path, result: dict, title: str) -> Path:
     """Resident memory over the build, each step's span shaded and named, the idle process's size and
     the peak marked."""
-    from .report import _pyplot, _save
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     seconds = [t for t, _ in result["timeline"]]
@@ -197,7 +183,7 @@ def _child(options: dict) -> None:
 
     build(options["source"], recipe, Path(options["out"]), use_cache=False, progress=False, log=say,
           engines=(options["engine"],) if options["engine"] else (), on_step=lambda name: say(STEP_MARK + name))
-    print(PEAK_MARK + str(_status_bytes("VmHWM")), file=sys.stderr, flush=True)
+    print(PEAK_MARK + str(peak_rss_bytes()), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

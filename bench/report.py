@@ -78,16 +78,24 @@ def reset_peak_rss() -> None:
         pass
 
 
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A memory field of /proc/PID/status (VmRSS, VmHWM) in bytes; None without one (no /proc, or
+    the process exited: a zombie has no memory fields)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory since the last reset_peak_rss (VmHWM), or of the process so far where
     /proc has none (ru_maxrss, in KiB on Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _git() -> dict:
