@@ -110,16 +110,12 @@ class Sampler:
         # torch's global one, which the caller's code uses too) serves only the other rows.
         own = [None if generators is None or p.is_greedy else generators[i] for i, p in enumerate(params)]
         shared = [i for i, p in enumerate(params) if own[i] is None and not p.is_greedy]
-        if len(shared) == len(params):
-            u = 1.0 - torch.rand(len(params), 1, dtype=torch.float32, device=device, generator=self.generator)
-        else:
-            u = torch.ones(len(params), 1, dtype=torch.float32, device=device)
-            if shared:
-                u[shared] = 1.0 - torch.rand(len(shared), 1, dtype=torch.float32, device=device,
-                                             generator=self.generator)
-            for i, generator in enumerate(own):
-                if generator is not None:
-                    u[i] = 1.0 - torch.rand(1, dtype=torch.float32, device=device, generator=generator)
+        u = torch.ones(len(params), 1, dtype=torch.float32, device=device)
+        if shared:
+            u[shared] = 1.0 - torch.rand(len(shared), 1, dtype=torch.float32, device=device, generator=self.generator)
+        for i, generator in enumerate(own):
+            if generator is not None:
+                u[i] = 1.0 - torch.rand(1, dtype=torch.float32, device=device, generator=generator)
         # the first token whose running sum reaches u x total (a 0-probability token adds nothing,
         # so it is never the first to reach it)
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=cdf.shape[1] - 1)
