@@ -207,7 +207,7 @@ class ReferenceEngine:
         for i, node in enumerate(self.session.rt_nodes_):
             results.update(zip(node.output, node.run(*(results[name] for name in node.input))))
             for name in (*node.input, *node.output):
-                if self.last_reader.get(name, -1) <= i and name not in keep and name not in self.session.rt_inits_:
+                if self.last_reader.get(name, -1) <= i and name not in keep:  # an initializer stays in rt_inits_
                     results.pop(name, None)
         return [results[name] for name in self.outputs]
 
