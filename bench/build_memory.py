@@ -6,6 +6,10 @@ reports as it ends (a sampler can miss a peak between samples; wait4's ru_maxrss
 size when the child was spawned); a step's peak comes from sampling the child's VmRSS every 20 ms
 between the announcements. Bytes per parameter are above an idle process that imported what the
 build imports (its VmHWM too), per parameter of the source (the manifest's count).
+
+RssAnon is sampled beside VmRSS: the build holds a safetensors source as views of the files' memory
+maps (runtime/source.py), pages the kernel drops under pressure and reads again, so the memory a
+host must have for the build is its anonymous peak, which VmRSS (file pages counted) overstates.
 """
 
 import json
@@ -32,12 +36,15 @@ class BuildFailed(QkilnError):
     exit_code = 1
 
 
-def idle_bytes() -> int:
-    code = f"{_IMPORTS}; from qkiln.bench.report import peak_rss_bytes; print(peak_rss_bytes())"
+def idle_bytes() -> tuple[int, int]:
+    """(VmHWM, RssAnon) of a process that imported what the build imports."""
+    code = (f"{_IMPORTS}; from qkiln.bench.report import peak_rss_bytes, status_bytes; "
+            "print(peak_rss_bytes(), status_bytes('RssAnon'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode:
         raise BuildFailed(f"`python -c '{_IMPORTS}'` failed (exit {done.returncode}): {done.stderr.strip()[-300:]}")
-    return int(done.stdout)
+    peak, anon = done.stdout.split()
+    return int(peak), int(anon)
 
 
 @dataclass
@@ -76,9 +83,9 @@ def run_build(options: dict, echo: bool = True) -> dict:
         reader.start()
         samples = []
         while proc.poll() is None:
-            rss = status_bytes("VmRSS", proc.pid)
-            if rss is not None:
-                samples.append((time.perf_counter(), rss))
+            rss, anon = status_bytes("VmRSS", proc.pid), status_bytes("RssAnon", proc.pid)
+            if rss is not None and anon is not None:
+                samples.append((time.perf_counter(), rss, anon))
             time.sleep(SAMPLE_SECONDS)
         seconds = time.perf_counter() - start
         reader.join()
@@ -86,24 +93,26 @@ def run_build(options: dict, echo: bool = True) -> dict:
             raise BuildFailed(f"the build failed (exit {proc.returncode}): {' / '.join(child.tail) or 'no output'}")
         manifest = json.loads((out / "manifest.json").read_text())
     # its exit (after it said its peak) may allocate a little more, which a sample may see
-    peak = max([child.peak] + [rss for _, rss in samples])
-    return {"peak_bytes": peak, "seconds": seconds,
+    peak = max([child.peak] + [rss for _, rss, _ in samples])
+    return {"peak_bytes": peak, "peak_anon_bytes": max((anon for *_, anon in samples), default=None),
+            "seconds": seconds,
             "steps": _steps(samples, [(start, "start python")] + child.steps),
             "timeline": _timeline(samples, start),
             "num_parameters": manifest["num_parameters"], "source_bytes_bf16": manifest["source_bytes_bf16"]}
 
 
-def _timeline(samples, start: float, points: int = 2000) -> list[tuple[float, int]]:
-    """(seconds since the start, VmRSS bytes), each of at most `points` spans of the run taken at its
-    largest sample, so a short spike survives the thinning (a 10-minute build samples 30,000 times)."""
+def _timeline(samples, start: float, points: int = 2000) -> list[tuple[float, int, int]]:
+    """(seconds since the start, VmRSS bytes, RssAnon bytes), each of at most `points` spans of the
+    run taken at its largest VmRSS sample, so a short spike survives the thinning (a 10-minute build
+    samples 30,000 times)."""
     if not samples:
         return []
     span = max((samples[-1][0] - start) / points, SAMPLE_SECONDS)
-    kept: dict[int, tuple[float, int]] = {}
-    for t, rss in samples:
+    kept: dict[int, tuple[float, int, int]] = {}
+    for t, rss, anon in samples:
         slot = int((t - start) / span)
         if slot not in kept or rss > kept[slot][1]:
-            kept[slot] = (round(t - start, 3), rss)
+            kept[slot] = (round(t - start, 3), rss, anon)
     return list(kept.values())
 
 
@@ -112,8 +121,9 @@ def _steps(samples, marks) -> list[dict]:
     end = samples[-1][0] if samples else marks[-1][0]
     steps = []
     for (t0, name), (t1, _) in zip(marks, marks[1:] + [(end, "")]):
-        inside = [rss for t, rss in samples if t0 <= t <= t1]
-        steps.append({"step": name, "seconds": t1 - t0, "peak_bytes": max(inside) if inside else None})
+        inside = [(rss, anon) for t, rss, anon in samples if t0 <= t <= t1]
+        steps.append({"step": name, "seconds": t1 - t0, "peak_bytes": max(r for r, _ in inside) if inside else None,
+                      "peak_anon_bytes": max(a for _, a in inside) if inside else None})
     return steps
 
 
@@ -122,8 +132,10 @@ def plot_timeline(path: Path, result: dict, title: str) -> Path:
     the peak marked."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    seconds = [t for t, _ in result["timeline"]]
-    ax.plot(seconds, [b / 2**20 for _, b in result["timeline"]], color="C0", lw=1.2, label="VmRSS")
+    seconds = [t for t, *_ in result["timeline"]]
+    ax.plot(seconds, [b / 2**20 for _, b, _ in result["timeline"]], color="C0", lw=1.2, label="VmRSS")
+    ax.plot(seconds, [b / 2**20 for *_, b in result["timeline"]], color="C2", lw=1.2,
+            label="RssAnon (what must fit: file pages are reclaimable)")
     t = 0.0
     for i, step in enumerate(result["steps"]):
         if i % 2:
@@ -149,24 +161,29 @@ def main(source: str, recipe: str, num_samples: int | None, eval_data: str | Non
          json_out: Path | None, quiet: bool, plot: Path | None = None) -> dict:
     options = {"source": source, "recipe": recipe, "num_samples": num_samples, "eval_data": eval_data,
                "engine": engine}
-    idle = idle_bytes()
-    log(f"an idle process that imported the build: {idle / 2**20:.0f} MiB")
+    idle, idle_anon = idle_bytes()
+    log(f"an idle process that imported the build: {idle / 2**20:.0f} MiB ({idle_anon / 2**20:.0f} anonymous)")
     result = run_build(options, echo=not quiet)
     result["idle_bytes"] = idle
     result["bytes_per_parameter"] = (result["peak_bytes"] - idle) / result["num_parameters"]
+    result["idle_anon_bytes"] = idle_anon
+    result["anon_bytes_per_parameter"] = (result["peak_anon_bytes"] - idle_anon) / result["num_parameters"]
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    rows = [[s["step"], f"{s['seconds']:.1f}", mib(s["peak_bytes"])] for s in result["steps"]]
-    print_table(f"qkiln build {source} --recipe {recipe}: resident memory by step", ["step", "seconds", "peak MiB"],
-                rows, note="one run, sampled every 20 ms")
+    rows = [[s["step"], f"{s['seconds']:.1f}", mib(s["peak_bytes"]), mib(s["peak_anon_bytes"])]
+            for s in result["steps"]]
+    print_table(f"qkiln build {source} --recipe {recipe}: resident memory by step",
+                ["step", "seconds", "peak MiB", "anon MiB"], rows, note="one run, sampled every 20 ms")
     print(f"peak {mib(result['peak_bytes'])} MiB (an idle process: {mib(idle)} MiB), "
           f"{result['num_parameters']:,} parameters: {result['bytes_per_parameter']:.2f} bytes a parameter "
-          f"above idle; {result['seconds']:.0f} s")
+          f"above idle; anonymous peak {mib(result['peak_anon_bytes'])} MiB (idle {mib(idle_anon)}): "
+          f"{result['anon_bytes_per_parameter']:.2f} bytes a parameter; {result['seconds']:.0f} s")
     report = make_report("build-memory", options, result)
     write_report(json_out, report)
     if plot:
         plot_timeline(plot / "build_memory.png", result,
                       f"qkiln build {source} --recipe {recipe}: {result['num_parameters'] / 1e6:.0f}M parameters, "
-                      f"{result['bytes_per_parameter']:.2f} bytes a parameter above idle")
+                      f"{result['bytes_per_parameter']:.2f} bytes a parameter above idle "
+                      f"({result['anon_bytes_per_parameter']:.2f} anonymous)")
     return report
 
 

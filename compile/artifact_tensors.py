@@ -17,7 +17,7 @@ import torch
 
 from qkiln.errors import ArtifactError
 from qkiln.quant import Fp8Weight, KVCalibration, QuantizedWeight, QuantScheme
-from qkiln.quant.pack import pack_int4, unpack_int4
+from qkiln.quant.pack import unpack_int4
 from qkiln.runtime.config import ModelConfig
 
 from .quantized_model import QuantizedModel
@@ -28,7 +28,7 @@ def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {k: stored_precision(k, v) for k, v in qm.fp_tensors.items()}
     linears = {}
     for name, w in sorted(qm.weights.items()):
-        out_features, in_features = (w.qweight if isinstance(w, QuantizedWeight) else w.weight).shape
+        out_features, in_features = w.shape
         entry = {"in_features": in_features, "out_features": out_features, "group_size": w.group_size,
                  **{k: v for k, v in qm.report.get(name, {}).items() if k in ("algorithm", "fallback")}}
         if isinstance(w, Fp8Weight):
@@ -41,10 +41,7 @@ def to_tensors(qm: QuantizedModel) -> tuple[dict[str, torch.Tensor], dict]:
         elif w.num_bits == 4:
             symmetric = w.zeros is None
             entry |= {"format": "int4", "scheme": "w4a16", "symmetric": symmetric}
-            codes = w.qweight.to(torch.int16) + (8 if symmetric else 0)
-            if in_features % 2:
-                codes = torch.nn.functional.pad(codes, (0, 1))
-            tensors[name + ".qweight"] = pack_int4(codes.to(torch.uint8))
+            tensors[name + ".qweight"] = w.packed_int4.contiguous()
             tensors[name + ".scales"] = w.scales.float().contiguous()
             if not symmetric:
                 tensors[name + ".zeros"] = w.zeros.float().contiguous()

@@ -61,7 +61,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     _check_evaluation_data(recipe)
     _check_engines(engines, recipe)
     on_step("load source")
-    source = load_source(source_name)
+    source = load_source(source_name, mapped=True)  # the files' pages: reclaimable, read as needed
     model = compute_in_float32(source.build_model(None))  # as stored; calibration copies a layer at a time
     recipe.validate(linear_shapes(model), source.config.head_dim)  # fail before any work
     scheme = recipe.scheme
@@ -122,6 +122,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
         manifest.toolchain["onnx"] = onnx.__version__
 
     num_layers = len(model.model.layers)
+    source.check_unchanged()  # everything above read the source's files as they were when hashed
     # the fp32 source and its simulation are done with: the engine check simulates the model in
     # float32 and float64, and held beside them it was the build's peak (main job: 4.4 GiB)
     model = qm = source = None  # rebound, not deleted: the layer cache key function closes over source

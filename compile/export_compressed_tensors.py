@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from qkiln.errors import ArtifactError, QkilnError
-from qkiln.quant import Fp8Weight, KVCalibration, QuantizedWeight, QuantScheme
+from qkiln.quant import Fp8Weight, KVCalibration, QuantScheme
 from qkiln.quant.fp8 import FP8_MAX
 from qkiln.quant.rtn import expand_groups
 from qkiln.runtime.config import ModelConfig
@@ -185,7 +185,7 @@ def _export_group_size(qm: QuantizedModel) -> int | None:
     size = 0  # gcd(0, n) == n
     for w in qm.weights.values():
         if w.group_size is not None:
-            in_features = (w.qweight if isinstance(w, QuantizedWeight) else w.weight).shape[1]
+            in_features = w.shape[1]
             size = math.gcd(size, math.gcd(w.group_size, in_features))
     return size or None
 
@@ -217,10 +217,10 @@ def _linear_tensors(name: str, w, group_size: int | None, pack_to_int32) -> dict
     if isinstance(w, Fp8Weight):
         in_features = w.weight.shape[1]
         return {"weight": w.weight.contiguous(), "weight_scale": _regroup(w.scales, w.group_size, in_features, group_size)}
-    out_features, in_features = w.qweight.shape
+    out_features, in_features = w.shape
     offset = 1 << (w.num_bits - 1)
     if w.zeros is None:
-        codes = w.qweight.to(torch.int8)  # symmetric codes are already CT's signed codes
+        codes = w.qweight  # int8: symmetric codes are already CT's signed codes
     else:
         zeros = w.zeros.float()
         if not torch.equal(zeros, zeros.round()) or zeros.min() < 0 or zeros.max() > 2 * offset - 1:

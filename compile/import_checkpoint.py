@@ -176,13 +176,12 @@ def _exact_int8_head(weight: torch.Tensor | None) -> QuantizedWeight | None:
 def _check_finite(src: Path, weights: dict, fp_tensors: dict) -> None:
     """NaN / inf anywhere, or a negative scale, would import, verify, then generate garbage."""
     for name, weight in weights.items():
-        for field in dataclasses.fields(weight):
-            value = getattr(weight, field.name)
+        for field, value in vars(weight).items():  # scales, zeros; an fp8 weight's values
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 continue
             values = value.float()
-            if not torch.isfinite(values).all() or ("scale" in field.name and (values < 0).any()):
-                raise SourceModelError(f"{src}: {name}.{field.name} holds NaN, infinite or negative scale values; "
+            if not torch.isfinite(values).all() or ("scale" in field and (values < 0).any()):
+                raise SourceModelError(f"{src}: {name}.{field} holds NaN, infinite or negative scale values; "
                                        "the checkpoint is damaged")
     for name, value in fp_tensors.items():
         if value.is_floating_point() and not torch.isfinite(value.float()).all():

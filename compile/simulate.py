@@ -102,7 +102,7 @@ def takes_int8_activations(weight) -> bool:
     """Whether the runtime's opt-in int8-activation GEMM serves this integer weight."""
     if not isinstance(weight, QuantizedWeight):
         return False
-    in_features = weight.qweight.shape[1]
+    in_features = weight.shape[1]
     return int8_activations_fit(in_features, weight.group_size or in_features)
 
 
@@ -115,7 +115,7 @@ def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple
     window here is such a step)."""
     # high-precision tensors as stored (bf16 but norms), computing in fp32 (compile/upcast.py);
     # each quantized linear a placeholder never written (so never resident), dequantized per call
-    state = dict(qm.fp_tensors) | {name + ".weight": torch.empty(_shape(w)) for name, w in qm.weights.items()}
+    state = dict(qm.fp_tensors) | {name + ".weight": torch.empty(w.shape) for name, w in qm.weights.items()}
     model = compute_in_float32(build_model(qm.config, state, None))
     for name in qm.weights:
         if name == "lm_head":  # a module of its own where the model ties it to the embeddings
@@ -127,7 +127,3 @@ def simulated_model(qm: QuantizedModel, int8_activations: bool = False) -> tuple
             if takes_int8_activations(qm.weights.get(name)):
                 module.register_forward_pre_hook(_int8_activations_hook)
     return model, simulated_kv_backend(qm)
-
-
-def _shape(weight: QuantizedWeight | Fp8Weight) -> torch.Size:
-    return (weight.qweight if isinstance(weight, QuantizedWeight) else weight.weight).shape  # [out, in]

@@ -41,6 +41,10 @@ class Fp8Weight:
     scales: torch.Tensor  # [out, num_groups] fp32 (num_groups 1: per channel)
     group_size: int | None
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape  # [out, in]
+
     def dequantize(self) -> torch.Tensor:
         scale = expand_groups(self.scales, self.group_size, self.weight.shape[1])
         return self.weight.float() * scale  # [out, in]

@@ -1,6 +1,6 @@
 """Round-to-nearest integer weight quantization and the integer grid every algorithm shares.
 
-Owns `QuantizedWeight` (unpacked codes + fp32 scales/zeros) and the grid math: per-group
+Owns `QuantizedWeight` (codes + fp32 scales/zeros) and the grid math: per-group
 parameters from a min/max, codes from parameters, and dequantization. GPTQ and AWQ call these
 functions so that one dequantization and one packing serve every algorithm. Pure torch, no I/O.
 
@@ -27,25 +27,48 @@ Invariant: with "minmax" every element's dequantization error is at most scale/2
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 
+from qkiln.quant.pack import pack_int4, unpack_int4
 from qkiln.quant.scheme import WeightScheme
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@dataclass
 class QuantizedWeight:
-    """An integer-quantized linear weight, unpacked. Row = output channel, column = input channel."""
+    """An integer-quantized linear weight. Row = output channel, column = input channel.
 
-    qweight: torch.Tensor  # [out, in] int8 (symmetric) or uint8 (asymmetric) codes
-    scales: torch.Tensor  # [out, num_groups] fp32
-    zeros: torch.Tensor | None  # [out, num_groups] fp32 (integral when zero_point="int"); None if symmetric
-    group_size: int | None  # None: one group per row
-    num_bits: int
-    g_idx: torch.Tensor | None = None  # [in] group of each column, only for foreign act-order layouts
+    Built from unpacked codes [out, in] (int8 when symmetric, uint8 when asymmetric), and `qweight`
+    gives them back so; 4-bit codes are held two a byte in between (`packed_int4`): a build holds
+    every layer's codes until the artifact is written, a byte a parameter unpacked.
+    """
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int | None, num_bits: int, g_idx: torch.Tensor | None = None):
+        self.scales = scales  # [out, num_groups] fp32
+        self.zeros = zeros  # [out, num_groups] fp32 (integral when zero_point="int"); None if symmetric
+        self.group_size = group_size  # None: one group per row
+        self.num_bits = num_bits
+        self.g_idx = g_idx  # [in] group of each column, only for foreign act-order layouts
+        self.shape = qweight.shape  # [out, in]
+        self.code_dtype = qweight.dtype
+        self._codes = qweight if num_bits != 4 else _pack_codes(qweight)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """[out, in] codes, int8 (symmetric) or uint8 (asymmetric); 4-bit ones unpacked anew per call."""
+        if self.num_bits != 4:
+            return self._codes
+        codes = unpack_int4(self._codes)[:, :self.shape[1]]  # uint8 0..15
+        return (codes.to(torch.int16) - 8).to(torch.int8) if self.code_dtype == torch.int8 else codes
+
+    @property
+    def packed_int4(self) -> torch.Tensor:
+        """4-bit codes as the artifact stores them: uint8 [out, ceil(in/2)], two a byte, low nibble
+        first, symmetric ones offset by 8 (0..15), an odd last column padded with code 0."""
+        if self.num_bits != 4:
+            raise ValueError(f"packed_int4 holds 4-bit codes; these are {self.num_bits}-bit")
+        return self._codes
 
     @property
     def num_groups(self) -> int:
@@ -53,10 +76,21 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [out, in] weight the codes stand for."""
-        in_features = self.qweight.shape[1]
+        in_features = self.shape[1]
         scale = expand_groups(self.scales, self.group_size, in_features, self.g_idx)
         zero = None if self.zeros is None else expand_groups(self.zeros, self.group_size, in_features, self.g_idx)
         return dequantize_codes(self.qweight, scale, zero)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedWeight(shape={tuple(self.shape)}, num_bits={self.num_bits}, group_size={self.group_size}, "
+                f"symmetric={self.zeros is None})")
+
+
+def _pack_codes(q: torch.Tensor) -> torch.Tensor:
+    codes = q.to(torch.int16) + (8 if q.dtype == torch.int8 else 0)  # 0..15 either way
+    if q.shape[1] % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return pack_int4(codes.to(torch.uint8))
 
 
 def qrange(num_bits: int, symmetric: bool) -> tuple[int, int]:

@@ -38,6 +38,17 @@ class SourceModel:
     state_dict: dict[str, torch.Tensor]  # HF names; as stored (HF) or fp32 (GGUF)
     sha256: str
     name: str = ""  # what provenance calls it (provenance_name); load_source sets it
+    file_stats: dict[Path, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # as loaded
+
+    def check_unchanged(self) -> None:
+        """Raise if a file the source was read from changed since it was loaded: a build holds a
+        safetensors source as views of its files' pages (load_source(mapped=True)), and one rewritten
+        mid-build would have mixed two models' weights under the first one's sha256."""
+        changed = [p.name for p, stat in self.file_stats.items() if _file_stat(p) != stat]
+        if changed:
+            raise SourceModelError(f"{', '.join(changed)} in {self.path} changed while the model was read from it "
+                                   "(rewritten, re-downloaded or deleted); the result is not written: rerun once "
+                                   "the source is settled")
 
     def build_model(self, dtype: torch.dtype | None = torch.float32) -> CausalLM:
         """dtype None: the weights as stored, shared with this source (compile/upcast.py computes
@@ -134,16 +145,23 @@ def _alias_candidates(filename: str) -> list[Path]:
     return [r / filename for r in roots]
 
 
-def load_source(name: str | Path) -> SourceModel:
+def load_source(name: str | Path, mapped: bool = False) -> SourceModel:
+    """mapped: keep a safetensors checkpoint's tensors as views of its files' private memory maps
+    instead of copies. Their pages are the page cache's, which the kernel drops under pressure and
+    reads again, so a build's source need not fit in memory beside its work (copies were 2 bytes a
+    parameter of anonymous memory). For finite jobs that never write the weights (compile/upcast.py)
+    and call `check_unchanged` before they publish; a server copies (compile.artifact.load_tensors
+    says why). A GGUF source is dequantized, so copied, either way."""
     path = resolve_source(name)
     if path.is_file() and (path.suffix.lower() == ".gguf" or is_gguf_file(path)):
         from .gguf_reader import load_gguf
 
+        stats = _file_stats([path])
         config, tokenizer, state_dict = load_gguf(path)
         return SourceModel(path, "gguf", config, tokenizer, state_dict, file_sha256([path]),
-                           provenance_name(name, path))
+                           provenance_name(name, path), stats)
     if path.is_dir():
-        return dataclasses.replace(_load_hf_dir(path), name=provenance_name(name, path))
+        return dataclasses.replace(_load_hf_dir(path, mapped), name=provenance_name(name, path))
     raise SourceModelError(f"{path} is neither a GGUF file (its first bytes are not GGUF's magic) nor a Hugging "
                            "Face model directory")
 
@@ -157,7 +175,7 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def _load_hf_dir(path: Path) -> SourceModel:
+def _load_hf_dir(path: Path, mapped: bool) -> SourceModel:
     config_path = path / "config.json"
     _refuse_an_adapter(path)
     if not config_path.is_file():
@@ -179,9 +197,23 @@ def _load_hf_dir(path: Path) -> SourceModel:
         config = ModelConfig.from_hf(hf, read_generation_config(path))
     except (json.JSONDecodeError, KeyError) as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
-    state_dict = {k: _held_dtype(v) for k, v in load_weight_files(weight_files(path)).items()}
+    stats = _file_stats(source_files(path))  # before reading: a change while reading shows at the check
+    state_dict = {k: _held_dtype(v) for k, v in load_weight_files(weight_files(path), mapped).items()}
     config = _untied_if_the_head_is_stored(config, state_dict)
-    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(source_files(path)))
+    return SourceModel(path, "hf", config, Tokenizer.from_dir(path), state_dict, file_sha256(list(stats)),
+                       file_stats=stats)
+
+
+def _file_stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _file_stats(paths: list[Path]) -> dict[Path, tuple[int, int, int]]:
+    return {p: _file_stat(p) for p in paths}
 
 
 def _held_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -210,11 +242,11 @@ def read_generation_config(path: Path) -> dict | None:
     return read_json_config(path / GENERATION_CONFIG)
 
 
-def load_weight_files(files: list[Path]) -> dict[str, torch.Tensor]:
+def load_weight_files(files: list[Path], mapped: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor of every file, as stored; a damaged file or a tensor in two files is an error,
     not a guess. RoPE's inv_freq, which older transformers saved with the weights, is dropped: it is
     computed from the config, as transformers does. Tensors are copied out of the files' memory maps
-    (compile.artifact.load_tensors says why)."""
+    (compile.artifact.load_tensors says why) unless `mapped` (load_source says when)."""
     from safetensors.torch import load_file
 
     tensors, origin = {}, {}
@@ -232,7 +264,7 @@ def load_weight_files(files: list[Path]) -> dict[str, torch.Tensor]:
             if name in origin:
                 raise SourceModelError(f"tensor {name} is in both {origin[name].name} and {f.name}; "
                                        "remove the stray file")
-            origin[name], tensors[name] = f, tensor.clone()  # out of the file's pages
+            origin[name], tensors[name] = f, tensor if mapped else tensor.clone()
     return tensors
 
 

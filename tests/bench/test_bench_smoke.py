@@ -418,9 +418,11 @@ def test_build_memory_tiny(tiny, tmp_path, capsys):
                                json_out=tmp_path / "m.json", quiet=True, plot=tmp_path / "plots")
     _check_envelope(report, "build-memory")
     r = report["results"]
-    times = [t for t, _ in r["timeline"]]
+    times = [t for t, *_ in r["timeline"]]
     assert times == sorted(times) and 0 <= times[0] and times[-1] <= r["seconds"]
-    assert max(b for _, b in r["timeline"]) == max(s["peak_bytes"] or 0 for s in r["steps"])  # thinned, not lost
+    assert max(b for _, b, _ in r["timeline"]) == max(s["peak_bytes"] or 0 for s in r["steps"])  # thinned, not lost
+    assert all(0 < anon <= rss for _, rss, anon in r["timeline"])
+    assert r["peak_anon_bytes"] == max(s["peak_anon_bytes"] or 0 for s in r["steps"]) > r["idle_anon_bytes"] > 0
     assert (tmp_path / "plots" / "build_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [s["step"] for s in r["steps"]] == ["start python", "load source", "calibration data", "quantize weights",
                                                "evaluate accuracy", "artifact tensors", "write artifact"]

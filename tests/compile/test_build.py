@@ -15,7 +15,7 @@ import torch
 from qkiln.compile.artifact import verify_artifact
 from qkiln.compile.build import build
 from qkiln.compile.recipe import EvalSpec, load_recipe, preset
-from qkiln.errors import ArtifactError, CalibrationDataError, RecipeError
+from qkiln.errors import ArtifactError, CalibrationDataError, RecipeError, SourceModelError
 from qkiln.quant.scheme import WeightScheme
 from tiny_models import write_tiny_model_and_text
 
@@ -574,3 +574,22 @@ def test_a_tied_head_left_out_of_ignore_is_said_to_stay_in_high_precision(tiny, 
     result = build(str(model), r, tmp_path / "a", progress=False, log=lines.append)
     assert "lm_head" not in result.manifest.quantization["linears"]
     assert any("lm_head is tied to the embeddings" in line for line in lines)
+
+
+def test_a_source_rewritten_during_the_build_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypatch):
+    # the build reads a safetensors source through the file's pages, not copies: weights read after
+    # a rewrite would have been another model's under the first one's sha256
+    root, model, text = tiny
+    monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "source"
+    shutil.copytree(model, source)
+    weights = source / "model.safetensors"
+
+    def rewrite(step):
+        if step == "evaluate accuracy":
+            weights.write_bytes(weights.read_bytes())  # in place, as `cp` or an rsync --inplace does
+
+    with pytest.raises(SourceModelError, match="model.safetensors .* changed while the model was read"):
+        build(str(source), _recipe("w4a16-rtn", text), tmp_path / "a", progress=False, log=lambda m: None,
+              on_step=rewrite)
+    assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a*"))

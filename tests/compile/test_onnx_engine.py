@@ -554,8 +554,8 @@ def test_the_build_lets_go_of_its_model_before_the_engine_check(root, monkeypatc
 
     load, alive = build_module.load_source, []
 
-    def tracked_load(name):
-        source = load(name)
+    def tracked_load(name, **kwargs):
+        source = load(name, **kwargs)
         alive.append(weakref.ref(source.state_dict["model.embed_tokens.weight"]))
         return source
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from qkiln.quant.rtn import expand_groups, quantize_rtn
+from qkiln.quant.pack import unpack_int4
+from qkiln.quant.rtn import QuantizedWeight, expand_groups, quantize_rtn
 from qkiln.quant.scheme import WeightScheme
 
 SCHEMES = [
@@ -106,3 +107,21 @@ def test_mse_observer_never_worse_than_minmax_per_group(symmetric):
 
     assert (group_error(mse) <= group_error(minmax) * (1 + 1e-5)).all()
     assert group_error(mse).sum() < group_error(minmax).sum()
+
+
+@pytest.mark.parametrize("dtype,low,high", [(torch.int8, -8, 8), (torch.uint8, 0, 16)], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("in_features", [64, 33])
+def test_int4_codes_are_held_two_a_byte_and_read_back_exactly(dtype, low, high, in_features):
+    # a build holds every layer's codes until it writes the artifact: unpacked, a byte a parameter
+    q = torch.randint(low, high, (12, in_features), dtype=dtype)
+    scales = torch.rand(12, 1)
+    zeros = None if dtype == torch.int8 else torch.full((12, 1), 7.0)
+    qw = QuantizedWeight(q, scales, zeros, None, 4)
+    assert qw.packed_int4.shape == (12, (in_features + 1) // 2) and qw.packed_int4.dtype == torch.uint8
+    assert qw.qweight.dtype == dtype and torch.equal(qw.qweight, q) and qw.shape == q.shape
+    offset = 8 if dtype == torch.int8 else 0  # the artifact's layout: symmetric codes offset by 8
+    assert torch.equal(unpack_int4(qw.packed_int4)[:, :in_features].int(), q.int() + offset)
+    expected = (q.float() - (0 if zeros is None else zeros)) * scales
+    assert torch.equal(qw.dequantize(), expected)
+    q8 = torch.randint(-128, 128, (12, in_features), dtype=torch.int8)
+    assert QuantizedWeight(q8, scales, None, None, 8).qweight is q8  # 8-bit codes as given

@@ -286,3 +286,30 @@ def test_a_checkpoint_another_user_cannot_read_is_said_so(other_user):
     out = other_user.python(load, model_dir)
     assert out.returncode == 0, out.stderr
     assert "model.safetensors: cannot be read (permission denied" in out.stdout and "chmod a+r" in out.stdout
+
+
+def _file_mappings(path) -> list[tuple[int, int]]:
+    """[start, end) address ranges of this process's memory maps of `path` (/proc/self/maps)."""
+    ranges = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == str(path):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def test_a_mapped_source_reads_its_weights_from_the_files_pages(tmp_path):
+    # a build's source is held as views of the file's pages (reclaimable), a server's as copies
+    model_dir = write_tiny_hf_model(tmp_path, "llama")
+    weights = (model_dir / "model.safetensors").resolve()
+    mapped, copied = load_source(model_dir, mapped=True), load_source(model_dir)
+    ranges = _file_mappings(weights)
+    inside = lambda t: any(start <= t.data_ptr() < end for start, end in ranges)  # noqa: E731
+    assert ranges and all(inside(t) for t in mapped.state_dict.values())
+    assert not any(inside(t) for t in copied.state_dict.values())
+    assert all(torch.equal(mapped.state_dict[k], v) for k, v in copied.state_dict.items())
+    mapped.check_unchanged()
+    edit_json(model_dir / "config.json", rms_norm_eps=1e-5)  # a file it was read from, rewritten
+    with pytest.raises(SourceModelError, match="config.json .* changed while the model was read"):
+        mapped.check_unchanged()
