@@ -218,7 +218,9 @@ class AsyncLLMEngine:
         loaded = load_for_serving(model, dtype=dtype, device=device, int8_activations=int8_activations,
                                   dense_prefill=dense_prefill)
         manifest = loaded.manifest
-        artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest,
+        # a format-1.0 manifest records no digest: "" in the metrics' info labels, which take strings
+        # only (prometheus_client raised on None, and `qkiln serve` exited on every such artifact)
+        artifact = None if manifest is None else {"name": manifest.name, "digest": manifest.digest or "",
                                                   "serving_digest": serving_digest(manifest)}
         return cls(loaded.engine(device=device, **engine_kwargs), name or loaded.name, artifact, log_requests)
 

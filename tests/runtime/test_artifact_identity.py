@@ -129,3 +129,19 @@ def test_builds_that_differ_only_in_names_and_reports_share_a_serving_digest(tmp
     out = subprocess.run([sys.executable, "-m", "qkiln", "verify", str(first.path), "--json"],
                          capture_output=True, text=True, timeout=300)
     assert json.loads(out.stdout)["serving_digest"] == serving_digest(a), out.stderr
+
+
+def test_an_artifact_from_before_manifests_had_a_digest_is_served(built, tmp_path):
+    # format 1.0 (manifests without a digest) still loads everywhere; `qkiln serve` had exited on it
+    _, a, _ = built
+    old = tmp_path / "old"
+    shutil.copytree(a, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["digest"]
+    (old / "manifest.json").write_text(json.dumps(manifest | {"format_version": "1.0"}, indent=2))
+    with serving_model(old, dtype="fp32", **ENGINE_KW) as (engine, server), \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.get("/v1/models").json()["data"][0]["artifact"]["digest"] == ""
+        assert 'qkiln_artifact_info{digest="",model_name="tiny",name="a"' in client.get("/metrics").text
+        done = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 2
