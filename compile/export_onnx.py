@@ -153,8 +153,10 @@ def _same_values(a, b, computed: bool) -> bool:
 
 def verify_engine_files(engine_dir: Path) -> dict:
     """An engine folder on its own (qkiln export --format onnx): its files against engine.json's
-    sha256; returns engine.json. ArtifactError naming what differs."""
+    sha256; returns engine.json. ArtifactError naming what differs. An intact engine of another
+    contract version is refused too, as every other command that reads it refuses it."""
     contract = read_engine_contract(engine_dir)
+    check_contract_version(contract, engine_dir)
     files = contract.get("files")
     if not isinstance(files, dict) or set(files) != {MODEL_FILE, DATA_FILE}:
         raise ArtifactError(f"{engine_dir / CONTRACT_FILE} lists no sha256 for {MODEL_FILE} and {DATA_FILE} "

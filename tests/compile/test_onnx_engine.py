@@ -133,6 +133,16 @@ def test_an_engine_copied_while_its_check_runs_never_verifies(root, monkeypatch)
     verify_engine_files(export_onnx(artifact, copy, overwrite=True, verify=False).path)  # --force replaces it
 
 
+def test_verify_refuses_an_engine_of_another_contract_version_as_eval_does(root):
+    old = export_onnx(_artifact(root, "w4a16-rtn"), root / "old-contract", overwrite=True, verify=False).path
+    contract = json.loads((old / "engine.json").read_text())
+    contract["contract_version"] -= 1
+    contract["digest"] = manifest_digest(contract)  # intact, as an older qkiln wrote it
+    (old / "engine.json").write_text(json.dumps(contract))
+    with pytest.raises(ArtifactError, match="written by another qkiln version .*contract_version"):
+        verify_engine_files(old)
+
+
 def test_a_check_that_does_not_fit_in_memory_is_skipped_and_said(root, monkeypatch):
     from qkiln.compile import onnx_check
 
