@@ -20,15 +20,14 @@ import math
 import os
 import platform
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from qkiln.compile.artifact import code_revision
 from qkiln.errors import ArtifactError
 
-_ROOT = Path(__file__).resolve().parents[1]
 _PACKAGES = ("qkiln", "torch", "numpy", "transformers", "tokenizers", "triton", "llama_cpp_python",
              "onnxruntime-genai", "httpx", "matplotlib")
 
@@ -98,21 +97,6 @@ def peak_rss_bytes() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _git() -> dict:
-    def run(*args):
-        try:
-            out = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=10)
-            return out.stdout.strip() if out.returncode == 0 else None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    toplevel = run("rev-parse", "--show-toplevel")
-    if toplevel is None or Path(toplevel).resolve() != _ROOT:  # an install inside some other repository
-        return {"revision": None, "is_dirty": None}
-    status = run("status", "--porcelain", "--untracked-files=no")
-    return {"revision": run("rev-parse", "HEAD"), "is_dirty": bool(status) if status is not None else None}
-
-
 def _versions() -> dict:
     versions = {"python": platform.python_version()}
     for name in _PACKAGES:
@@ -156,7 +140,7 @@ def kernel_info() -> dict:
 
 
 def environment() -> dict:
-    return {"git": _git(), "versions": _versions(), "machine": machine_info(), "kernels": kernel_info()}
+    return {"git": code_revision(), "versions": _versions(), "machine": machine_info(), "kernels": kernel_info()}
 
 
 def _jsonable(x):

@@ -523,12 +523,38 @@ def load_tensors(path, manifest: Manifest | None = None, *, verify: bool = True,
     return tensors
 
 
+def code_revision() -> dict:
+    """{revision, is_dirty} of the git checkout qkiln runs from, both None for an install (qkiln's
+    package version stays 0.1.0 from commit to commit: this is what tells two builders apart)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(*args):
+        try:
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+            return out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    toplevel = run("rev-parse", "--show-toplevel")
+    if toplevel is None or Path(toplevel).resolve() != root:  # an install inside some other repository
+        return {"revision": None, "is_dirty": None}
+    status = run("status", "--porcelain", "--untracked-files=no")
+    return {"revision": run("rev-parse", "HEAD"), "is_dirty": bool(status) if status is not None else None}
+
+
 def toolchain_versions() -> dict:
-    """Versions that decide the bytes of a build: recorded so a mismatch can be explained later."""
+    """Versions that decide the bytes of a build: recorded so a mismatch can be explained later,
+    and qkiln's own commit when it runs from a checkout (`qkiln_revision`, "+dirty" when the
+    checkout has uncommitted changes), so a registry can find the builds made before a fix."""
     import importlib.metadata as md
     import platform
 
     out = {"python": platform.python_version(), "platform": f"{platform.system()}-{platform.machine()}"}
+    git = code_revision()
+    if git["revision"]:
+        out["qkiln_revision"] = git["revision"] + ("+dirty" if git["is_dirty"] else "")
     for pkg in ("qkiln", "torch", "safetensors", "numpy", "tokenizers", "triton", "gguf"):
         try:
             out[pkg] = md.version(pkg)

@@ -48,6 +48,9 @@ def test_build_verify_and_tamper(tiny, tmp_path, monkeypatch):
     assert manifest["calibration"]["token_sha256"] and manifest["source"]["sha256"]
     assert manifest["accuracy"]["perplexity"] > 1 and "kl_divergence" in manifest["accuracy"]
     assert manifest["quantization"]["linears"]["model.layers.0.mlp.down_proj"]["format"] == "int4"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parents[2], capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout (CI's is): the commit that built it, which the version (0.1.0) is not
+        assert manifest["toolchain"]["qkiln_revision"].split("+")[0] == head.stdout.strip()
     for rel in [p for p in _files(result.path) if p.startswith("weights/")]:
         f = result.path / rel
         original = f.read_bytes()
