@@ -86,7 +86,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     token_sha = tokens.sha256 if tokens is not None and weight_scheme.needs_weight_calibration else None
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
-    cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log)
+    cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log,
+                       reserve_bytes=artifact_reserve_bytes(source.state_dict))
     calibration_start = time.perf_counter()
     on_step("quantize weights")
     numerics = calibration_numerics() if token_sha else None
@@ -139,6 +140,12 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
                           overwrite=overwrite, check=check_engine if engine_files else None)
     seconds = time.perf_counter() - start
     return BuildResult(path, manifest, seconds, cache.num_hits, num_layers, calibration_seconds)
+
+
+def artifact_reserve_bytes(state_dict: dict) -> int:
+    """Free space the layer cache leaves for the artifact: the source's size in bf16 (a quantized
+    artifact is smaller; an engine adds about as much again), at least 1 GiB."""
+    return max(1 << 30, sum(2 * t.numel() for t in state_dict.values()))
 
 
 def _check_engines(engines: tuple[str, ...], recipe: Recipe) -> None:

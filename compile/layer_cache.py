@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -72,9 +73,10 @@ def write_cache_file(path: Path, write, warn=None) -> bool:
         return True
     except (OSError, SafetensorError) as e:
         _say_unwritable(path.parent, e, warn)
+        return False
+    finally:  # also when Ctrl-C or SIGTERM (KeyboardInterrupt, SystemExit) cuts the write short
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        return False
 
 
 def _make_shared_dirs(directory: Path) -> None:
@@ -162,10 +164,13 @@ def payload_sha256(tensors: dict[str, torch.Tensor], report_json: str) -> str:
 
 
 class LayerCache:
-    def __init__(self, directory: Path | None, max_bytes: int | None = None, warn=None):
-        """warn: says that the cache cannot be written (default: print to stderr)."""
+    def __init__(self, directory: Path | None, max_bytes: int | None = None, warn=None, reserve_bytes: int = 0):
+        """warn: says that the cache cannot be written (default: print to stderr). reserve_bytes: free
+        space an entry may not take (what the build's artifact will need, where cache and output
+        share a disk: entries that took it failed the build at its last step, and every rerun)."""
         self.directory = directory
         self.max_bytes = max_bytes if max_bytes is not None else max_cache_bytes()
+        self.reserve_bytes = reserve_bytes
         self._warn = warn
         self.num_hits = 0
         self.num_misses = 0
@@ -207,6 +212,8 @@ class LayerCache:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         report_json = json.dumps(report, sort_keys=True)
         metadata = {"key": key, "report": report_json, "sha256": payload_sha256(tensors, report_json)}
+        if not self._leaves_reserve(sum(t.numel() * t.element_size() for t in tensors.values())):
+            return
         if not write_cache_file(self.directory / f"{key}.safetensors",
                                 lambda tmp: save_file(tensors, str(tmp), metadata=metadata), self._warn):
             self.directory = None  # said once; the rest of the build runs without it
@@ -216,6 +223,21 @@ class LayerCache:
         except OSError as e:  # evicting from a shared cache (another user's entries)
             _say_unwritable(self.directory, e, self._warn)
             self.directory = None
+
+    def _leaves_reserve(self, entry_bytes: int) -> bool:
+        """Whether writing an entry leaves the reserve free; said once, and the cache left, if not."""
+        try:
+            free = shutil.disk_usage(self.directory if self.directory.is_dir() else self.directory.parent).free
+        except OSError:
+            return True  # a folder still to be made, or unreadable: write_cache_file says what is wrong
+        if free - entry_bytes >= self.reserve_bytes:
+            return True
+        (self._warn or (lambda msg: print(msg, file=sys.stderr)))(
+            f"warning: the build cache {self.directory} is not written: its disk has {free / 2**30:.1f} GiB free and "
+            f"this build keeps {self.reserve_bytes / 2**30:.1f} GiB of it for the artifact; this build goes on without "
+            "the cache (free space there, or point QKILN_CACHE_DIR at another disk)")
+        self.directory = None
+        return False
 
     def _evict(self, keep: str) -> None:
         """Delete the least recently used entries while the folder exceeds max_bytes."""

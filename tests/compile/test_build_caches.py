@@ -15,7 +15,7 @@ from qkiln.compile import calibrate
 from qkiln.compile.artifact import read_manifest
 from qkiln.compile.build import build
 from qkiln.compile.evaluate import evaluate
-from qkiln.compile.layer_cache import LayerCache
+from qkiln.compile.layer_cache import LayerCache, write_cache_file
 from qkiln.compile.recipe import preset
 from qkiln.errors import QkilnError, RecipeError
 from qkiln.quant.scheme import AWQOptions, QuantScheme, WeightScheme
@@ -104,6 +104,28 @@ def test_the_cache_evicts_the_least_recently_used_entries(tmp_path):
     assert cache.get("a") is not None  # used: now the newest
     cache.put("d", entry, {})
     assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["a", "c", "d"]
+
+
+def test_a_write_cut_short_by_ctrl_c_leaves_no_temp_file(tmp_path):
+    def interrupted(tmp):
+        tmp.write_bytes(b"half a layer")
+        raise KeyboardInterrupt  # SIGINT; SIGTERM arrives as SystemExit
+
+    with pytest.raises(KeyboardInterrupt):
+        write_cache_file(tmp_path / "k.safetensors", interrupted)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cache_leaves_the_artifact_its_free_space(tmp_path):
+    # cache and output on one disk: entries that took the space failed the build at its last step
+    said = []
+    cache = LayerCache(tmp_path, warn=said.append, reserve_bytes=shutil.disk_usage(tmp_path).free + (1 << 30))
+    cache.put("a", {"w": torch.zeros(1024)}, {})
+    cache.put("b", {"w": torch.zeros(1024)}, {})
+    assert list(tmp_path.iterdir()) == [] and cache.directory is None
+    assert len(said) == 1 and "keeps" in said[0] and "QKILN_CACHE_DIR" in said[0]
+    LayerCache(tmp_path, reserve_bytes=0).put("a", {"w": torch.zeros(1024)}, {})
+    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
 
 
 def test_another_user_s_entries_are_hits(other_user):
