@@ -20,7 +20,7 @@ from qkiln.bench.cli import Int8Activations, bench_app  # imports nothing heavy
 from qkiln.compile.artifact_archive import unpacked
 from qkiln.compile.artifact_cli import inspect_cmd, verify_cmd  # imports nothing heavy
 from qkiln.compile.eval_cli import eval_cmd  # imports nothing heavy
-from qkiln.errors import ArtifactError, QkilnError, exit_with
+from qkiln.errors import ArtifactError, QkilnError, exit_on_error, exit_with
 
 KvDtype = Annotated[Optional[str], typer.Option(
     help="KV cache dtype: bf16, fp16, fp32, fp8 or int4 (default: the artifact's KV scheme, else the activation dtype)")]
@@ -308,7 +308,8 @@ def main():
     # SIGTERM (CI cancelling a job, docker stop) ends a command as Ctrl-C does: a build's partial
     # output is removed on the way out (the default handler killed it and left hundreds of MB)
     signal.signal(signal.SIGTERM, _terminated)
-    app()
+    with exit_on_error():  # what a command's own `except QkilnError` leaves: a PermissionError
+        app()
 
 
 def _terminated(signum, frame):

@@ -73,8 +73,14 @@ def exit_with(error: QkilnError) -> NoReturn:
 
 @contextmanager
 def exit_on_error():
-    """Run a command's body; a QkilnError out of it becomes `exit_with`'s line and exit code."""
+    """Run a command's body; a QkilnError out of it becomes `exit_with`'s line and exit code. So
+    does a PermissionError: a path under a folder this user may not enter (Python 3.11's
+    Path.exists() and is_dir() raise there, rather than say False) is the command's to fix."""
     try:
         yield
     except QkilnError as e:
         exit_with(e)
+    except PermissionError as e:
+        where = e.filename if e.filename is not None else "a path this command uses"
+        exit_with(QkilnError(f"{where}: permission denied (this user may not enter a folder on its way, or read or "
+                             "write it there); change the permissions (chmod) or choose another path"))

@@ -343,3 +343,14 @@ def test_the_package_says_its_version():
     import qkiln
 
     assert qkiln.__version__ == importlib.metadata.version("qkiln")
+
+
+def test_a_path_under_a_folder_this_user_may_not_enter_is_an_error_line(other_user):
+    # Python 3.11's Path.exists() raises PermissionError there: `-o /root/out` as another user was a traceback
+    locked = other_user.folder / "locked"
+    locked.mkdir(mode=0o700)  # root's
+    for args in (["generate", str(locked / "artifact"), "--prompt", "hi"],
+                 ["build", "smollm2-135m", "--recipe", "w4a16-rtn", "-o", str(locked / "out")]):
+        out = other_user.python("import sys; from qkiln.cli import main; sys.argv = ['qkiln', *sys.argv[1:]]; main()",
+                                *args)
+        assert_one_line_error(out, str(locked), "permission denied", code=2)
