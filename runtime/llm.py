@@ -146,6 +146,12 @@ class LLM:
         chat template (or `chat_template`) and tokenized as `/v1/chat/completions` does
         (Tokenizer.chat_prompt_ids); the options are vLLM's. `tools` go to the template, which
         describes them to the model; its calls come back as text (offline vLLM parses none either)."""
+        if not isinstance(messages, (list, tuple)):  # a lone message dict indexed as a list was a KeyError
+            raise RequestError("messages must be one conversation, a list of {'role', 'content'} dicts, or a list "
+                               f"of conversations, got {type(messages).__name__}", "messages")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise RequestError("chat_template_kwargs must be a dict of the template's variables, got "
+                               f"{type(chat_template_kwargs).__name__}", "chat_template_kwargs")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         conversations = [[_template_message(m) for m in c] for c in conversations]
         if continue_final_message and add_generation_prompt:
@@ -259,12 +265,17 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
                                "prompt")
         keys = set(prompt) - {"multi_modal_data", "mm_processor_kwargs"}
         if keys == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"]
+            return _one_prompt(prompt["prompt"], index)
         if keys == {"prompt_token_ids"} and not isinstance(prompt["prompt_token_ids"], (str, dict)):
             return _one_prompt(prompt["prompt_token_ids"], index)  # its own checks: empty, not ints
         raise RequestError(f"prompt {index}: a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' "
                            f"(a list of ints), got keys {sorted(prompt)}", "prompt")
     if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer's own TypeError did not say which prompt or why
+            raise RequestError(f"prompt {index} holds a lone UTF-16 surrogate at character {e.start}, which is not "
+                               "text; pass valid Unicode", "prompt") from None
         return prompt
     ids = _token_ids(prompt)
     if ids is None and hasattr(prompt, "__len__") and len(prompt) == 0:

@@ -15,7 +15,7 @@ import torch
 
 from qkiln.compile.artifact import is_artifact_dir, load_tensors, read_manifest, verify_artifact
 from qkiln.compile.artifact_archive import unpacked
-from qkiln.errors import ArtifactError, QkilnError
+from qkiln.errors import ArtifactError, QkilnError, TargetUnavailableError
 from qkiln.plugins import cpu_native
 from qkiln.plugins.kv_cache import KV_SCALE_NAMES
 from qkiln.plugins.packed_weights import int8_act_panels_fast
@@ -62,6 +62,7 @@ def check_engine_options(options: dict, device: str, who: str, takes: str) -> No
     """Refuse an unknown engine option or a bad value before the model loads (seconds, or minutes
     for a large one): EngineConfig's own TypeError named an internal class, after the load.
     who: the caller's name ("LLM()"); takes: what else it takes, for the message."""
+    check_device(device)
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"device"}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -72,6 +73,20 @@ def check_engine_options(options: dict, device: str, who: str, takes: str) -> No
                                             if not (k in ("kv_dtype", "kv_group_size") and v is None)})
     if config.num_kv_blocks is None and str(device) == "cpu":  # the engine checks the exact pool again
         check_kv_pool_fits(config.kv_cache_bytes)
+
+
+def check_device(device) -> None:
+    """Before the load: a device torch cannot name, or CUDA on a machine without it, failed at the
+    load's last step (an AssertionError from torch) after the whole model was read."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise QkilnError(f"device {device!r}: qkiln runs on 'cpu' or 'cuda' (or 'cuda:N')")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TargetUnavailableError(f"device {device!r}: this machine has no CUDA GPU that torch "
+                                     f"{torch.__version__} can use; use device 'cpu' or run it on a GPU machine")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

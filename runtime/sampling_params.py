@@ -100,6 +100,10 @@ class SamplingParams:
 
     def __post_init__(self):
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
+        for name in ("stop", "bad_words"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, (str, list, tuple)), name,
+                   f"{name} must be a string or a list of strings, got {type(value).__name__} {value!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop or ())

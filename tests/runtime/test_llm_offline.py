@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from qkiln.errors import QkilnError, RequestError
+from qkiln.errors import QkilnError, RequestError, TargetUnavailableError
 from qkiln.runtime.llm import LLM
 from qkiln.runtime.sampling_params import SamplingParams
 from tiny_models import write_tiny_hf_model
@@ -180,9 +180,28 @@ def test_unknown_llm_options_are_named_before_loading():
     # load of seconds to minutes)
     for bad, message in ((dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
                          (dict(kv_dtype="int3"), "kv_dtype must be 'auto'"),
-                         (dict(generation_config="off"), "generation_config must be")):
+                         (dict(generation_config="off"), "generation_config must be"),
+                         (dict(device="gpu"), "device 'gpu': qkiln runs on 'cpu' or 'cuda'")):
         with pytest.raises(QkilnError, match=message):
             LLM("no-such-model", **bad)
+    if not torch.cuda.is_available():  # was torch's AssertionError, after the whole load
+        with pytest.raises(TargetUnavailableError, match="no CUDA GPU"):
+            LLM("no-such-model", device="cuda")
+
+
+def test_api_values_of_the_wrong_kind_are_request_errors(llm):
+    # each had escaped as a builtin TypeError / KeyError from deep inside
+    with pytest.raises(RequestError, match="stop must be a string or a list of strings, got int 5"):
+        SamplingParams(stop=5)
+    with pytest.raises(RequestError, match="bad_words must be"):
+        SamplingParams(bad_words=7)
+    with pytest.raises(RequestError, match="messages must be one conversation.*got dict"):
+        llm.chat({"role": "user", "content": "hi"})
+    with pytest.raises(RequestError, match="chat_template_kwargs must be a dict"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template_kwargs=5)
+    for prompt in ("hi \ud800", {"prompt": "hi \ud800"}):
+        with pytest.raises(RequestError, match="prompt 0 holds a lone UTF-16 surrogate at character 3"):
+            llm.generate(prompt, use_tqdm=False)
 
 
 def test_an_interrupt_after_sampling_aborts_the_requests_not_yet_answered(llm):
