@@ -44,6 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from qkiln.errors import QkilnError, RequestError
 
@@ -497,6 +498,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def starlette_error(request: Request, exc: StarletteHTTPException):
         detail, code = str(exc.detail), None
+        if isinstance(exc.__cause__, ClientDisconnect):  # the client left mid-upload: nothing was refused, and
+            return Response(status_code=400)  # nobody reads this (FastAPI's 400 had counted as invalid)
         if exc.status_code == 404:  # no such route (/v1/responses, /v1/embeddings, ...): say which there are
             detail = f"{request.url.path} is not served here; qkiln serves {', '.join(_ROUTES)}"
         elif exc.status_code == 400 and isinstance(exc.__cause__, Exception):  # FastAPI's "error parsing the body"
