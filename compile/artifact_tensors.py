@@ -17,7 +17,6 @@ import torch
 
 from qkiln.errors import ArtifactError
 from qkiln.quant import Fp8Weight, KVCalibration, QuantizedWeight, QuantScheme
-from qkiln.quant.pack import unpack_int4
 from qkiln.runtime.config import ModelConfig
 
 from .quantized_model import QuantizedModel
@@ -80,10 +79,9 @@ def from_tensors(config: ModelConfig, scheme: QuantScheme, tensors: dict[str, to
             if name + ".input_scale" in tensors:
                 act_scales[name] = tensors[name + ".input_scale"]
         elif e["format"] == "int4":
-            codes = unpack_int4(tensors[name + ".qweight"])[:, : e["in_features"]]
-            zeros = tensors.get(name + ".zeros")
-            q = codes if zeros is not None else (codes.to(torch.int16) - 8).to(torch.int8)
-            weights[name] = QuantizedWeight(q, tensors[name + ".scales"], zeros, e["group_size"], 4)
+            weights[name] = QuantizedWeight.from_packed_int4(tensors[name + ".qweight"], e["in_features"],
+                                                             tensors[name + ".scales"], tensors.get(name + ".zeros"),
+                                                             e["group_size"])
         else:
             weights[name] = QuantizedWeight(tensors[name + ".qweight"], tensors[name + ".scales"], None, None, 8)
     kv = {}

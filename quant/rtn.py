@@ -45,14 +45,30 @@ class QuantizedWeight:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group_size: int | None, num_bits: int, g_idx: torch.Tensor | None = None):
+        codes = qweight if num_bits != 4 else _pack_codes(qweight)
+        self._hold(codes, qweight.shape, qweight.dtype, scales, zeros, group_size, num_bits, g_idx)
+
+    @classmethod
+    def from_packed_int4(cls, packed: torch.Tensor, in_features: int, scales: torch.Tensor,
+                         zeros: torch.Tensor | None, group_size: int | None) -> "QuantizedWeight":
+        """From codes as `packed_int4` holds them (an artifact's), without unpacking them."""
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != (in_features + 1) // 2:
+            raise ValueError(f"packed int4 codes are uint8 [out, {(in_features + 1) // 2}], got "
+                             f"{packed.dtype} {list(packed.shape)}")
+        weight = cls.__new__(cls)
+        weight._hold(packed, torch.Size([packed.shape[0], in_features]), torch.int8 if zeros is None else torch.uint8,
+                     scales, zeros, group_size, 4, None)
+        return weight
+
+    def _hold(self, codes, shape, code_dtype, scales, zeros, group_size, num_bits, g_idx) -> None:
+        self._codes = codes  # 4 bits: packed_int4's layout; 8 bits: as given
+        self.shape = shape  # [out, in]
+        self.code_dtype = code_dtype  # of the unpacked codes: int8 symmetric, uint8 asymmetric
         self.scales = scales  # [out, num_groups] fp32
         self.zeros = zeros  # [out, num_groups] fp32 (integral when zero_point="int"); None if symmetric
         self.group_size = group_size  # None: one group per row
         self.num_bits = num_bits
         self.g_idx = g_idx  # [in] group of each column, only for foreign act-order layouts
-        self.shape = qweight.shape  # [out, in]
-        self.code_dtype = qweight.dtype
-        self._codes = qweight if num_bits != 4 else _pack_codes(qweight)
 
     @property
     def qweight(self) -> torch.Tensor:

@@ -123,5 +123,7 @@ def test_int4_codes_are_held_two_a_byte_and_read_back_exactly(dtype, low, high, 
     assert torch.equal(unpack_int4(qw.packed_int4)[:, :in_features].int(), q.int() + offset)
     expected = (q.float() - (0 if zeros is None else zeros)) * scales
     assert torch.equal(qw.dequantize(), expected)
+    read = QuantizedWeight.from_packed_int4(qw.packed_int4, in_features, scales, zeros, None)  # an artifact's
+    assert torch.equal(read.qweight, q) and read.shape == q.shape and torch.equal(read.dequantize(), expected)
     q8 = torch.randint(-128, 128, (12, in_features), dtype=torch.int8)
     assert QuantizedWeight(q8, scales, None, None, 8).qweight is q8  # 8-bit codes as given
