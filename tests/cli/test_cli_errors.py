@@ -354,3 +354,12 @@ def test_a_path_under_a_folder_this_user_may_not_enter_is_an_error_line(other_us
         out = other_user.python("import sys; from qkiln.cli import main; sys.argv = ['qkiln', *sys.argv[1:]]; main()",
                                 *args)
         assert_one_line_error(out, str(locked), "permission denied", code=2)
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["serve", "no-such-model", "--kv-cache-mb", "-5"], "'--kv-cache-mb'"),  # was "kv_cache_bytes ... -5242880"
+    (["serve", "no-such-model", "--max-num-seqs", "0"], "'--max-num-seqs'"),
+    (["generate", "no-such-model", "--prompt", "hi", "--max-tokens", "0"], "'--max-tokens'"),  # was "or None"
+])
+def test_a_flag_out_of_range_is_named_as_typed(args, flag):
+    assert_one_line_error(run_cli(*args), flag, "greater than or equal to 1", code=2)
