@@ -175,9 +175,11 @@ def portable_spec(spec: str) -> str:
 def load_text_source(spec: str, self_generator: SelfGenerator | None = None, seed: int = 0) -> TextSource:
     kind, sep, rest = spec.partition(":")
     if kind == "mix":
-        parts = [load_text_source(p, self_generator, seed) for p in rest.split("+") if p]
-        if not parts:
-            raise CalibrationDataError("mix: needs parts, e.g. mix:self:64+file:valid.txt")
+        names = rest.split("+")
+        if not rest or not all(names):  # "mix:a+" is a typo (the manifest had recorded it as given)
+            raise CalibrationDataError(f"calibration source {spec!r}: mix: needs parts joined by single '+', e.g. "
+                                       "mix:self:64+file:valid.txt")
+        parts = [load_text_source(p, self_generator, seed) for p in names]
         return TextSource(spec, [d for part in parts for d in part.documents])
     if not spec or (sep and not rest and kind != "bundled"):  # bundled: lists its names itself
         raise CalibrationDataError(f"calibration source {spec!r} names nothing; use file:PATH, jsonl:PATH, "

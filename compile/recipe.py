@@ -179,6 +179,8 @@ class Recipe:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], name: str = "custom") -> "Recipe":
+        if d is None:  # an empty YAML file
+            raise RecipeError(f"recipe {name} is empty; give a preset: name or a scheme: section")
         if not isinstance(d, dict):
             raise RecipeError(f"a recipe must be a mapping, got {type(d).__name__}")
         # fallbacks: what a build did (a manifest's recipe section lists them beside the recipe it
@@ -186,8 +188,8 @@ class Recipe:
         unknown = set(d) - {"name", "scheme", "quantization", "calibration", "evaluation", "target", "preset",
                             "fallbacks"}
         if unknown:
-            raise RecipeError(f"unknown recipe keys {sorted(map(str, unknown))}; use "
-                              "scheme/calibration/evaluation/target")
+            raise RecipeError(f"unknown recipe keys {sorted(map(str, unknown))}; a recipe takes name, preset or "
+                              "scheme, calibration, evaluation and target")
         if "scheme" in d and "quantization" in d:  # `quantization` is `scheme`'s other name
             raise RecipeError("a recipe takes a `scheme:` section or a `quantization:` one (the same section "
                               "under another name), not both; merge them into `scheme:`")

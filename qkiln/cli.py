@@ -246,9 +246,13 @@ def serve_cmd(
 ):
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
     from qkiln.runtime.async_engine import AsyncLLMEngine
-    from qkiln.runtime.server import serve
+    from qkiln.runtime.server import check_allowed_origins, serve
 
     _check_port_free(host, port)  # before the model loads (seconds to minutes)
+    try:
+        check_allowed_origins(allowed_origin)
+    except QkilnError as e:
+        exit_with(e)
     for option, value in (("--api-key", api_key), ("--served-model-name", served_model_name)):
         if value == "":  # a template's unset variable: an empty key had required an empty token, a name fell back
             exit_with(QkilnError(f"{option} is empty: give one, or leave the option out"))

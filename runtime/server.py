@@ -29,6 +29,7 @@ import copy
 import importlib.metadata
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -83,6 +84,7 @@ def create_app(engine: AsyncLLMEngine, model_name: str | None = None, api_key: s
     past it requests get a 429 with Retry-After."""
     if max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be at least 1, not {max_concurrent_requests}")
+    check_allowed_origins(allowed_origins)
     model_name = model_name or engine.name
     metrics = ServerMetrics(engine, model_name)
     app = FastAPI(title="qkiln", summary="OpenAI-compatible server for a qkiln model")
@@ -451,6 +453,15 @@ async def _abort_on_disconnect(engine: AsyncLLMEngine, request: Request, streams
     while (await request.receive())["type"] != "http.disconnect":
         pass
     _abort_unfinished(engine, streams)
+
+
+def check_allowed_origins(origins: list[str] | None) -> None:
+    """Each as a browser's Origin header spells it (scheme://host[:port]) or '*': "app.example" or
+    "https://app.example/" matches no request, and the browser's preflight got a 400."""
+    for origin in origins or ():
+        if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+            raise QkilnError(f"allowed origin {origin!r} is not an origin as browsers send it: give "
+                             "scheme://host[:port] (e.g. https://app.example, no path or trailing '/'), or '*'")
 
 
 class _HTTPError(Exception):

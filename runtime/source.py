@@ -195,7 +195,10 @@ def _load_hf_dir(path: Path, mapped: bool) -> SourceModel:
                                    "turns it into an artifact to serve or evaluate; to quantize it yourself, build "
                                    "from the unquantized model")
         config = ModelConfig.from_hf(hf, read_generation_config(path))
-    except (json.JSONDecodeError, KeyError) as e:
+    except KeyError as e:
+        raise SourceModelError(f"{config_path} has no {e.args[0]!r}, which a {hf.get('model_type', 'model')} config "
+                               "needs; re-download it") from e
+    except json.JSONDecodeError as e:
         raise SourceModelError(f"{config_path} is malformed ({e}); re-download it") from e
     stats = _file_stats(source_files(path))  # before reading: a change while reading shows at the check
     state_dict = {k: _held_dtype(v) for k, v in load_weight_files(weight_files(path), mapped).items()}

@@ -35,6 +35,8 @@ def test_unknown_bundled_name_is_refused_with_the_list(name):
     ("", "names nothing"), ("file:", "names nothing"), ("self:0", "at least 1"), ("self:-1", "at least 1"),
     ("file:" + "x" * 300, "cannot be read"),
     ("wikitext", "'wikitext': no such file; use file:PATH, bundled:NAME \\(pride-and-prejudice"),  # a bare name
+    ("mix:bundled:wikitext2-valid+", "needs parts joined by single '\\+'"),  # a typo that had been recorded
+    ("mix:self:2++self:2", "needs parts joined"), ("mix:", "needs parts joined"),
 ])
 def test_malformed_sources_are_calibration_errors(spec, message):
     with pytest.raises(CalibrationDataError, match=message):

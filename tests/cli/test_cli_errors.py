@@ -363,3 +363,10 @@ def test_a_path_under_a_folder_this_user_may_not_enter_is_an_error_line(other_us
 ])
 def test_a_flag_out_of_range_is_named_as_typed(args, flag):
     assert_one_line_error(run_cli(*args), flag, "greater than or equal to 1", code=2)
+
+
+def test_an_allowed_origin_no_browser_sends_is_refused_before_loading():
+    # "app.example" matched no Origin header: the browser's preflight got a 400
+    for origin in ("app.example", "https://app.example/"):
+        assert_one_line_error(run_cli("serve", "no-such-model", "--allowed-origin", origin),
+                              f"allowed origin '{origin}'", "scheme://host[:port]", code=2)

@@ -386,6 +386,8 @@ def test_the_accuracy_report_describes_the_artifact(tiny, tmp_path, monkeypatch)
     ("scheme: {weights: {num_bits: 4, group_size: 0x40}}\n", "read by YAML as 64"),
     ("scheme: {weights: {num_bits: 4}}\nquantization: {kv_cache: {dtype: int4}}\n", "not both"),
     ("preset: w4a16-rtn\n1: a\nfoo: b\n", "unknown recipe keys ['1', 'foo']"),
+    ("prest: w4a16-rtn\n", "unknown recipe keys ['prest']; a recipe takes name, preset or scheme"),
+    ("# nothing yet\n", "recipe r is empty; give a preset: name or a scheme: section"),
     ("scheme: {weights: {4: x, foo: y}}\n", "unknown weights field(s) ['4', 'foo']"),
     ("scheme: {weights: {num_bits: 4}, ignore: null}\n", "ignore must be a list"),
     ("name: [a, b]\npreset: w4a16-rtn\n", "name must be a string"),

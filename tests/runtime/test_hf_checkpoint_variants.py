@@ -210,12 +210,16 @@ def test_rope_theta_in_rope_parameters_wins_over_a_top_level_one_as_in_transform
     ({"rms_norm_eps": None}, "rms_norm_eps is None"),
     ({"max_position_embeddings": None}, "max_position_embeddings is None"),
     ({"rope_parameters": [1]}, "rope_parameters is list"),
+    ({"hidden_size": ...}, "config.json has no 'hidden_size', which a llama config needs"),  # was "malformed ('hidden_size')"
 ])
 def test_a_malformed_config_is_a_source_model_error_not_a_traceback(tmp_path, change, message):
     """Each had failed with a KeyError / TypeError / ValueError traceback (exit 1, a bug's), some only
     at the first forward; transformers refuses the incomplete rope scalings too."""
     model_dir = write_tiny_hf_model(tmp_path, "llama")
-    edit_json(model_dir / "config.json", **{k: v for k, v in change.items() if v is not None})
+    edit_json(model_dir / "config.json", **{k: v for k, v in change.items() if v is not None and v is not ...})
+    if ... in change.values():  # a key left out
+        data = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({k: v for k, v in data.items() if k not in change}))
     if None in change.values():
         data = json.loads((model_dir / "config.json").read_text())
         (model_dir / "config.json").write_text(json.dumps(data | change))  # an explicit null, not a missing key
