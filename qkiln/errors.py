@@ -82,5 +82,5 @@ def exit_on_error():
         exit_with(e)
     except PermissionError as e:
         where = e.filename if e.filename is not None else "a path this command uses"
-        exit_with(QkilnError(f"{where}: permission denied (this user may not enter a folder on its way, or read or "
-                             "write it there); change the permissions (chmod) or choose another path"))
+        exit_with(QkilnError(f"{where}: permission denied (this user may not enter a folder on the way to it, or "
+                             "read or write it); change the permissions (chmod) or choose another path"))

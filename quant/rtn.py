@@ -27,6 +27,7 @@ Invariant: with "minmax" every element's dequantization error is at most scale/2
 from __future__ import annotations
 
 import math
+
 import torch
 
 from qkiln.quant.pack import pack_int4, unpack_int4
