@@ -4,6 +4,7 @@ renders conversations with the model's chat template first. Names follow vLLM's 
 qkiln has the feature (`sampling_params`, `use_tqdm`, `{"prompt_token_ids": ...}` prompts)."""
 
 import itertools
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class LLM:
         vLLM's options, for scripts written for it: trust_remote_code changes nothing (qkiln runs no
         code of a checkpoint's, only the architectures it implements), tensor_parallel_size must be
         1 (one device), kv_cache_dtype is kv_dtype ("fp8" / "fp8_e4m3": fp8)."""
+        if not isinstance(model, (str, os.PathLike)):  # None had been looked up as a model named 'None'
+            raise TypeError(f"model must be a path or a name (an artifact, an archive or a source model), got "
+                            f"{type(model).__name__}")
         if not isinstance(trust_remote_code, bool):
             raise TypeError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
         if type(tensor_parallel_size) is not int or tensor_parallel_size != 1:

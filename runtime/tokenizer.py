@@ -10,6 +10,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -236,6 +237,9 @@ class Tokenizer:
                                        "is what qkiln reads: write one with transformers, "
                                        "AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
             raise SourceModelError(f"{directory} has no tokenizer.json; copy the model's tokenizer files there")
+        if not os.access(path, os.R_OK):  # tokenizers' message called it invalid, and re-downloading fixed nothing
+            raise SourceModelError(f"{path}: cannot be read (permission denied): make it readable by this user "
+                                   "(chmod a+r) or ask its owner to")
         try:
             backend = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON

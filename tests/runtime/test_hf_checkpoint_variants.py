@@ -290,6 +290,10 @@ def test_a_checkpoint_another_user_cannot_read_is_said_so(other_user):
     out = other_user.python(load, model_dir)
     assert out.returncode == 0, out.stderr
     assert "model.safetensors: cannot be read (permission denied" in out.stdout and "chmod a+r" in out.stdout
+    (model_dir / "model.safetensors").chmod(0o644)
+    (model_dir / "tokenizer.json").chmod(0o600)  # was "not a valid tokenizer.json ...; re-download it"
+    out = other_user.python(load, model_dir)
+    assert "tokenizer.json: cannot be read (permission denied" in out.stdout and "chmod a+r" in out.stdout
 
 
 def _file_mappings(path) -> list[tuple[int, int]]:

@@ -176,6 +176,8 @@ def test_prompts_in_vllm_s_forms(llm):
 def test_unknown_llm_options_are_named_before_loading():
     with pytest.raises(TypeError, match="no option gpu_memory_utilization; .* max_num_seqs"):
         LLM("no-such-model", gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match="model must be a path or a name .* got NoneType"):  # was "'None' not found"
+        LLM(None)
     # a bad value too: "no-such-model" would fail to load, so these are checked first (were after a
     # load of seconds to minutes)
     for bad, message in ((dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
