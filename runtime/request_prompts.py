@@ -42,7 +42,7 @@ async def chat_prompt_ids(engine: AsyncLLMEngine, body: ChatPrompt, add_special_
 
 def check_token_ids(engine: AsyncLLMEngine, ids: list[int], what: str) -> None:
     """Ids outside the vocabulary are refused here, before anything decodes them (an echo)."""
-    check_in_vocabulary(ids, engine.vocab_size, "prompt token id", what)
+    check_in_vocabulary(ids, engine.vocab_size, "prompt token id" if what.startswith("prompt") else "token id", what)
 
 
 def kept_prompt_tokens(engine: AsyncLLMEngine, truncate_prompt_tokens: int | None) -> int | None:

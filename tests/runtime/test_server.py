@@ -521,6 +521,8 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(client, engine):
                                  ("/tokenize", {"messages": messages, "continue_final_message": True}, None)]:
         r = client.post(path, json=payload)
         assert r.status_code == 400 and (param is None or r.json()["error"]["param"] == param), r.text
+    message = client.post("/detokenize", json={"tokens": [1, -3]}).json()["error"]["message"]
+    assert message.startswith("token id -3 is outside the vocabulary")  # they are no prompt's
 
 
 
