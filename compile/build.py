@@ -87,7 +87,8 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     scheme_key = {k: v for k, v in weight_scheme.to_dict().items() if k != "kv_cache"}
     # a layer whose linears stay in high precision (a KV-only recipe) is cheaper to recompute than to store
     cache = LayerCache(default_cache_dir() if use_cache and weight_scheme.weights is not None else None, warn=log,
-                       reserve_bytes=artifact_reserve_bytes(source.state_dict))
+                       reserve=(output_path(out), artifact_reserve_bytes(source.state_dict)),
+                       before_write=source.check_unchanged)  # no entry of other weights under its sha256
     calibration_start = time.perf_counter()
     on_step("quantize weights")
     numerics = calibration_numerics() if token_sha else None
@@ -143,9 +144,9 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
 
 
 def artifact_reserve_bytes(state_dict: dict) -> int:
-    """Free space the layer cache leaves for the artifact: the source's size in bf16 (a quantized
-    artifact is smaller; an engine adds about as much again), at least 1 GiB."""
-    return max(1 << 30, sum(2 * t.numel() for t in state_dict.values()))
+    """Free space the layer cache leaves for the artifact on a disk they share: the source's size in
+    bf16 (a quantized artifact is smaller; an engine adds about as much again) and 64 MiB."""
+    return sum(2 * t.numel() for t in state_dict.values()) + (64 << 20)
 
 
 def _check_engines(engines: tuple[str, ...], recipe: Recipe) -> None:

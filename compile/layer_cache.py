@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -77,6 +78,12 @@ def write_cache_file(path: Path, write, warn=None) -> bool:
     finally:  # also when Ctrl-C or SIGTERM (KeyboardInterrupt, SystemExit) cuts the write short
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` or the nearest folder above it that exists (a cache or output not made yet)."""
+    path = Path(path).absolute()
+    return next(p for p in (path, *path.parents) if p.exists())
 
 
 def _make_shared_dirs(directory: Path) -> None:
@@ -164,13 +171,18 @@ def payload_sha256(tensors: dict[str, torch.Tensor], report_json: str) -> str:
 
 
 class LayerCache:
-    def __init__(self, directory: Path | None, max_bytes: int | None = None, warn=None, reserve_bytes: int = 0):
-        """warn: says that the cache cannot be written (default: print to stderr). reserve_bytes: free
-        space an entry may not take (what the build's artifact will need, where cache and output
-        share a disk: entries that took it failed the build at its last step, and every rerun)."""
+    def __init__(self, directory: Path | None, max_bytes: int | None = None, warn=None,
+                 reserve: tuple[Path, int] | None = None, before_write: Callable[[], None] | None = None):
+        """warn: says that the cache cannot be written (default: print to stderr).
+        reserve (output path, bytes): free space an entry may not take when the cache shares the
+        output's disk (what the build's artifact will need: entries that took it failed the build at
+        its last step, and every rerun).
+        before_write: called before an entry is written, to raise if what it was computed from
+        changed (the build's source: an entry of other weights under its sha256 poisoned reruns)."""
         self.directory = directory
         self.max_bytes = max_bytes if max_bytes is not None else max_cache_bytes()
-        self.reserve_bytes = reserve_bytes
+        self.reserve = reserve
+        self.before_write = before_write
         self._warn = warn
         self.num_hits = 0
         self.num_misses = 0
@@ -212,6 +224,8 @@ class LayerCache:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         report_json = json.dumps(report, sort_keys=True)
         metadata = {"key": key, "report": report_json, "sha256": payload_sha256(tensors, report_json)}
+        if self.before_write is not None:
+            self.before_write()
         if not self._leaves_reserve(sum(t.numel() * t.element_size() for t in tensors.values())):
             return
         if not write_cache_file(self.directory / f"{key}.safetensors",
@@ -226,16 +240,23 @@ class LayerCache:
 
     def _leaves_reserve(self, entry_bytes: int) -> bool:
         """Whether writing an entry leaves the reserve free; said once, and the cache left, if not."""
+        if self.reserve is None:
+            return True
+        output, reserve_bytes = self.reserve
         try:
-            free = shutil.disk_usage(self.directory if self.directory.is_dir() else self.directory.parent).free
+            here = _nearest_existing(self.directory)
+            if here.stat().st_dev != _nearest_existing(output).stat().st_dev:
+                return True  # another disk: the artifact needs none of this one's space
+            free = shutil.disk_usage(here).free
         except OSError:
-            return True  # a folder still to be made, or unreadable: write_cache_file says what is wrong
-        if free - entry_bytes >= self.reserve_bytes:
+            return True  # unreadable: write_cache_file says what is wrong
+        if free - entry_bytes >= reserve_bytes:
             return True
         (self._warn or (lambda msg: print(msg, file=sys.stderr)))(
-            f"warning: the build cache {self.directory} is not written: its disk has {free / 2**30:.1f} GiB free and "
-            f"this build keeps {self.reserve_bytes / 2**30:.1f} GiB of it for the artifact; this build goes on without "
-            "the cache (free space there, or point QKILN_CACHE_DIR at another disk)")
+            f"warning: the build cache {self.directory} is not written: its disk, the output's, has "
+            f"{free / 2**20:.0f} MiB free and this build keeps {reserve_bytes / 2**20:.0f} MiB of it for the "
+            "artifact; this build goes on without the cache (free space there, or point QKILN_CACHE_DIR at "
+            "another disk)")
         self.directory = None
         return False
 

@@ -38,17 +38,23 @@ class SourceModel:
     state_dict: dict[str, torch.Tensor]  # HF names; as stored (HF) or fp32 (GGUF)
     sha256: str
     name: str = ""  # what provenance calls it (provenance_name); load_source sets it
-    file_stats: dict[Path, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # as loaded
+    file_stats: dict[Path, tuple[int, ...] | None] = dataclasses.field(default_factory=dict)  # as loaded
 
     def check_unchanged(self) -> None:
         """Raise if a file the source was read from changed since it was loaded: a build holds a
         safetensors source as views of its files' pages (load_source(mapped=True)), and one rewritten
-        mid-build would have mixed two models' weights under the first one's sha256."""
-        changed = [p.name for p, stat in self.file_stats.items() if _file_stat(p) != stat]
-        if changed:
+        mid-build would have mixed two models' weights under the first one's sha256. A file whose
+        inode, size, mtime or ctime moved (ctime: `rsync -a --inplace` keeps the mtime) is hashed
+        again, so a `touch` or a `chmod` is not a change."""
+        stats = _file_stats(list(self.file_stats))
+        if stats == self.file_stats:
+            return
+        changed = [p.name for p in stats if stats[p] != self.file_stats[p]]
+        if None in stats.values() or file_sha256(list(stats)) != self.sha256:
             raise SourceModelError(f"{', '.join(changed)} in {self.path} changed while the model was read from it "
-                                   "(rewritten, re-downloaded or deleted); the result is not written: rerun once "
-                                   "the source is settled")
+                                   "(rewritten, re-downloaded or deleted); nothing more is written from it: rerun "
+                                   "once the source is settled")
+        self.file_stats = stats  # the same bytes: only touched
 
     def build_model(self, dtype: torch.dtype | None = torch.float32) -> CausalLM:
         """dtype None: the weights as stored, shared with this source (compile/upcast.py computes
@@ -207,15 +213,15 @@ def _load_hf_dir(path: Path, mapped: bool) -> SourceModel:
                        file_stats=stats)
 
 
-def _file_stat(path: Path) -> tuple[int, int, int] | None:
+def _file_stat(path: Path) -> tuple[int, ...] | None:
     try:
         st = path.stat()
     except OSError:
         return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def _file_stats(paths: list[Path]) -> dict[Path, tuple[int, int, int]]:
+def _file_stats(paths: list[Path]) -> dict[Path, tuple[int, ...] | None]:
     return {p: _file_stat(p) for p in paths}
 
 

@@ -3,6 +3,7 @@ recipes refused up front, and the artifact served by the runtime without transfo
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -581,20 +582,31 @@ def test_a_tied_head_left_out_of_ignore_is_said_to_stay_in_high_precision(tiny, 
     assert any("lm_head is tied to the embeddings" in line for line in lines)
 
 
-def test_a_source_rewritten_during_the_build_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("step", ["quantize weights", "evaluate accuracy"])
+def test_a_source_rewritten_during_the_build_is_refused_and_nothing_is_written(tiny, tmp_path, monkeypatch, step):
     # the build reads a safetensors source through the file's pages, not copies: weights read after
-    # a rewrite would have been another model's under the first one's sha256
+    # a rewrite would have been another model's under the first one's sha256, in the artifact and in
+    # the layer cache a rerun reads
     root, model, text = tiny
     monkeypatch.setenv("QKILN_CACHE_DIR", str(tmp_path / "cache"))
     source = tmp_path / "source"
     shutil.copytree(model, source)
     weights = source / "model.safetensors"
+    original = weights.read_bytes()
+    stat = weights.stat()
 
-    def rewrite(step):
-        if step == "evaluate accuracy":
-            weights.write_bytes(weights.read_bytes())  # in place, as `cp` or an rsync --inplace does
+    def rewrite(at):
+        if at == step:  # in place, as `rsync -a --inplace` does: one weight's byte, the mtime kept
+            weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+            os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     with pytest.raises(SourceModelError, match="model.safetensors .* changed while the model was read"):
         build(str(source), _recipe("w4a16-rtn", text), tmp_path / "a", progress=False, log=lambda m: None,
               on_step=rewrite)
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob(".a*"))
+    if step == "quantize weights":
+        assert not list((tmp_path / "cache").rglob("*.safetensors"))  # no entry computed from the new bytes
+    weights.write_bytes(original)  # the same bytes again, as a `touch` or a chmod leaves them: not a change
+    build(str(source), _recipe("w4a16-rtn", text), tmp_path / "b", progress=False, log=lambda m: None,
+          on_step=lambda at: weights.touch() if at == step else None)
+    assert verify_artifact(tmp_path / "b")

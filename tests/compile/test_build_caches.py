@@ -118,14 +118,28 @@ def test_a_write_cut_short_by_ctrl_c_leaves_no_temp_file(tmp_path):
 
 def test_the_cache_leaves_the_artifact_its_free_space(tmp_path):
     # cache and output on one disk: entries that took the space failed the build at its last step
-    said = []
-    cache = LayerCache(tmp_path, warn=said.append, reserve_bytes=shutil.disk_usage(tmp_path).free + (1 << 30))
+    said, cache_dir = [], tmp_path / "new" / "cache"  # not made yet: its first entry is checked too
+    too_much = shutil.disk_usage(tmp_path).free + (1 << 30)
+    cache = LayerCache(cache_dir, warn=said.append, reserve=(tmp_path / "out", too_much))
     cache.put("a", {"w": torch.zeros(1024)}, {})
     cache.put("b", {"w": torch.zeros(1024)}, {})
-    assert list(tmp_path.iterdir()) == [] and cache.directory is None
+    assert not cache_dir.exists() and cache.directory is None
     assert len(said) == 1 and "keeps" in said[0] and "QKILN_CACHE_DIR" in said[0]
-    LayerCache(tmp_path, reserve_bytes=0).put("a", {"w": torch.zeros(1024)}, {})
-    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
+    LayerCache(cache_dir, reserve=(tmp_path / "out", 0)).put("a", {"w": torch.zeros(1024)}, {})
+    assert [p.name for p in cache_dir.iterdir()] == ["a.safetensors"]
+    elsewhere = Path("/dev/shm")
+    if elsewhere.is_dir() and os.access(elsewhere, os.W_OK) and elsewhere.stat().st_dev != tmp_path.stat().st_dev:
+        LayerCache(cache_dir, reserve=(elsewhere / "out", too_much)).put("b", {"w": torch.zeros(1024)}, {})
+        assert (cache_dir / "b.safetensors").is_file()  # the output's disk is another: nothing to keep here
+
+
+def test_an_entry_is_not_written_once_its_source_changed(tmp_path):
+    def changed():
+        raise RuntimeError("the source changed")
+
+    with pytest.raises(RuntimeError, match="the source changed"):
+        LayerCache(tmp_path, before_write=changed).put("a", {"w": torch.zeros(4)}, {})
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_another_user_s_entries_are_hits(other_user):
