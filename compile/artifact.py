@@ -540,7 +540,8 @@ def code_revision() -> dict:
     toplevel = run("rev-parse", "--show-toplevel")
     if toplevel is None or Path(toplevel).resolve() != root:  # an install inside some other repository
         return {"revision": None, "is_dirty": None}
-    status = run("status", "--porcelain", "--untracked-files=no")
+    # --no-optional-locks: a status that refreshed .git/index under a build fought the user's git for its lock
+    status = run("--no-optional-locks", "status", "--porcelain", "--untracked-files=no")
     return {"revision": run("rev-parse", "HEAD"), "is_dirty": bool(status) if status is not None else None}
 
 

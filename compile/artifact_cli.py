@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from qkiln.errors import QkilnError, exit_with
+from qkiln.errors import QkilnError, exit_with, permission_error
 
 from .artifact import (MANIFEST_NAME, check_finished_name, check_not_unchecked, read_manifest,
                        read_tensor_index, serving_digest, verify_artifact, weight_shards)
@@ -53,10 +53,11 @@ def verify_cmd(
                 result = {"ok": True, "kind": "artifact", "name": m.name, "digest": m.digest,
                           "serving_digest": serving_digest(m), "files": num_files,
                           "engines": _check_onnx_engine(verified) if engines else None}
-    except QkilnError as e:
+    except (QkilnError, PermissionError) as e:
+        error = permission_error(e) if isinstance(e, PermissionError) else e
         if as_json:  # the one object a pipeline parses, then the usual error line and exit status
-            print(json.dumps({"ok": False, "error": str(e)}))
-        exit_with(e)
+            print(json.dumps({"ok": False, "error": str(error)}))
+        exit_with(error)
     if as_json:
         print(json.dumps(result, sort_keys=True))
         return

@@ -60,6 +60,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     source_date_epoch()  # a malformed one, too
     _check_evaluation_data(recipe)
     _check_engines(engines, recipe)
+    toolchain = toolchain_versions()  # now: a checkout switched during the build did not build it
     on_step("load source")
     source = load_source(source_name, mapped=True)  # the files' pages: reclaimable, read as needed
     model = compute_in_float32(source.build_model(None))  # as stored; calibration copies a layer at a time
@@ -110,7 +111,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     accuracy = _accuracy(source, model, qm, recipe, progress)
     on_step("artifact tensors")
     tensors, quantization = to_tensors(qm)
-    manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out)
+    manifest = _manifest(source, recipe, tokens, qm, quantization, accuracy, out, toolchain)
     if numerics is not None:  # they decided the codes: a rebuild elsewhere can say why its bytes differ
         manifest.toolchain |= numerics
     reports = {"accuracy.json": accuracy, "layers.json": qm.report}
@@ -234,7 +235,7 @@ def _tokenizer_files(source) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir())}
 
 
-def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: Path) -> Manifest:
+def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: Path, toolchain: dict) -> Manifest:
     num_params = sum(v.numel() for k, v in source.state_dict.items()
                      if not (source.config.tie_word_embeddings and k == "lm_head.weight"))
     kv = recipe.scheme.kv_cache
@@ -247,7 +248,7 @@ def _manifest(source, recipe: Recipe, tokens, qm, quantization, accuracy, out: P
         kv_cache=None if kv is None else kv.to_dict(),
         calibration=None if tokens is None else tokens.provenance,
         source={"name": source.name, "kind": source.kind, "sha256": source.sha256},
-        toolchain=toolchain_versions(),
+        toolchain=toolchain,
         accuracy=accuracy,
         num_parameters=num_params,
         source_bytes_bf16=2 * num_params,

@@ -81,6 +81,11 @@ def exit_on_error():
     except QkilnError as e:
         exit_with(e)
     except PermissionError as e:
-        where = e.filename if e.filename is not None else "a path this command uses"
-        exit_with(QkilnError(f"{where}: permission denied (this user may not enter a folder on the way to it, or "
-                             "read or write it); change the permissions (chmod) or choose another path"))
+        exit_with(permission_error(e))
+
+
+def permission_error(e: PermissionError) -> QkilnError:
+    """A PermissionError as the one line a command says for it."""
+    where = e.filename if e.filename is not None else "a path this command uses"
+    return QkilnError(f"{where}: permission denied (this user may not enter a folder on the way to it, or read or "
+                      "write it); change the permissions (chmod) or choose another path")

@@ -242,6 +242,8 @@ def _template_message(message: dict) -> dict:
     """A chat message as templates read it: OpenAI's content parts joined as the server joins them
     (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
     content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        _check_unicode(content, "a message's content", "messages")
     if not isinstance(content, list):
         return message
     kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"})
@@ -275,11 +277,7 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
         raise RequestError(f"prompt {index}: a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' "
                            f"(a list of ints), got keys {sorted(prompt)}", "prompt")
     if isinstance(prompt, str):
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:  # the tokenizer's own TypeError did not say which prompt or why
-            raise RequestError(f"prompt {index} holds a lone UTF-16 surrogate at character {e.start}, which is not "
-                               "text; pass valid Unicode", "prompt") from None
+        _check_unicode(prompt, f"prompt {index}", "prompt")
         return prompt
     ids = _token_ids(prompt)
     if ids is None and hasattr(prompt, "__len__") and len(prompt) == 0:
@@ -288,6 +286,15 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
         raise RequestError(f"prompt {index} must be a string or a list of token ids (ints), "
                            f"got {type(prompt).__name__}", "prompt")
     return ids
+
+
+def _check_unicode(text: str, what: str, param: str) -> None:
+    """A lone surrogate ("\\ud800") is no text: the tokenizer's own TypeError said neither where nor why."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} holds a lone UTF-16 surrogate at character {e.start}, which is not text; pass "
+                           "valid Unicode", param) from None
 
 
 def _token_ids(x) -> list[int] | None:

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import warnings
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +103,8 @@ class SamplingParams:
         # Accept lists (JSON bodies) and a single stop string, as OpenAI's API does.
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
-            _check(value is None or isinstance(value, (str, list, tuple)), name,
+            _check(value is None or isinstance(value, str) or (isinstance(value, Iterable)
+                                                               and not isinstance(value, (bytes, Mapping))), name,
                    f"{name} must be a string or a list of strings, got {type(value).__name__} {value!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)

@@ -354,6 +354,10 @@ def test_a_path_under_a_folder_this_user_may_not_enter_is_an_error_line(other_us
         out = other_user.python("import sys; from qkiln.cli import main; sys.argv = ['qkiln', *sys.argv[1:]]; main()",
                                 *args)
         assert_one_line_error(out, str(locked), "permission denied", code=2)
+    out = other_user.python("import sys; from qkiln.cli import main; sys.argv = ['qkiln', *sys.argv[1:]]; main()",
+                            "verify", locked / "artifact", "--json")
+    assert_one_line_error(out, "permission denied", code=2)
+    assert json.loads(out.stdout)["ok"] is False  # the one object a pipeline parses, there too
 
 
 @pytest.mark.parametrize("args,flag", [

@@ -204,6 +204,9 @@ def test_api_values_of_the_wrong_kind_are_request_errors(llm):
     for prompt in ("hi \ud800", {"prompt": "hi \ud800"}):
         with pytest.raises(RequestError, match="prompt 0 holds a lone UTF-16 surrogate at character 3"):
             llm.generate(prompt, use_tqdm=False)
+    with pytest.raises(RequestError, match="a message's content holds a lone UTF-16 surrogate"):
+        llm.chat([{"role": "user", "content": "hi \ud800"}], use_tqdm=False)
+    assert SamplingParams(stop={"a"}).stop == ("a",) and SamplingParams(stop=(s for s in ["b"])).stop == ("b",)
 
 
 def test_an_interrupt_after_sampling_aborts_the_requests_not_yet_answered(llm):
