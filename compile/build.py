@@ -129,6 +129,7 @@ def build(source_name: str, recipe: Recipe, out: Path, overwrite: bool = False, 
     # the fp32 source and its simulation are done with: the engine check simulates the model in
     # float32 and float64, and held beside them it was the build's peak (main job: 4.4 GiB)
     model = qm = source = None  # rebound, not deleted: the layer cache key function closes over source
+    cache.before_write = None  # a method of the source, which it held
     release_freed_memory()
 
     def check_engine(artifact: Path) -> None:  # on the complete artifact, before it is published
