@@ -18,7 +18,7 @@ from .hf_tokenizer import TransformersStyleTokenizer
 from .loader import check_engine_options, load_for_serving
 from .logprob_dicts import Logprob, LogprobConverter, TokenLogprobs  # noqa: F401 (Logprob: part of this API)
 from .memory_limits import release_freed_memory
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, check_unicode
 
 
 @dataclass
@@ -243,7 +243,7 @@ def _template_message(message: dict) -> dict:
     (text parts with "\n"; a template would otherwise print the parts' Python repr)."""
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str):
-        _check_unicode(content, "a message's content", "messages")
+        check_unicode(content, "a message's content", "messages")
     if not isinstance(content, list):
         return message
     kinds = sorted({str(p.get("type")) if isinstance(p, dict) else type(p).__name__ for p in content} - {"text"})
@@ -277,7 +277,7 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
         raise RequestError(f"prompt {index}: a prompt dict holds one of 'prompt' (a string) or 'prompt_token_ids' "
                            f"(a list of ints), got keys {sorted(prompt)}", "prompt")
     if isinstance(prompt, str):
-        _check_unicode(prompt, f"prompt {index}", "prompt")
+        check_unicode(prompt, f"prompt {index}", "prompt")
         return prompt
     ids = _token_ids(prompt)
     if ids is None and hasattr(prompt, "__len__") and len(prompt) == 0:
@@ -286,15 +286,6 @@ def _one_prompt(prompt, index: int) -> str | list[int]:
         raise RequestError(f"prompt {index} must be a string or a list of token ids (ints), "
                            f"got {type(prompt).__name__}", "prompt")
     return ids
-
-
-def _check_unicode(text: str, what: str, param: str) -> None:
-    """A lone surrogate ("\\ud800") is no text: the tokenizer's own TypeError said neither where nor why."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{what} holds a lone UTF-16 surrogate at character {e.start}, which is not text; pass "
-                           "valid Unicode", param) from None
 
 
 def _token_ids(x) -> list[int] | None:

@@ -14,6 +14,7 @@ from qkiln.errors import SourceModelError
 from .async_engine import AsyncLLMEngine
 from .engine import check_in_vocabulary, truncation
 from .openai_protocol import ChatPrompt, InvalidRequestError
+from .sampling_params import check_unicode
 
 
 # A text /tokenize counts, or a prompt truncate_prompt_tokens cuts, is tokenized whole whatever the
@@ -62,11 +63,7 @@ async def encode_text(engine: AsyncLLMEngine, text: str, what: str, add_special_
         raise InvalidRequestError(f"the {what} is {len(text)} characters long; a text that is counted or truncated "
                                   f"rather than run whole may have at most {MAX_UNBOUNDED_CHARS} (split it)",
                                   param=what)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON's "\ud800" decodes to a lone surrogate, which UTF-8 cannot hold
-        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate at character {e.start}, which is not "
-                                  "text; send valid Unicode", param=what) from None
+    check_unicode(text, f"the {what}", what)
     return await asyncio.to_thread(engine.tokenizer.encode, text, add_special_tokens, keep_last)
 
 

@@ -299,6 +299,16 @@ def _token_id_key(key):
     return key  # validate() names it
 
 
+def check_unicode(text: str, what: str, param: str) -> None:
+    """RequestError naming `what` when `text` holds a lone surrogate (JSON's "\\ud800" decodes to one):
+    it is no text, and the tokenizer's own TypeError said neither where nor why."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} holds a lone UTF-16 surrogate at character {e.start}, which is not text; send "
+                           "valid Unicode", param) from None
+
+
 def _is_text(s: str) -> bool:
     """Encodable as UTF-8: JSON's "\ud800" decodes to a lone surrogate, which the tokenizer cannot take."""
     try:
